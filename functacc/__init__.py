@@ -1,0 +1,29 @@
+"""functacc: whole-step compilation for PyTorch training.
+
+The model becomes a pure function of its parameters; forward, loss, backward and the
+optimizer update are traced once into one graph, compiled, and replayed.
+
+Example:
+    >>> import torch, functacc
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    >>> step = functacc.compile_step(model, torch.nn.MSELoss(), opt, backend="eager")
+    >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
+"""
+
+from . import optim
+from .errors import TraceError
+from .functional import functionalize
+from .step import Step, TrainState, compile_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Step",
+    "TraceError",
+    "TrainState",
+    "__version__",
+    "compile_step",
+    "functionalize",
+    "optim",
+]

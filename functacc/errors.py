@@ -1,0 +1,43 @@
+"""The exceptions functacc raises.
+
+- :class:`TraceError` (a ``RuntimeError``): the training step could not be traced into a
+  graph — data-dependent Python control flow, a model that rejects the inputs' shapes, dtypes
+  or devices, or any other error raised by the model or the loss while tracing. The message
+  names the module and the source line, what was expected and what came.
+- ``ValueError`` / ``TypeError``: an argument is invalid (an optimizer whose parameters are
+  not the model's, an unsupported optimizer, a loss that is not a 0-dim floating tensor, a
+  batch that does not split into ``grad_accum_steps`` micro-batches, ...).
+
+A call that raises changes nothing: the model, the optimizer and any state are exactly as
+before it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TraceError", "argument_error"]
+
+
+class TraceError(RuntimeError):
+    """The training step could not be traced; the message says where and how to fix it.
+
+    Example:
+        >>> import torch, functacc
+        >>> class Branchy(torch.nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x) if x.sum() > 0 else x
+        >>> model = Branchy(2, 2)
+        >>> step = functacc.compile_step(
+        ...     model, lambda out, y: out.sum(), torch.optim.SGD(model.parameters(), lr=0.1),
+        ...     backend="eager")
+        >>> step(torch.ones(1, 2), None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        functacc.errors.TraceError: ...data-dependent...
+    """
+
+
+def argument_error(message: str, cls: type[Exception] = ValueError) -> Exception:
+    """An error about the user's arguments found while tracing: it is raised as is, not
+    wrapped into a :class:`TraceError`."""
+    exc = cls(message)
+    exc._functacc_user_error = True  # type: ignore[attr-defined]
+    return exc

@@ -1,0 +1,71 @@
+"""A model as a pure function of its parameters and buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.func import functional_call
+
+__all__ = ["ApplyFn", "call_module", "functionalize"]
+
+ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]
+
+
+def call_module(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    *,
+    inplace_buffers: bool,
+) -> tuple[Any, dict[str, Tensor]]:
+    """Run ``model`` with the given tensors in place of its own; return outputs and buffers.
+
+    With ``inplace_buffers=False`` the given buffers are never written: the module sees
+    copies, and buffers it did not change (running stats in eval mode, masks, position
+    tables) come back as the very tensors given, so no copy survives tracing.
+    With ``inplace_buffers=True`` the module updates the given buffers itself, which is what
+    the stateful step wants (BatchNorm writes straight into the model's running stats).
+    """
+    if inplace_buffers:
+        bufs = dict(buffers)
+    else:
+        bufs = {n: b.clone() for n, b in buffers.items()}
+        versions = {n: b._version for n, b in bufs.items()}
+    out = functional_call(model, (dict(params), bufs), tuple(args), dict(kwargs), strict=True)
+    if not inplace_buffers:
+        # An in-place update (BatchNorm's running_mean.mul_) bumps the version counter, also
+        # of fake tensors while tracing; untouched copies are dropped (and dead-code removed).
+        bufs = {n: b if b._version != versions[n] else buffers[n] for n, b in bufs.items()}
+    return out, bufs
+
+
+def functionalize(model: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[str, Tensor]]:
+    """Split ``model`` into a pure function and its tensors.
+
+    Returns ``(apply_fn, params, buffers)`` with
+    ``apply_fn(params, buffers, *args, **kwargs) -> (outputs, new_buffers)``. ``apply_fn``
+    never mutates its arguments: buffers the forward pass updates (BatchNorm running
+    statistics) are returned as new tensors in ``new_buffers``. ``params`` and ``buffers``
+    are detached views of the model's own tensors (no copy); tied parameters appear once.
+
+    Example:
+        >>> import torch, functacc
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        >>> apply_fn, params, buffers = functacc.functionalize(model)
+        >>> out, new_buffers = apply_fn(params, buffers, torch.randn(8, 3))
+        >>> bool(buffers["1.num_batches_tracked"] == 0), int(new_buffers["1.num_batches_tracked"])
+        (True, 1)
+    """
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def apply_fn(
+        params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], *args: Any, **kwargs: Any
+    ) -> tuple[Any, dict[str, Tensor]]:
+        return call_module(model, params, buffers, args, kwargs, inplace_buffers=False)
+
+    return apply_fn, params, buffers

@@ -1,0 +1,246 @@
+"""Bridge from ``torch.optim`` optimizers to pure transformations, and back.
+
+``from_torch(opt)`` builds the equivalent :class:`GradientTransformation` (one per param
+group, every group's hyperparameters honoured). :class:`TorchOptimizerLink` additionally keeps
+the torch optimizer live while a compiled step trains: its ``state`` holds the very tensors
+the compiled step updates, and its ``param_groups`` learning rates feed the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._adam import AdamState, _step_dtype, adam
+from ._partition import partition
+from ._sgd import SGDState, sgd
+from ._transform import GradientTransformation, Params
+
+__all__ = ["TorchOptimizerLink", "from_torch"]
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+SUPPORTED_NAMES = "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"
+# param_group keys that select kernels, not mathematics: any value gives the same result.
+_IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable"}
+
+
+def _float(value: Any) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _float(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _check_supported(optimizer: Any) -> None:
+    if isinstance(optimizer, GradientTransformation):
+        return
+    if type(optimizer) not in SUPPORTED:
+        raise TypeError(
+            f"functacc supports the optimizers {SUPPORTED_NAMES} or a "
+            f"functacc.optim.GradientTransformation; got {type(optimizer).__module__}."
+            f"{type(optimizer).__qualname__}. Use one of those, or write the update as a "
+            "GradientTransformation (see functacc.optim.chain)."
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            raise ValueError(
+                f"optimizer.param_groups[{i}] has differentiable=True, which functacc does not "
+                "support (the optimizer step is not differentiated through); create the "
+                "optimizer with differentiable=False"
+            )
+
+
+def _group_transform(optimizer: torch.optim.Optimizer, group: Mapping) -> GradientTransformation:
+    lr = _float(group["lr"])
+    if isinstance(optimizer, torch.optim.SGD):
+        return sgd(
+            lr,
+            momentum=_float(group["momentum"]),
+            dampening=_float(group["dampening"]),
+            weight_decay=_float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]),
+            maximize=bool(group["maximize"]),
+        )
+    return adam(
+        lr,
+        betas=tuple(_float(b) for b in group["betas"]),
+        eps=_float(group["eps"]),
+        weight_decay=_float(group["weight_decay"]),
+        amsgrad=bool(group["amsgrad"]),
+        maximize=bool(group["maximize"]),
+        decoupled_weight_decay=bool(
+            group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+        ),
+    )
+
+
+class TorchOptimizerLink:
+    """Keeps a ``torch.optim`` optimizer and the pure optimizer state of a step in sync.
+
+    ``names`` maps each parameter tensor (by ``id``) to its name in the model.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str]):
+        _check_supported(optimizer)
+        self.optimizer = optimizer
+        self.groups: list[list[str]] = []
+        self.params: dict[str, Tensor] = {}
+        for i, group in enumerate(optimizer.param_groups):
+            group_names = []
+            for j, p in enumerate(group["params"]):
+                if id(p) not in names:
+                    raise ValueError(
+                        f"optimizer.param_groups[{i}]['params'][{j}] (shape "
+                        f"{tuple(p.shape)}) is not a parameter of the model. Build the "
+                        "optimizer on model.parameters() of the model given to functacc."
+                    )
+                group_names.append(names[id(p)])
+                self.params[names[id(p)]] = p
+            self.groups.append(group_names)
+        self._lrs: list[float] | None = None
+
+    # -- hyperparameters -------------------------------------------------------------
+    def hyper_key(self) -> tuple:
+        """Everything but the learning rate: a change means a different graph."""
+        return tuple(
+            tuple(
+                (k, _hashable(v))
+                for k, v in group.items()
+                if k not in ("params", "lr") and k not in _IMPLEMENTATION_KEYS
+            )
+            for group in self.optimizer.param_groups
+        )
+
+    def transform(self) -> GradientTransformation:
+        _check_supported(self.optimizer)
+        transforms = [_group_transform(self.optimizer, g) for g in self.optimizer.param_groups]
+        return partition(transforms, self.groups)
+
+    def lrs(self) -> list[float]:
+        return [_float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def sync_lr(self, state: tuple | list, *, force: bool = False) -> None:
+        """Write changed ``param_groups[i]["lr"]`` into the live state (no retrace)."""
+        lrs = self.lrs()
+        if force or lrs != self._lrs:
+            for group_state, lr in zip(state, lrs, strict=True):
+                group_state.lr.fill_(lr)
+            self._lrs = lrs
+
+    def with_current_lr(self, state: tuple) -> tuple:
+        """A copy of ``state`` whose learning rates are the optimizer's current ones."""
+        return tuple(
+            s._replace(lr=torch.tensor(lr, dtype=torch.float64, device=s.lr.device))
+            for s, lr in zip(state, self.lrs(), strict=True)
+        )
+
+    # -- state -----------------------------------------------------------------------
+    def read_state(self, params: Params, *, copy: bool) -> tuple:
+        """The pure state equal to the optimizer's current state (zeros where torch has
+        none yet). With ``copy=False`` the tensors are the optimizer's own."""
+        transform = self.transform()
+        fresh = transform.init({n: params[n] for g in self.groups for n in g})
+        out = []
+        for group_names, group_state in zip(self.groups, fresh, strict=True):
+            out.append(self._read_group(group_names, group_state, copy=copy))
+        self.sync_lr(out, force=True)
+        return tuple(out)
+
+    def _existing(self, name: str, key: str, like: Tensor, *, copy: bool) -> Tensor | None:
+        value = self.optimizer.state.get(self.params[name], {}).get(key)
+        if value is None:
+            return None
+        if not isinstance(value, Tensor):
+            value = torch.tensor(value)
+        if key != "step" and (value.shape != like.shape or value.dtype != like.dtype):
+            raise ValueError(
+                f"optimizer state {key!r} of parameter {name!r} has shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}, but the parameter has shape "
+                f"{tuple(like.shape)} and dtype {like.dtype}; was the optimizer state loaded "
+                "from a different model?"
+            )
+        value = value.to(like.device)
+        return value.clone() if copy else value
+
+    def _read_group(self, names: list[str], fresh: Any, *, copy: bool) -> Any:
+        if isinstance(fresh, SGDState):
+            buffers, initialized = dict(fresh.momentum_buffer), dict(fresh.initialized)
+            for n in buffers:
+                existing = self._existing(n, "momentum_buffer", buffers[n], copy=copy)
+                if existing is not None:
+                    buffers[n] = existing
+                    initialized[n] = torch.ones_like(initialized[n])
+            return fresh._replace(momentum_buffer=buffers, initialized=initialized)
+        assert isinstance(fresh, AdamState)
+        fields = {}
+        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            values = dict(getattr(fresh, key))
+            for n in values:
+                existing = self._existing(n, key, values[n], copy=copy)
+                if existing is not None:
+                    values[n] = existing.to(_step_dtype()) if key == "step" else existing
+            fields[key] = values
+        return fresh._replace(**fields)
+
+    def install(self, state: tuple, names_with_grads: set[str]) -> None:
+        """Make ``optimizer.state`` hold the tensors of ``state``, for every parameter that
+        has been updated (torch creates state only for parameters that had a gradient)."""
+        for group_names, group_state in zip(self.groups, state, strict=True):
+            for n in group_names:
+                if n not in names_with_grads:
+                    continue
+                slot = self.optimizer.state[self.params[n]]
+                if isinstance(group_state, SGDState):
+                    if n in group_state.momentum_buffer:
+                        slot["momentum_buffer"] = group_state.momentum_buffer[n]
+                    continue
+                slot["step"] = group_state.step[n]
+                slot["exp_avg"] = group_state.exp_avg[n]
+                slot["exp_avg_sq"] = group_state.exp_avg_sq[n]
+                if n in group_state.max_exp_avg_sq:
+                    slot["max_exp_avg_sq"] = group_state.max_exp_avg_sq[n]
+
+
+def from_torch(
+    optimizer: torch.optim.Optimizer, *, named_parameters: Mapping[str, Tensor] | None = None
+) -> GradientTransformation:
+    """The pure equivalent of a ``torch.optim`` optimizer (SGD, Adam or AdamW).
+
+    Every param group becomes its own transformation with that group's hyperparameters.
+    Parameters are named as in ``named_parameters`` (e.g. ``dict(model.named_parameters())``),
+    or ``"<group>.<index>"`` when it is not given. ``init`` starts from the optimizer's current
+    state (copied), so a half-trained optimizer continues where it was.
+
+    Example:
+        >>> import torch, functacc
+        >>> model = torch.nn.Linear(2, 2)
+        >>> torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> opt = functacc.optim.from_torch(
+        ...     torch_opt, named_parameters=dict(model.named_parameters())
+        ... )
+        >>> state = opt.init(dict(model.named_parameters()))
+    """
+    _check_supported(optimizer)
+    if named_parameters is None:
+        names = {
+            id(p): f"{i}.{j}"
+            for i, g in enumerate(optimizer.param_groups)
+            for j, p in enumerate(g["params"])
+        }
+    else:
+        names = {id(p): n for n, p in named_parameters.items()}
+    link = TorchOptimizerLink(optimizer, names)
+    transform = link.transform()
+
+    def init(params: Params) -> tuple:
+        return link.read_state({n: p.detach() for n, p in params.items()}, copy=True)
+
+    return GradientTransformation(init, transform.update, transform.update_params)

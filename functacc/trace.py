@@ -1,0 +1,140 @@
+"""Trace a pure step function into one FX graph of ATen ops, and explain failures.
+
+Tracing runs on fake tensors: no real computation happens, so BatchNorm statistics, the
+RNG and every real tensor are untouched by a trace, and Python branches on tensor values
+fail loudly instead of being silently baked into the graph.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .errors import TraceError
+
+__all__ = ["describe_tensor", "trace"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FUNCTACC_DIR = os.path.dirname(__file__)
+_STDLIB_DIR = os.path.dirname(os.__file__)
+
+
+def describe_tensor(t: Tensor) -> str:
+    dtype = str(t.dtype).removeprefix("torch.")
+    return f"{tuple(t.shape)} {dtype} on {t.device}"
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    data_dependent = (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        GuardOnDataDependentSymNode,
+    )
+    while exc is not None:
+        if isinstance(exc, data_dependent):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
+    """The innermost frame that is neither torch, functacc nor the standard library."""
+    frames = traceback.extract_tb(tb)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith((_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)):
+            return frame
+    return None
+
+
+def _user_module(tb: TracebackType | None, model: nn.Module) -> str | None:
+    """The qualified name of the innermost module of ``model`` whose code was running."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, nn.Module) and id(candidate) in names:
+            name = names[id(candidate)]
+            found = (
+                f"'{name}' ({type(candidate).__name__})"
+                if name
+                else (f"the model's root ({type(candidate).__name__})")
+            )
+        tb = tb.tb_next
+    return found
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    tb = exc.__traceback__
+    frame = _user_frame(tb)
+    module = _user_module(tb, model)
+    parts = []
+    if module:
+        parts.append(f"in module {module}")
+    if frame is not None:
+        parts.append(f"at {frame.filename}:{frame.lineno}")
+        if frame.line:
+            parts.append(f"\n    {frame.line.strip()}")
+    return " ".join(parts) if parts else "(location unknown)"
+
+
+def trace(
+    fn: Callable[..., object],
+    example_inputs: Sequence[Tensor],
+    *,
+    model: nn.Module,
+    signature: str,
+) -> GraphModule:
+    """Trace ``fn(*example_inputs)`` into a graph module with fake tensors.
+
+    Errors raised while tracing become :class:`TraceError` naming the module and source
+    line; ``signature`` (a description of the inputs) goes into the message.
+    """
+    try:
+        with torch.no_grad():
+            # `_allow_non_fake_inputs`: tensors a module keeps as plain attributes (not
+            # registered as buffers) are real; they become constants of the graph.
+            return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                *[t.detach() for t in example_inputs]
+            )
+    except (TraceError, ValueError, TypeError) as exc:
+        if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
+            raise
+        raise _translate(exc, model, signature) from exc
+    except Exception as exc:
+        raise _translate(exc, model, signature) from exc
+
+
+def _translate(exc: BaseException, model: nn.Module, signature: str) -> TraceError:
+    where = _where(exc, model)
+    if _is_data_dependent(exc):
+        return TraceError(
+            "functacc traces the whole training step once into a graph, so Python code "
+            "cannot branch on tensor values (if/while on a tensor, .item(), .tolist(), "
+            f"data-dependent shapes such as nonzero()), but the step does so {where}\n"
+            "Expected: control flow that depends only on shapes, dtypes and Python values. "
+            "Fix: replace the branch with tensor ops, e.g. torch.where(cond, a, b) or "
+            "torch.cond(pred, true_fn, false_fn, operands), or move the check out of "
+            f"forward(). Inputs were: {signature}."
+        )
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TraceError(
+        f"tracing the training step failed {where}\n"
+        f"{type(exc).__name__}: {message}\n"
+        f"Inputs were: {signature}. Check that the inputs have the shapes, dtypes and "
+        "devices the model expects (the same call must work in eager PyTorch: "
+        "loss_fn(model(inputs), targets))."
+    )
