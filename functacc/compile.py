@@ -42,9 +42,10 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
 
     # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
     # traced graph stays valid for inspection and for the eager fallback.
-    compiled = compile_fx(copy.deepcopy(gm), list(example_inputs))
-    if getattr(compiled, "_boxed_call", False):
-        return compiled
+    # Detached examples: the graph already contains its backward, so Inductor must compile
+    # it as an inference graph even when the inputs are parameters that require grad.
+    compiled = compile_fx(copy.deepcopy(gm), [t.detach() for t in example_inputs])
+    # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
     return lambda args: compiled(*args)
 
 

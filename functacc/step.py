@@ -126,7 +126,7 @@ class Step:
             self._transform = self._link.transform()
             opt_state = self._link.read_state(self._params, copy=False)
             self._torch_state = opt.state
-        self._hyper_key = self._link.hyper_key() if self._link else ()
+        self._hyper_key = self._link.structure_key() if self._link else ()
         count = torch.zeros((), dtype=torch.int64)
         self._set_live_state(TrainState(self._params, self._buffers, opt_state, count))
         self._installed = False
@@ -151,7 +151,7 @@ class Step:
         self._check_call(args, kwargs)
         self._refresh_live_state()
         if self._link is not None:
-            self._link.sync_lr(self._live.opt_state)
+            self._link.sync_hyperparams(self._live.opt_state)
         tensors, constants, batch_key, batch_spec = self._flatten_batch(args, kwargs)
         key = ("inplace", batch_key, self._state_key())
         program = self._cache.get(key)
@@ -182,8 +182,8 @@ class Step:
     def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> tuple[TrainState, Tensor]:
         """The pure step: ``(new_state, loss)``; mutates nothing, not even ``state``.
 
-        With a ``torch.optim`` optimizer, the learning rates are its current
-        ``param_groups[i]["lr"]``, as in the stateful form.
+        With a ``torch.optim`` optimizer, hyperparameters (lr, momentum, betas, ...) are
+        its current ``param_groups`` values, as in the stateful form.
         """
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -192,7 +192,7 @@ class Step:
             )
         self._check_call(args, kwargs)
         if self._link is not None:
-            state = state._replace(opt_state=self._link.with_current_lr(state.opt_state))
+            state = state._replace(opt_state=self._link.with_current_hyperparams(state.opt_state))
         leaves, spec = pytree.tree_flatten(state)
         tensors, constants, batch_key, batch_spec = self._flatten_batch(args, kwargs)
         state_key = (spec, tuple(_tensor_key(t) for t in leaves))
@@ -221,7 +221,7 @@ class Step:
             opt_state = self._link.read_state(self._params, copy=False)
             self._set_live_state(self._live._replace(opt_state=opt_state))
             self._installed = False
-        hyper_key = self._link.hyper_key()
+        hyper_key = self._link.structure_key()
         if hyper_key != self._hyper_key:
             self._transform = self._link.transform()
             self._hyper_key = hyper_key

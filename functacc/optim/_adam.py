@@ -14,9 +14,8 @@ from ._transform import (
     Updates,
     first_tensor,
     from_params_update,
-    initial_lr,
-    learning_rate,
-    scalar_state,
+    hyperparameters,
+    scheduled_lr,
 )
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -25,22 +24,22 @@ __all__ = ["AdamState", "adam", "adamw"]
 class AdamState(NamedTuple):
     """State of :func:`adam` / :func:`adamw`.
 
-    ``step``, ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` are per parameter, as in
-    ``torch.optim.Adam``'s ``state[p]``, so the two convert into each other tensor for
-    tensor. ``count`` counts updates (for schedules); ``lr`` is the learning rate of the
-    last update (or the one to use, for a constant learning rate).
+    ``hyperparams`` holds ``lr``, ``beta1``, ``beta2``, ``eps`` and ``weight_decay`` as
+    0-dim float64 tensors (data: changing them never retraces). ``step``, ``exp_avg``,
+    ``exp_avg_sq`` and ``max_exp_avg_sq`` are per parameter, as ``torch.optim.Adam``'s
+    ``state[p]``, so the two convert into each other tensor for tensor.
     """
 
     count: Tensor
-    lr: Tensor
+    hyperparams: dict[str, Tensor]
     step: dict[str, Tensor]
     exp_avg: dict[str, Tensor]
     exp_avg_sq: dict[str, Tensor]
     max_exp_avg_sq: dict[str, Tensor]
 
 
-def _step_dtype() -> torch.dtype:
-    # torch.optim keeps `step` in float32, or float64 when that is the default dtype.
+def step_dtype() -> torch.dtype:
+    """torch.optim keeps ``step`` in float32, or float64 when that is the default dtype."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
@@ -63,61 +62,71 @@ def adam(
         >>> import functacc
         >>> opt = functacc.optim.adam(3e-4, betas=(0.9, 0.95))
     """
-    lr0 = initial_lr(lr)
     beta1, beta2 = (float(b) for b in betas)
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1); got {betas}")
     if eps < 0 or weight_decay < 0:
         raise ValueError(f"eps and weight_decay must be >= 0; got eps={eps}, wd={weight_decay}")
+    use_decay = weight_decay != 0
+    values = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
 
     def init(params: Params) -> AdamState:
         like = first_tensor(params)
-        zeros = {
-            n: torch.zeros_like(p, memory_format=torch.preserve_format) for n, p in params.items()
-        }
+        device = like.device if like is not None else None
+
+        def zeros() -> dict[str, Tensor]:
+            return {
+                n: torch.zeros_like(p, memory_format=torch.preserve_format)
+                for n, p in params.items()
+            }
+
         return AdamState(
-            count=scalar_state(0, dtype=torch.int64, like=like),
-            lr=scalar_state(lr0, dtype=torch.float64, like=like),
-            step={
-                n: torch.zeros((), dtype=_step_dtype(), device=p.device) for n, p in params.items()
-            },
-            exp_avg=zeros,
-            exp_avg_sq={n: torch.zeros_like(z) for n, z in zeros.items()},
-            max_exp_avg_sq={n: torch.zeros_like(z) for n, z in zeros.items()} if amsgrad else {},
+            count=torch.zeros((), dtype=torch.int64, device=device),
+            hyperparams=hyperparameters(lr, values, like),
+            step={n: torch.zeros((), dtype=step_dtype(), device=p.device) for n, p in params.items()},
+            exp_avg=zeros(),
+            exp_avg_sq=zeros(),
+            max_exp_avg_sq=zeros() if amsgrad else {},
         )
 
     def update_params(grads: Updates, state: AdamState, params: Params) -> tuple[dict, AdamState]:
-        step_lr = learning_rate(lr, state.count, state.lr)
+        hyper = scheduled_lr(lr, state)
+        lr_t, beta1_t, beta2_t = hyper["lr"], hyper["beta1"], hyper["beta2"]
         steps, exp_avgs = dict(state.step), dict(state.exp_avg)
         exp_avg_sqs, max_sqs = dict(state.exp_avg_sq), dict(state.max_exp_avg_sq)
         new_params = {}
+        # The same ATen ops, in the same order, as torch.optim's single-tensor Adam. torch
+        # computes the scalar factors as Python floats (float64); they are float64 0-dim
+        # tensors here, and each kernel casts them to the parameter dtype as torch does.
         for name, grad in grads.items():
             param = params[name]
+            dtype = param.dtype
             if maximize:
                 grad = -grad
             step = state.step[name] + 1
-            if weight_decay != 0 and not decoupled_weight_decay:
-                grad = grad.add(param, alpha=weight_decay)
-            # The same ATen ops, in the same order, as torch.optim's single-tensor Adam; the
-            # bias corrections are float64 like the Python floats torch computes them in.
-            exp_avg = state.exp_avg[name].lerp(grad, 1 - beta1)
-            exp_avg_sq = state.exp_avg_sq[name].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+            if use_decay and not decoupled_weight_decay:
+                grad = torch.addcmul(grad, param, hyper["weight_decay"].to(dtype))
+            exp_avg = state.exp_avg[name].lerp(grad, (1 - beta1_t).to(dtype))
+            exp_avg_sq = torch.addcmul(
+                state.exp_avg_sq[name].mul(beta2_t.to(dtype)), grad * (1 - beta2_t).to(dtype), grad
+            )
             step64 = step.to(torch.float64)
-            bias_correction1 = 1 - torch.pow(beta1, step64)
-            bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, step64), 0.5)
-            step_size = step_lr / bias_correction1
+            bias_correction1 = 1 - torch.pow(beta1_t, step64)
+            bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2_t, step64), 0.5)
+            step_size = lr_t / bias_correction1
             if amsgrad:
                 max_sqs[name] = torch.maximum(state.max_exp_avg_sq[name], exp_avg_sq)
-                denom = (max_sqs[name].sqrt() / bias_correction2_sqrt).add(eps)
+                second = max_sqs[name]
             else:
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add(eps)
-            if weight_decay != 0 and decoupled_weight_decay:
-                param = param.mul(1 - step_lr * weight_decay)
+                second = exp_avg_sq
+            denom = (second.sqrt() / bias_correction2_sqrt.to(dtype)).add(hyper["eps"].to(dtype))
+            if use_decay and decoupled_weight_decay:
+                param = param.mul((1 - lr_t * hyper["weight_decay"]).to(dtype))
             # torch: param.addcdiv_(exp_avg, denom, value=-step_size), whose kernel computes
             # param + (-step_size * exp_avg) / denom; the same order rounds the same way.
-            new_params[name] = param + exp_avg * -step_size / denom
+            new_params[name] = param + exp_avg * (-step_size).to(dtype) / denom
             steps[name], exp_avgs[name], exp_avg_sqs[name] = step, exp_avg, exp_avg_sq
-        new_state = AdamState(state.count + 1, step_lr, steps, exp_avgs, exp_avg_sqs, max_sqs)
+        new_state = AdamState(state.count + 1, hyper, steps, exp_avgs, exp_avg_sqs, max_sqs)
         return new_params, new_state
 
     return from_params_update(init, update_params)

@@ -14,9 +14,8 @@ from ._transform import (
     Updates,
     first_tensor,
     from_params_update,
-    initial_lr,
-    learning_rate,
-    scalar_state,
+    hyperparameters,
+    scheduled_lr,
 )
 
 __all__ = ["SGDState", "sgd"]
@@ -25,14 +24,16 @@ __all__ = ["SGDState", "sgd"]
 class SGDState(NamedTuple):
     """State of :func:`sgd`.
 
-    ``momentum_buffer`` holds the same tensors as ``torch.optim.SGD``'s
-    ``state[p]["momentum_buffer"]``. torch creates the buffer lazily as a copy of the first
-    gradient; here it exists from the start (zeros) and ``initialized`` records whether a
-    gradient has been folded in yet, so the first step needs no retrace.
+    ``hyperparams`` holds ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` as 0-dim
+    float64 tensors: they are data, so changing them (by hand or by a scheduler) never
+    retraces a compiled step. ``momentum_buffer`` holds the same tensors as
+    ``torch.optim.SGD``'s ``state[p]["momentum_buffer"]``. torch creates that buffer lazily as
+    a copy of the first gradient; here it exists from the start (zeros) and ``initialized``
+    records whether a gradient has been folded in yet.
     """
 
     count: Tensor
-    lr: Tensor
+    hyperparams: dict[str, Tensor]
     momentum_buffer: dict[str, Tensor]
     initialized: dict[str, Tensor]
 
@@ -48,62 +49,61 @@ def sgd(
 ) -> GradientTransformation:
     """Stochastic gradient descent with the exact semantics of ``torch.optim.SGD``.
 
+    ``momentum == 0`` (no buffers) and ``weight_decay == 0`` are structural choices fixed
+    here; the values themselves live in the state and may change between steps.
+
     Example:
         >>> import functacc
         >>> opt = functacc.optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
     """
-    lr0 = initial_lr(lr)
-    if momentum < 0 or weight_decay < 0:
+    if momentum < 0 or weight_decay < 0 or dampening < 0:
         raise ValueError(
-            f"momentum and weight_decay must be >= 0; got momentum={momentum}, "
-            f"weight_decay={weight_decay}"
+            f"momentum, dampening and weight_decay must be >= 0; got momentum={momentum}, "
+            f"dampening={dampening}, weight_decay={weight_decay}"
         )
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             "nesterov=True needs momentum > 0 and dampening == 0 (as in torch.optim.SGD); "
             f"got momentum={momentum}, dampening={dampening}"
         )
+    use_momentum, use_decay = momentum != 0, weight_decay != 0
+    values = {"momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
 
     def init(params: Params) -> SGDState:
-        like = first_tensor(params)
-        buffers = {}
-        initialized = {}
-        if momentum != 0:
+        buffers, initialized = {}, {}
+        if use_momentum:
             for name, p in params.items():
                 buffers[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 initialized[name] = torch.zeros((), dtype=torch.bool, device=p.device)
-        return SGDState(
-            count=scalar_state(0, dtype=torch.int64, like=like),
-            lr=scalar_state(lr0, dtype=torch.float64, like=like),
-            momentum_buffer=buffers,
-            initialized=initialized,
-        )
+        like = first_tensor(params)
+        count = torch.zeros((), dtype=torch.int64, device=like.device if like is not None else None)
+        return SGDState(count, hyperparameters(lr, values, like), buffers, initialized)
 
     def update_params(grads: Updates, state: SGDState, params: Params) -> tuple[dict, SGDState]:
-        step_lr = learning_rate(lr, state.count, state.lr)
+        hyper = scheduled_lr(lr, state)
         new_params = {}
-        buffers = dict(state.momentum_buffer)
-        initialized = dict(state.initialized)
+        buffers, initialized = dict(state.momentum_buffer), dict(state.initialized)
+        # Hyperparameters are 0-dim tensors; addcmul with a tensor factor rounds exactly like
+        # torch's add(..., alpha=number): one fused multiply-add.
         for name, grad in grads.items():
             param = params[name]
+            dtype = param.dtype
             if maximize:
                 grad = -grad
-            if weight_decay != 0:
-                grad = grad.add(param, alpha=weight_decay)
-            if momentum != 0:
-                buf = state.momentum_buffer[name]
-                decayed = buf.mul(momentum).add(grad, alpha=1 - dampening)
-                if dampening != 0:
-                    # torch starts the buffer as a copy of the first gradient, undamped. With
-                    # dampening == 0 the zero-initialised buffer gives that value exactly.
-                    decayed = torch.where(state.initialized[name], decayed, grad)
-                buffers[name] = decayed
+            if use_decay:
+                grad = torch.addcmul(grad, param, hyper["weight_decay"].to(dtype))
+            if use_momentum:
+                momentum_t = hyper["momentum"].to(dtype)
+                decayed = torch.addcmul(
+                    state.momentum_buffer[name].mul(momentum_t),
+                    grad,
+                    (1 - hyper["dampening"]).to(dtype),
+                )
+                # torch starts the buffer as an undamped copy of the first gradient.
+                buffers[name] = torch.where(state.initialized[name], decayed, grad)
                 initialized[name] = torch.ones_like(state.initialized[name])
-                grad = grad.add(decayed, alpha=momentum) if nesterov else decayed
-            # torch: param.add_(grad, alpha=-lr), one fused multiply-add; addcmul with the
-            # learning rate as a tensor rounds the same way and never retraces on lr changes.
-            new_params[name] = torch.addcmul(param, grad, (-step_lr).to(param.dtype))
-        new_state = SGDState(state.count + 1, step_lr, buffers, initialized)
-        return new_params, new_state
+                grad = torch.addcmul(grad, buffers[name], momentum_t) if nesterov else buffers[name]
+            new_params[name] = torch.addcmul(param, grad, (-hyper["lr"]).to(dtype))
+        return new_params, SGDState(state.count + 1, hyper, buffers, initialized)
 
     return from_params_update(init, update_params)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._adam import AdamState, _step_dtype, adam
+from ._adam import AdamState, adam, step_dtype
 from ._partition import partition
 from ._sgd import SGDState, sgd
 from ._transform import GradientTransformation, Params
@@ -23,20 +23,10 @@ __all__ = ["TorchOptimizerLink", "from_torch"]
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 SUPPORTED_NAMES = "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"
-# param_group keys that select kernels, not mathematics: any value gives the same result.
-_IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable"}
 
 
 def _float(value: Any) -> float:
     return float(value.item()) if isinstance(value, Tensor) else float(value)
-
-
-def _hashable(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return _float(value)
-    if isinstance(value, (tuple, list)):
-        return tuple(_hashable(v) for v in value)
-    return value
 
 
 def _check_supported(optimizer: Any) -> None:
@@ -58,6 +48,40 @@ def _check_supported(optimizer: Any) -> None:
             )
 
 
+def _structure(optimizer: torch.optim.Optimizer, group: Mapping) -> tuple:
+    if isinstance(optimizer, torch.optim.SGD):
+        return (
+            bool(group["nesterov"]),
+            bool(group["maximize"]),
+            _float(group["momentum"]) != 0,
+            _float(group["weight_decay"]) != 0,
+        )
+    return (
+        bool(group["amsgrad"]),
+        bool(group["maximize"]),
+        _decoupled(optimizer, group),
+        _float(group["weight_decay"]) != 0,
+    )
+
+
+def _decoupled(optimizer: torch.optim.Optimizer, group: Mapping) -> bool:
+    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
+def _hyper_values(optimizer: torch.optim.Optimizer, group: Mapping) -> dict[str, float]:
+    if isinstance(optimizer, torch.optim.SGD):
+        keys = ("lr", "momentum", "dampening", "weight_decay")
+        return {k: _float(group[k]) for k in keys}
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": _float(group["lr"]),
+        "beta1": _float(beta1),
+        "beta2": _float(beta2),
+        "eps": _float(group["eps"]),
+        "weight_decay": _float(group["weight_decay"]),
+    }
+
+
 def _group_transform(optimizer: torch.optim.Optimizer, group: Mapping) -> GradientTransformation:
     lr = _float(group["lr"])
     if isinstance(optimizer, torch.optim.SGD):
@@ -76,9 +100,7 @@ def _group_transform(optimizer: torch.optim.Optimizer, group: Mapping) -> Gradie
         weight_decay=_float(group["weight_decay"]),
         amsgrad=bool(group["amsgrad"]),
         maximize=bool(group["maximize"]),
-        decoupled_weight_decay=bool(
-            group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        ),
+        decoupled_weight_decay=_decoupled(optimizer, group),
     )
 
 
@@ -105,41 +127,45 @@ class TorchOptimizerLink:
                 group_names.append(names[id(p)])
                 self.params[names[id(p)]] = p
             self.groups.append(group_names)
-        self._lrs: list[float] | None = None
+        self._values: list[dict[str, float]] | None = None
 
     # -- hyperparameters -------------------------------------------------------------
-    def hyper_key(self) -> tuple:
-        """Everything but the learning rate: a change means a different graph."""
-        return tuple(
-            tuple(
-                (k, _hashable(v))
-                for k, v in group.items()
-                if k not in ("params", "lr") and k not in _IMPLEMENTATION_KEYS
-            )
-            for group in self.optimizer.param_groups
-        )
+    def structure_key(self) -> tuple:
+        """What changes the graph: the optimizer's flags and which terms are zero.
+
+        Numeric hyperparameters are tensors in the state, so schedules on them (lr, but
+        also OneCycleLR's momentum or betas) never retrace.
+        """
+        return tuple(_structure(self.optimizer, g) for g in self.optimizer.param_groups)
 
     def transform(self) -> GradientTransformation:
         _check_supported(self.optimizer)
         transforms = [_group_transform(self.optimizer, g) for g in self.optimizer.param_groups]
         return partition(transforms, self.groups)
 
-    def lrs(self) -> list[float]:
-        return [_float(g["lr"]) for g in self.optimizer.param_groups]
+    def hyper_values(self) -> list[dict[str, float]]:
+        return [_hyper_values(self.optimizer, g) for g in self.optimizer.param_groups]
 
-    def sync_lr(self, state: tuple | list, *, force: bool = False) -> None:
-        """Write changed ``param_groups[i]["lr"]`` into the live state (no retrace)."""
-        lrs = self.lrs()
-        if force or lrs != self._lrs:
-            for group_state, lr in zip(state, lrs, strict=True):
-                group_state.lr.fill_(lr)
-            self._lrs = lrs
+    def sync_hyperparams(self, state: tuple | list, *, force: bool = False) -> None:
+        """Write changed ``param_groups`` values (lr, momentum, betas, ...) into the live
+        state tensors, so they take effect at the next step without a retrace."""
+        values = self.hyper_values()
+        if force or values != self._values:
+            for group_state, group_values in zip(state, values, strict=True):
+                for k, v in group_values.items():
+                    group_state.hyperparams[k].fill_(v)
+            self._values = values
 
-    def with_current_lr(self, state: tuple) -> tuple:
-        """A copy of ``state`` whose learning rates are the optimizer's current ones."""
+    def with_current_hyperparams(self, state: tuple) -> tuple:
+        """A copy of ``state`` holding the optimizer's current hyperparameter values."""
         return tuple(
-            s._replace(lr=torch.tensor(lr, dtype=torch.float64, device=s.lr.device))
-            for s, lr in zip(state, self.lrs(), strict=True)
+            s._replace(
+                hyperparams={
+                    k: torch.tensor(v, dtype=torch.float64, device=s.hyperparams[k].device)
+                    for k, v in values.items()
+                }
+            )
+            for s, values in zip(state, self.hyper_values(), strict=True)
         )
 
     # -- state -----------------------------------------------------------------------
@@ -151,7 +177,7 @@ class TorchOptimizerLink:
         out = []
         for group_names, group_state in zip(self.groups, fresh, strict=True):
             out.append(self._read_group(group_names, group_state, copy=copy))
-        self.sync_lr(out, force=True)
+        self.sync_hyperparams(out, force=True)
         return tuple(out)
 
     def _existing(self, name: str, key: str, like: Tensor, *, copy: bool) -> Tensor | None:
@@ -186,7 +212,7 @@ class TorchOptimizerLink:
             for n in values:
                 existing = self._existing(n, key, values[n], copy=copy)
                 if existing is not None:
-                    values[n] = existing.to(_step_dtype()) if key == "step" else existing
+                    values[n] = existing.to(step_dtype()) if key == "step" else existing
             fields[key] = values
         return fresh._replace(**fields)
 
@@ -197,16 +223,18 @@ class TorchOptimizerLink:
             for n in group_names:
                 if n not in names_with_grads:
                     continue
-                slot = self.optimizer.state[self.params[n]]
                 if isinstance(group_state, SGDState):
-                    if n in group_state.momentum_buffer:
-                        slot["momentum_buffer"] = group_state.momentum_buffer[n]
-                    continue
-                slot["step"] = group_state.step[n]
-                slot["exp_avg"] = group_state.exp_avg[n]
-                slot["exp_avg_sq"] = group_state.exp_avg_sq[n]
-                if n in group_state.max_exp_avg_sq:
-                    slot["max_exp_avg_sq"] = group_state.max_exp_avg_sq[n]
+                    tensors = {"momentum_buffer": group_state.momentum_buffer.get(n)}
+                else:
+                    tensors = {
+                        "step": group_state.step[n],
+                        "exp_avg": group_state.exp_avg[n],
+                        "exp_avg_sq": group_state.exp_avg_sq[n],
+                        "max_exp_avg_sq": group_state.max_exp_avg_sq.get(n),
+                    }
+                tensors = {k: v for k, v in tensors.items() if v is not None}
+                if tensors:  # plain SGD keeps no state; don't create empty entries
+                    self.optimizer.state[self.params[n]].update(tensors)
 
 
 def from_torch(

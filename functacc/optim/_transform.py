@@ -131,25 +131,24 @@ def apply_updates(params: Params, updates: Mapping[str, Tensor]) -> dict[str, Te
     return {name: p + updates[name] if name in updates else p for name, p in params.items()}
 
 
-def scalar_state(value: float, *, dtype: torch.dtype, like: Tensor | None = None) -> Tensor:
-    """A 0-dim tensor on the parameters' device (so CUDA graphs capture it as data)."""
-    device = like.device if like is not None else None
-    return torch.tensor(value, dtype=dtype, device=device)
-
-
 def first_tensor(params: Params) -> Tensor | None:
     return next(iter(params.values()), None)
 
 
-def learning_rate(lr: float | Schedule, count: Tensor, current: Tensor) -> Tensor:
-    """The learning rate for this update: the schedule at ``count``, or the state's value.
+def hyperparameters(lr: float | Schedule, values: dict[str, float], like: Tensor | None) -> dict:
+    """The initial ``hyperparams`` of a state: 0-dim float64 tensors on the params' device
+    (a CUDA graph must read them from device memory, not bake them in)."""
+    device = like.device if like is not None else None
+    values = {"lr": initial_lr(lr), **values}
+    return {k: torch.tensor(float(v), dtype=torch.float64, device=device) for k, v in values.items()}
 
-    Keeping a float learning rate in the state (rather than baking it into the graph) lets
-    ``functacc`` change it between steps without tracing again.
-    """
+
+def scheduled_lr(lr: float | Schedule, state: Any) -> dict[str, Tensor]:
+    """The state's hyperparameters, with ``lr`` evaluated at ``state.count`` if scheduled."""
+    hyper = dict(state.hyperparams)
     if callable(lr):
-        return torch.as_tensor(lr(count), dtype=torch.float64).to(current.device)
-    return current
+        hyper["lr"] = torch.as_tensor(lr(state.count), dtype=torch.float64).to(hyper["lr"].device)
+    return hyper
 
 
 def initial_lr(lr: float | Schedule) -> float:

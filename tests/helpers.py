@@ -1,0 +1,141 @@
+"""The reference: the same training written as a plain eager PyTorch loop."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Batch = tuple[Any, Any]
+
+
+def seed_for(i: int) -> int:
+    # Both loops reseed before step i, so dropout draws the same masks if (and only if) the
+    # compiled step consumes the RNG exactly as eager PyTorch does.
+    return 1000 + i
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def model_loss(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, dict):
+        return out["loss"]
+    return out.loss
+
+
+def eager_train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loss_fn: Callable | None,
+    batches: Sequence[Batch],
+    *,
+    grad_accum_steps: int = 1,
+    max_grad_norm: float | None = None,
+    scheduler: Any = None,
+) -> list[Tensor]:
+    """Train eagerly; with accumulation, (loss_i / k).backward() per micro-batch."""
+    losses = []
+    for i, (inputs, targets) in enumerate(batches):
+        torch.manual_seed(seed_for(i))
+        opt.zero_grad(set_to_none=True)
+        k = grad_accum_steps
+        micro_losses = []
+        for j in range(k):
+            micro_in = _chunk(inputs, k, j)
+            micro_t = _chunk(targets, k, j)
+            if loss_fn is None:
+                loss = model_loss(call_model(model, micro_in))
+            else:
+                loss = loss_fn(call_model(model, micro_in), micro_t)
+            (loss / k if k > 1 else loss).backward()
+            micro_losses.append(loss.detach())
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(micro_losses[0] if k == 1 else torch.stack(micro_losses).mean())
+    return losses
+
+
+def functacc_train(step: Any, batches: Sequence[Batch], *, scheduler: Any = None) -> list[Tensor]:
+    losses = []
+    for i, (inputs, targets) in enumerate(batches):
+        torch.manual_seed(seed_for(i))
+        if step.loss_fn is None:
+            if isinstance(inputs, dict):
+                losses.append(step(**inputs))
+            else:
+                losses.append(step(*inputs) if isinstance(inputs, tuple) else step(inputs))
+        else:
+            losses.append(step(inputs, targets))
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def _chunk(x: Any, k: int, j: int) -> Any:
+    if k == 1:
+        return x
+    if isinstance(x, Tensor):
+        return x.tensor_split(k)[j]
+    if isinstance(x, dict):
+        return {n: _chunk(v, k, j) for n, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_chunk(v, k, j) for v in x)
+    return x
+
+
+def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float, what: str) -> None:
+    """Exact comparison when rtol == atol == 0 (NaNs compare equal), else allclose."""
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), f"{what}: keys {actual.keys()} != {expected.keys()}"
+        for k in expected:
+            assert_close(actual[k], expected[k], rtol=rtol, atol=atol, what=f"{what}[{k!r}]")
+        return
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{what}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_close(a, e, rtol=rtol, atol=atol, what=f"{what}[{i}]")
+        return
+    if isinstance(expected, Tensor):
+        assert isinstance(actual, Tensor), f"{what}: {type(actual)} is not a tensor"
+        assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+        torch.testing.assert_close(
+            actual, expected, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}: {m}"
+        )
+        return
+    assert actual == expected, f"{what}: {actual!r} != {expected!r}"
+
+
+def assert_same_training(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref_model: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    losses: list[Tensor],
+    ref_losses: list[Tensor],
+    *,
+    rtol: float,
+    atol: float,
+) -> None:
+    assert_close(losses, ref_losses, rtol=rtol, atol=atol, what="losses")
+    assert_close(model.state_dict(), ref_model.state_dict(), rtol=rtol, atol=atol, what="model")
+    assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=rtol, atol=atol, what="opt")
+
+
+def twin(model: nn.Module, make_opt: Callable) -> tuple[nn.Module, Any, nn.Module, Any]:
+    ref = copy.deepcopy(model)
+    return model, make_opt(model), ref, make_opt(ref)

@@ -1,0 +1,107 @@
+"""Small models for the parity tests; each is sized to train in milliseconds on a CPU."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+
+def mlp(in_features: int = 16, classes: int = 5) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, classes)
+    )
+
+
+def cnn_bn(classes: int = 5) -> nn.Module:
+    # Convolutions before BatchNorm have no bias, as in real CNNs: a bias there gets a
+    # gradient that is zero up to rounding, which Adam then amplifies into noise.
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Linear(16, classes),
+    )
+
+
+def resnet18(classes: int = 10) -> nn.Module:
+    return torchvision.models.resnet18(num_classes=classes)
+
+
+class TinyTransformer(nn.Module):
+    """Token classifier: embedding, a 2-layer TransformerEncoder (LayerNorm, GELU, dropout)."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, classes: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(1, 16, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            dim, nhead=4, dim_feedforward=64, dropout=0.1, activation="gelu", batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        return self.head(self.encoder(h).mean(dim=1))
+
+
+class LossInside(nn.Module):
+    """Hugging Face style: forward(input_ids=..., labels=...) returns {'loss', 'logits'}."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16, classes: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.norm(self.embed(input_ids).mean(dim=1)))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class TupleOut(nn.Module):
+    """Returns (logits, features); the loss uses both."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = torch.tanh(self.body(x))
+        return self.head(feats), feats
+
+
+class Tied(nn.Module):
+    """Embedding and output projection share one weight."""
+
+    def __init__(self, vocab: int = 20, dim: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mix(self.embed(tokens).mean(dim=1))))
+
+
+class WithBuffers(nn.Module):
+    """A buffer the forward reads but never writes, and a non-persistent one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 5)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+        self.register_buffer("offset", torch.zeros(5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.scale) + self.offset
