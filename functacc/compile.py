@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
+import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-__all__ = ["Backend", "Compiled", "SignatureCache", "compile_graph"]
+__all__ = ["Backend", "Compiled", "SignatureCache", "TensorSpec", "compile_graph"]
 
 log = logging.getLogger("functacc")
 
@@ -79,14 +80,39 @@ class SignatureCache:
         log.info("functacc: traced %s (trace #%d): %s", self.what, self.num_traces, reason)
 
 
+class TensorSpec(NamedTuple):
+    """What a compiled graph assumes about one input tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), t.dtype, t.device, t.stride())
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.shape} {dtype} on {self.device} (stride {self.stride})"
+
+
 def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
-    """A short human description of where two signature keys differ."""
-    if isinstance(old, tuple) and isinstance(new, tuple):
-        if len(old) == 2 and isinstance(old[0], str) and len(new) == 2 and old[0] == new[0]:
+    """Where two signature keys first differ, e.g. ``inputs[0]: (8, 3) ... -> (5, 3) ...``.
+
+    Keys are nested plain tuples; ``(label, value)`` pairs name their part.
+    """
+    if type(old) is tuple and type(new) is tuple:
+        if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
             return describe_difference(old[1], new[1], f"{path}{old[0]}")
         if len(old) == len(new):
             for i, (a, b) in enumerate(zip(old, new, strict=True)):
                 if a != b:
-                    return describe_difference(a, b, path)
+                    inner = f"{path}[{i}]" if path and _is_sequence_of_specs(old) else path
+                    return describe_difference(a, b, inner)
     where = f"{path}: " if path else ""
     return f"{where}{old!r} -> {new!r}"
+
+
+def _is_sequence_of_specs(key: tuple) -> bool:
+    return all(isinstance(x, TensorSpec) for x in key)

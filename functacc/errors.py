@@ -2,8 +2,9 @@
 
 - :class:`TraceError` (a ``RuntimeError``): the training step could not be traced into a
   graph — data-dependent Python control flow, a model that rejects the inputs' shapes, dtypes
-  or devices, or any other error raised by the model or the loss while tracing. The message
-  names the module and the source line, what was expected and what came.
+  or devices, or any other error raised by the model or the loss while tracing — or the
+  traced graph failed while running for these inputs. The message names the module and the
+  source line where it can, what was expected and what came.
 - ``ValueError`` / ``TypeError``: an argument is invalid (an optimizer whose parameters are
   not the model's, an unsupported optimizer, a loss that is not a 0-dim floating tensor, a
   batch that does not split into ``grad_accum_steps`` micro-batches, ...).

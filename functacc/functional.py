@@ -19,27 +19,16 @@ def call_module(
     buffers: Mapping[str, Tensor],
     args: tuple,
     kwargs: Mapping[str, Any],
-    *,
-    inplace_buffers: bool,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Run ``model`` with the given tensors in place of its own; return outputs and buffers.
 
-    With ``inplace_buffers=False`` the given buffers are never written: the module sees
-    copies, and buffers it did not change (running stats in eval mode, masks, position
-    tables) come back as the very tensors given, so no copy survives tracing.
-    With ``inplace_buffers=True`` the module updates the given buffers itself, which is what
-    the stateful step wants (BatchNorm writes straight into the model's running stats).
+    The given buffers are never written: the module runs on copies, which come back as the
+    new buffers. (Whether a module wrote a buffer cannot be read off reliably:
+    ``native_batch_norm`` updates its running statistics without declaring the write in its
+    schema or bumping the version counter, so every buffer is treated as written.)
     """
-    if inplace_buffers:
-        bufs = dict(buffers)
-    else:
-        bufs = {n: b.clone() for n, b in buffers.items()}
-        versions = {n: b._version for n, b in bufs.items()}
+    bufs = {n: b.clone() for n, b in buffers.items()}
     out = functional_call(model, (dict(params), bufs), tuple(args), dict(kwargs), strict=True)
-    if not inplace_buffers:
-        # An in-place update (BatchNorm's running_mean.mul_) bumps the version counter, also
-        # of fake tensors while tracing; untouched copies are dropped (and dead-code removed).
-        bufs = {n: b if b._version != versions[n] else buffers[n] for n, b in bufs.items()}
     return out, bufs
 
 
@@ -66,6 +55,6 @@ def functionalize(model: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[st
     def apply_fn(
         params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], *args: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Tensor]]:
-        return call_module(model, params, buffers, args, kwargs, inplace_buffers=False)
+        return call_module(model, params, buffers, args, kwargs)
 
     return apply_fn, params, buffers

@@ -24,13 +24,20 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from .compile import Backend, Compiled, SignatureCache, check_backend, compile_graph
+from .compile import (
+    Backend,
+    Compiled,
+    SignatureCache,
+    TensorSpec,
+    check_backend,
+    compile_graph,
+)
 from .errors import argument_error
 from .functional import call_module
 from .optim import GradientTransformation, clip_by_global_norm
-from .optim._transform import step_params
 from .optim._torch import TorchOptimizerLink, _check_supported
-from .trace import describe_tensor, trace
+from .optim._transform import step_params
+from .trace import describe_tensor, run_error, trace
 
 __all__ = ["Step", "TrainState", "compile_step"]
 
@@ -64,8 +71,7 @@ class _Program:
     names_with_grads: frozenset[str] = frozenset()
 
 
-def _tensor_key(t: Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device, t.stride())
+_tensor_key = TensorSpec.of
 
 
 def _leaf_name(path: tuple) -> str:
@@ -152,13 +158,16 @@ class Step:
         self._refresh_live_state()
         if self._link is not None:
             self._link.sync_hyperparams(self._live.opt_state)
-        tensors, constants, batch_key, batch_spec = self._flatten_batch(args, kwargs)
+        tensors, batch_key = self._flatten_batch(args, kwargs)
         key = ("inplace", batch_key, self._state_key())
         program = self._cache.get(key)
         if program is None:
             program = self._build(key, self._live, args, kwargs, inplace=True)
-        with torch.no_grad():
-            loss = program.run([*self._live_leaves, *tensors])[0]
+        try:
+            with torch.no_grad():
+                loss = program.run([*self._live_leaves, *tensors])[0]
+        except Exception as exc:
+            raise run_error(exc, self._describe_batch(args, kwargs)) from exc
         if not self._installed and self._link is not None:
             # torch creates optimizer state at the first step; so do we, only once the
             # first step has succeeded (a failed first call must leave opt.state empty).
@@ -194,14 +203,17 @@ class Step:
         if self._link is not None:
             state = state._replace(opt_state=self._link.with_current_hyperparams(state.opt_state))
         leaves, spec = pytree.tree_flatten(state)
-        tensors, constants, batch_key, batch_spec = self._flatten_batch(args, kwargs)
+        tensors, batch_key = self._flatten_batch(args, kwargs)
         state_key = (spec, tuple(_tensor_key(t) for t in leaves))
         key = ("pure", batch_key, self._state_key(), ("state", state_key))
         program = self._cache.get(key)
         if program is None:
             program = self._build(key, state, args, kwargs, inplace=False)
-        with torch.no_grad():
-            outputs = program.run([*leaves, *tensors])
+        try:
+            with torch.no_grad():
+                outputs = program.run([*leaves, *tensors])
+        except Exception as exc:
+            raise run_error(exc, self._describe_batch(args, kwargs)) from exc
         new = iter(outputs[1:])
         new_leaves = [next(new) if c else t for t, c in zip(leaves, program.changed, strict=True)]
         return pytree.tree_unflatten(new_leaves, spec), outputs[0]
@@ -249,9 +261,11 @@ class Step:
                 "model inputs into a tuple or dict: step((x1, x2), targets)."
             )
 
-    def _flatten_batch(self, args: tuple, kwargs: dict) -> tuple[list, list, tuple, Any]:
+    def _flatten_batch(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], tuple]:
+        """The batch's tensors and its signature key."""
         if not kwargs and all(type(a) is Tensor for a in args):
-            return list(args), [], (("inputs", tuple(map(_tensor_key, args))),), None
+            # The common step(inputs, targets): no pytree walk on the hot path.
+            return list(args), (("inputs", tuple(map(_tensor_key, args))),)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         constants = [x for x in leaves if not isinstance(x, Tensor)]
@@ -260,7 +274,7 @@ class Step:
             ("structure", str(spec)),
             ("constants", tuple(map(_hashable_constant, constants))),
         )
-        return tensors, constants, key, spec
+        return tensors, key
 
     def _describe_batch(self, args: tuple, kwargs: dict) -> str:
         items = pytree.tree_flatten_with_path((args, kwargs))[0]
@@ -310,7 +324,7 @@ class Step:
         return loss
 
     def _call_model(
-        self, params: dict, buffers: dict, args: tuple, kwargs: dict, inplace: bool
+        self, params: dict, buffers: dict, args: tuple, kwargs: dict
     ) -> tuple[Any, dict]:
         if self.loss_fn is not None:
             inputs = args[0]
@@ -320,10 +334,10 @@ class Step:
                 args, kwargs = tuple(inputs), {}
             else:
                 args, kwargs = (inputs,), {}
-        return call_module(self.model, params, buffers, args, kwargs, inplace_buffers=inplace)
+        return call_module(self.model, params, buffers, args, kwargs)
 
     def _step_fn(
-        self, state: TrainState, args: tuple, kwargs: dict, *, inplace: bool, meta: dict
+        self, state: TrainState, args: tuple, kwargs: dict, *, meta: dict
     ) -> tuple[TrainState, Tensor]:
         params = state.params
         trainable = [n for n, p in self._params.items() if p.requires_grad]
@@ -335,7 +349,7 @@ class Step:
             with torch.enable_grad():
                 leaves = {n: params[n].detach().requires_grad_() for n in trainable}
                 outputs, buffers = self._call_model(
-                    {**params, **leaves}, buffers, micro_args, micro_kwargs, inplace
+                    {**params, **leaves}, buffers, micro_args, micro_kwargs
                 )
                 loss = self._loss(outputs, micro_args)
                 # The eager reference for accumulation is (loss / k).backward() per micro-batch.
@@ -377,9 +391,7 @@ class Step:
             tensors, consts = iter(flat[n_state:]), iter(constants)
             batch = [next(tensors) if t else next(consts) for t in is_tensor]
             call_args, call_kwargs = pytree.tree_unflatten(batch, batch_spec)
-            new_state, loss = self._step_fn(
-                state_in, call_args, call_kwargs, inplace=inplace, meta=meta
-            )
+            new_state, loss = self._step_fn(state_in, call_args, call_kwargs, meta=meta)
             new_leaves, new_spec = pytree.tree_flatten(new_state)
             if new_spec != state_spec:
                 raise argument_error(
@@ -397,6 +409,8 @@ class Step:
                     )
             meta["changed"] = changed
             if inplace:
+                # Every write to the state happens here, at the very end of the graph, after
+                # all computation that could fail: a step either updates all or nothing.
                 for new, old, c in zip(new_leaves, old_leaves, changed, strict=True):
                     if c:
                         old.copy_(new)

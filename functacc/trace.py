@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import TraceError
 
-__all__ = ["describe_tensor", "trace"]
+__all__ = ["describe_tensor", "run_error", "trace"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUNCTACC_DIR = os.path.dirname(__file__)
@@ -54,6 +54,8 @@ def _user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
     """The innermost frame that is neither torch, functacc nor the standard library."""
     frames = traceback.extract_tb(tb)
     for frame in reversed(frames):
+        if frame.filename.startswith("<"):  # generated code (FX, dataclasses, eval)
+            continue
         path = os.path.abspath(frame.filename)
         if not path.startswith((_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)):
             return frame
@@ -103,8 +105,11 @@ def trace(
     Errors raised while tracing become :class:`TraceError` naming the module and source
     line; ``signature`` (a description of the inputs) goes into the message.
     """
+    devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
     try:
-        with torch.no_grad():
+        # fork_rng: the first make_fx of a process draws from the global generator while it
+        # initialises; a trace must leave the RNG exactly where it was.
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             # `_allow_non_fake_inputs`: tensors a module keeps as plain attributes (not
             # registered as buffers) are real; they become constants of the graph.
             return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
@@ -137,4 +142,17 @@ def _translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErr
         f"Inputs were: {signature}. Check that the inputs have the shapes, dtypes and "
         "devices the model expects (the same call must work in eager PyTorch: "
         "loss_fn(model(inputs), targets))."
+    )
+
+
+def run_error(exc: BaseException, signature: str) -> TraceError:
+    """A compiled step that traced fine but failed while running (fake tensors do not check
+    every rule, e.g. some dtype mismatches). The step writes its state only after all
+    computation, so nothing was updated."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TraceError(
+        f"the compiled training step failed while running, before it wrote any state (model, "
+        f"optimizer and step count are unchanged)\n{type(exc).__name__}: {message}\n"
+        f"Inputs were: {signature}. Check that the inputs have the dtypes and devices the "
+        "model expects (the same call fails in eager PyTorch too)."
     )

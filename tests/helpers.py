@@ -100,7 +100,9 @@ def _chunk(x: Any, k: int, j: int) -> Any:
 def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float, what: str) -> None:
     """Exact comparison when rtol == atol == 0 (NaNs compare equal), else allclose."""
     if isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), f"{what}: keys {actual.keys()} != {expected.keys()}"
+        assert actual.keys() == expected.keys(), (
+            f"{what}: keys {actual.keys()} != {expected.keys()}"
+        )
         for k in expected:
             assert_close(actual[k], expected[k], rtol=rtol, atol=atol, what=f"{what}[{k!r}]")
         return

@@ -23,6 +23,9 @@ import functacc
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 INDUCTOR = {"rtol": 1e-4, "atol": 1e-5}
+# Inductor replaces dropout's bernoulli with its own RNG unless told to fall back to eager's;
+# the parity tests compare masks, so they fall back.
+FALLBACK_RANDOM = {"fallback_random": True}
 STEPS = 10
 
 
@@ -47,7 +50,9 @@ def batches_for(kind: str, n: int = STEPS, batch: int = 8, dtype=torch.float32):
             out.append((x, torch.randint(0, 20, (batch,), generator=g)))
         elif kind == "hf":
             ids = torch.randint(0, 50, (batch, 12), generator=g)
-            out.append(({"input_ids": ids, "labels": torch.randint(0, 5, (batch,), generator=g)}, None))
+            out.append(
+                ({"input_ids": ids, "labels": torch.randint(0, 5, (batch,), generator=g)}, None)
+            )
     return out
 
 
@@ -55,6 +60,10 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
     "sgd_nesterov_wd": lambda m: torch.optim.SGD(
         m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
+    # ResNet-18 on random data diverges at lr=0.05; Inductor parity needs a stable run.
+    "sgd_small_lr": lambda m: torch.optim.SGD(
+        m.parameters(), lr=1e-3, momentum=0.9, nesterov=True, weight_decay=1e-4
     ),
     "sgd_dampening_maximize": lambda m: torch.optim.SGD(
         m.parameters(), lr=0.01, momentum=0.8, dampening=0.3, maximize=True
@@ -67,8 +76,11 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "adamw_two_groups": lambda m: torch.optim.AdamW(
         [
             {"params": [p for n, p in m.named_parameters() if p.dim() > 1], "weight_decay": 0.1},
-            {"params": [p for n, p in m.named_parameters() if p.dim() <= 1], "lr": 3e-3,
-             "weight_decay": 0.0},
+            {
+                "params": [p for n, p in m.named_parameters() if p.dim() <= 1],
+                "lr": 3e-3,
+                "weight_decay": 0.0,
+            },
         ],
         lr=1e-3,
     ),
@@ -104,6 +116,7 @@ CASES = {
     "cnn_bn-adamw": Case(models.cnn_bn, "image", "adamw"),
     "cnn_bn-adam_eval_mode": Case(models.cnn_bn, "image", "adam_l2", prepare=nn.Module.eval),
     "resnet18-sgd_nesterov_wd": Case(models.resnet18, "image32", "sgd_nesterov_wd"),
+    "resnet18-sgd_small_lr": Case(models.resnet18, "image32", "sgd_small_lr"),
     "transformer-adamw": Case(models.TinyTransformer, "tokens", "adamw"),
     "transformer-adamw_two_groups": Case(models.TinyTransformer, "tokens", "adamw_two_groups"),
     "dict_loss-adam_amsgrad": Case(models.LossInside, "hf", "adam_amsgrad", loss=None),
@@ -118,11 +131,15 @@ CASES = {
         models.TinyTransformer, "tokens", "adamw", grad_accum_steps=2, max_grad_norm=0.1
     ),
     "lr_scheduler-mlp-sgd": Case(
-        models.mlp, "vector", "sgd_nesterov_wd",
+        models.mlp,
+        "vector",
+        "sgd_nesterov_wd",
         scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=STEPS),
     ),
     "lr_scheduler-mlp-adamw_two_groups": Case(
-        models.mlp, "vector", "adamw_two_groups",
+        models.mlp,
+        "vector",
+        "adamw_two_groups",
         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
     ),
     "float64-mlp-adamw": Case(models.mlp, "vector", "adamw", dtype=torch.float64),
@@ -132,7 +149,7 @@ CASES = {
 INDUCTOR_CASES = [
     "mlp-adamw",
     "cnn_bn-sgd_nesterov_wd",
-    "resnet18-sgd_nesterov_wd",
+    "resnet18-sgd_small_lr",
     "transformer-adamw",
     "dict_loss-adam_amsgrad",
 ]
@@ -144,6 +161,7 @@ def run_case(case: Case, backend: str, tolerance: dict) -> None:
     if case.prepare is not None:
         case.prepare(model)
     model, opt, ref, ref_opt = twin(model, OPTIMIZERS[case.opt])
+    initial = [p.detach().clone() for p in model.parameters()]
     batches = batches_for(case.data, dtype=case.dtype)
     sched = case.scheduler(opt) if case.scheduler else None
     ref_sched = case.scheduler(ref_opt) if case.scheduler else None
@@ -169,9 +187,7 @@ def run_case(case: Case, backend: str, tolerance: dict) -> None:
     assert step.num_traces == 1
     assert_same_training(model, opt, ref, ref_opt, losses, ref_losses, **tolerance)
     # The run must have trained: a parity test on a model that never moved proves nothing.
-    assert any(
-        not torch.equal(p, q) for p, q in zip(model.parameters(), case.model().parameters())
-    )
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -182,4 +198,5 @@ def test_parity_eager_backend(name: str) -> None:
 @pytest.mark.inductor
 @pytest.mark.parametrize("name", INDUCTOR_CASES)
 def test_parity_inductor(name: str) -> None:
-    run_case(CASES[name], "inductor", INDUCTOR)
+    with torch._inductor.config.patch(FALLBACK_RANDOM):
+        run_case(CASES[name], "inductor", INDUCTOR)

@@ -15,6 +15,7 @@ from ._transform import (
     first_tensor,
     from_params_update,
     hyperparameters,
+    initial_lr,
     scheduled_lr,
 )
 
@@ -62,6 +63,7 @@ def adam(
         >>> import functacc
         >>> opt = functacc.optim.adam(3e-4, betas=(0.9, 0.95))
     """
+    initial_lr(lr)  # validates
     beta1, beta2 = (float(b) for b in betas)
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1); got {betas}")
@@ -83,7 +85,9 @@ def adam(
         return AdamState(
             count=torch.zeros((), dtype=torch.int64, device=device),
             hyperparams=hyperparameters(lr, values, like),
-            step={n: torch.zeros((), dtype=step_dtype(), device=p.device) for n, p in params.items()},
+            step={
+                n: torch.zeros((), dtype=step_dtype(), device=p.device) for n, p in params.items()
+            },
             exp_avg=zeros(),
             exp_avg_sq=zeros(),
             max_exp_avg_sq=zeros() if amsgrad else {},

@@ -15,6 +15,7 @@ from ._transform import (
     first_tensor,
     from_params_update,
     hyperparameters,
+    initial_lr,
     scheduled_lr,
 )
 
@@ -56,6 +57,7 @@ def sgd(
         >>> import functacc
         >>> opt = functacc.optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
     """
+    initial_lr(lr)  # validates
     if momentum < 0 or weight_decay < 0 or dampening < 0:
         raise ValueError(
             f"momentum, dampening and weight_decay must be >= 0; got momentum={momentum}, "

@@ -29,14 +29,21 @@ def _float(value: Any) -> float:
     return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
+def _class_name(obj: Any) -> str:
+    module = type(obj).__module__
+    if module.startswith("torch.optim."):
+        module = "torch.optim"  # the public name, not torch.optim.rmsprop
+    return f"{module}.{type(obj).__qualname__}"
+
+
 def _check_supported(optimizer: Any) -> None:
     if isinstance(optimizer, GradientTransformation):
         return
     if type(optimizer) not in SUPPORTED:
         raise TypeError(
             f"functacc supports the optimizers {SUPPORTED_NAMES} or a "
-            f"functacc.optim.GradientTransformation; got {type(optimizer).__module__}."
-            f"{type(optimizer).__qualname__}. Use one of those, or write the update as a "
+            f"functacc.optim.GradientTransformation; got {_class_name(optimizer)}. Use one "
+            "of those, or write the update as a "
             "GradientTransformation (see functacc.optim.chain)."
         )
     for i, group in enumerate(optimizer.param_groups):

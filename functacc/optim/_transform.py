@@ -15,8 +15,8 @@ from torch import Tensor
 
 __all__ = [
     "GradientTransformation",
-    "ParamsUpdate",
     "Params",
+    "ParamsUpdate",
     "Schedule",
     "Updates",
     "apply_updates",
@@ -140,7 +140,9 @@ def hyperparameters(lr: float | Schedule, values: dict[str, float], like: Tensor
     (a CUDA graph must read them from device memory, not bake them in)."""
     device = like.device if like is not None else None
     values = {"lr": initial_lr(lr), **values}
-    return {k: torch.tensor(float(v), dtype=torch.float64, device=device) for k, v in values.items()}
+    return {
+        k: torch.tensor(float(v), dtype=torch.float64, device=device) for k, v in values.items()
+    }
 
 
 def scheduled_lr(lr: float | Schedule, state: Any) -> dict[str, Tensor]:

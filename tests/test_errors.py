@@ -1,0 +1,225 @@
+"""Every documented error: a clear message (expected, got, fix), and nothing changed."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import models
+import pytest
+import torch
+from helpers import assert_close
+from torch import nn
+
+import functacc
+from functacc import TraceError
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), BranchOnValue())
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class BranchOnValue(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: the line the error must point at
+            return x * 2
+        return x
+
+
+class BranchOnItem(nn.Linear):
+    def forward(self, x):
+        scale = x.abs().max().item()
+        if scale > 1.0:
+            x = x / scale
+        return super().forward(x)
+
+
+def trained(kind="cnn", **kw):
+    """A step that has already run once, so optimizer state and BN stats exist."""
+    torch.manual_seed(0)
+    model = models.cnn_bn() if kind == "cnn" else models.mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", **kw)
+    step(*batch(kind))
+    return model, opt, step
+
+
+def batch(kind="cnn", n=8):
+    x = torch.randn(n, 3, 16, 16) if kind == "cnn" else torch.randn(n, 16)
+    return x, torch.randint(0, 5, (n,))
+
+
+class Snapshot:
+    def __init__(self, model, opt, step):
+        self.model, self.opt, self.step = model, opt, step
+        self.model_state = copy.deepcopy(model.state_dict())
+        self.opt_state = copy.deepcopy(opt.state_dict())
+        self.count = step.count
+        self.rng = torch.get_rng_state()
+
+    def assert_unchanged(self):
+        assert_close(self.model.state_dict(), self.model_state, rtol=0, atol=0, what="model")
+        assert_close(self.opt.state_dict(), self.opt_state, rtol=0, atol=0, what="optimizer")
+        assert self.step.count == self.count
+        assert torch.equal(torch.get_rng_state(), self.rng)
+
+
+def test_data_dependent_control_flow_names_module_and_line() -> None:
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(TraceError) as info:
+        step(x, y)
+    message = str(info.value)
+    assert "'inner.1' (BranchOnValue)" in message
+    assert "test_errors.py" in message and "if x.sum() > 0" in message
+    assert "torch.where" in message and "torch.cond" in message
+    assert "(2, 4) float32" in message
+    snap.assert_unchanged()
+    assert len(opt.state) == 0
+
+
+def test_branch_on_item_is_a_trace_error() -> None:
+    model = BranchOnItem(4, 2)
+    step = functacc.compile_step(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    with pytest.raises(TraceError, match=r"data-dependent") as info:
+        step(torch.randn(2, 4), torch.randn(2, 2))
+    assert "if scale > 1.0" in str(info.value)
+
+
+def test_input_shape_rejected_by_model() -> None:
+    model, opt, step = trained("mlp")
+    x, y = torch.randn(8, 10), torch.randint(0, 5, (8,))  # 10 features, the model wants 16
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(TraceError) as info:
+        step(x, y)
+    message = str(info.value)
+    assert "module '0' (Linear)" in message
+    assert "(8, 10) float32" in message
+    assert "RuntimeError" in message and "reduction dim" in message
+    snap.assert_unchanged()
+
+
+def test_wrong_dtype_input() -> None:
+    model, opt, step = trained("mlp")
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 5, (8,))
+    snap = Snapshot(model, opt, step)
+    # Fake tensors let this mismatch through tracing; the graph then fails at its first
+    # matmul, before any state write (the step writes state only at its very end).
+    with pytest.raises(TraceError, match=r"same dtype(.|\n)*\(8, 16\) float64"):
+        step(x, y)
+    snap.assert_unchanged()
+
+
+@pytest.mark.parametrize(
+    ("loss", "got"),
+    [
+        (nn.CrossEntropyLoss(reduction="none"), r"\(8,\) float32"),
+        (lambda out, y: (out.argmax(1) == y).sum(), r"\(\) int64"),
+        (lambda out, y: 3.0, "float"),
+    ],
+)
+def test_loss_must_be_0_dim_float_tensor(loss, got) -> None:
+    model, opt, step = trained()
+    bad = functacc.compile_step(model, loss, opt, backend="eager")
+    x, y = batch()
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(ValueError, match="0-dim floating-point tensor") as info:
+        bad(x, y)
+    assert info.match(got)
+    snap.assert_unchanged()
+
+
+def test_model_without_loss() -> None:
+    model = models.TupleOut()
+    step = functacc.compile_step(
+        model, None, torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    with pytest.raises(ValueError, match=r"model must compute its own loss.*got tuple"):
+        step(torch.randn(2, 16))
+    logits_model = models.mlp()
+    step = functacc.compile_step(
+        logits_model, None, torch.optim.SGD(logits_model.parameters(), lr=0.1), backend="eager"
+    )
+    with pytest.raises(ValueError, match=r"the model's loss must be a 0-dim.*\(2, 5\) float32"):
+        step(torch.randn(2, 16))
+
+
+def test_optimizer_over_other_parameters() -> None:
+    model = models.mlp()
+    other = models.mlp()
+    opt = torch.optim.SGD([*model.parameters(), other[0].weight], lr=0.1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[6\].*not a parameter of"):
+        functacc.compile_step(model, nn.CrossEntropyLoss(), opt)
+
+
+def test_unsupported_optimizer_lists_supported() -> None:
+    model = models.mlp()
+    with pytest.raises(TypeError) as info:
+        functacc.compile_step(model, nn.MSELoss(), torch.optim.RMSprop(model.parameters()))
+    assert "torch.optim.RMSprop" in str(info.value)
+    assert "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW" in str(info.value)
+
+
+def test_unsupported_optimizer_option() -> None:
+    model = models.mlp()
+    opt = torch.optim.Adam(model.parameters(), differentiable=True)
+    with pytest.raises(ValueError, match="differentiable=True"):
+        functacc.compile_step(model, nn.MSELoss(), opt)
+
+
+def test_bad_arguments() -> None:
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        functacc.compile_step(model, nn.MSELoss(), opt, backend="tvm")
+    with pytest.raises(ValueError, match="grad_accum_steps"):
+        functacc.compile_step(model, nn.MSELoss(), opt, grad_accum_steps=0)
+    with pytest.raises(ValueError, match="max_norm"):
+        functacc.compile_step(model, nn.MSELoss(), opt, max_grad_norm=-1.0)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        functacc.compile_step(model, "mse", opt)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    with pytest.raises(TypeError, match=r"step\(inputs, targets\)"):
+        step(torch.randn(2, 16))
+
+
+def test_grad_accum_needs_divisible_batch() -> None:
+    model, opt, step = trained(grad_accum_steps=4)
+    x, y = batch(n=6)
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(ValueError, match=r"grad_accum_steps=4.*has 6 rows.*divisible by 4"):
+        step(x, y)
+    snap.assert_unchanged()
+
+
+def test_nonfinite_inputs_update_everything_like_eager() -> None:
+    # A NaN batch does not raise. Like eager PyTorch, it poisons the parameters it reaches;
+    # the point is that the update is whole: every tensor of the state moves together.
+    model, opt, step = trained()
+    ref, ref_opt = copy.deepcopy(model), copy.deepcopy(opt)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_opt.load_state_dict(opt.state_dict())
+    x = torch.randn(8, 3, 16, 16)
+    x[0, 0, 0, 0] = math.nan
+    y = torch.randint(0, 5, (8,))
+    torch.manual_seed(1)
+    loss = step(x, y)
+    torch.manual_seed(1)
+    ref_opt.zero_grad()
+    ref_loss = nn.functional.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    assert math.isnan(float(loss)) and math.isnan(float(ref_loss))
+    assert step.count == 2
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=0, atol=0, what="optimizer")

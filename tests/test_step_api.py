@@ -1,0 +1,263 @@
+"""The Step API: pure apply, the signature cache, hyperparameters, train/eval, live state."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import models
+import pytest
+import torch
+from helpers import assert_close
+from torch import nn
+
+import functacc
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict:
+    out = {"model": copy.deepcopy(model.state_dict()), "rng": torch.get_rng_state()}
+    if opt is not None:
+        out["opt"] = copy.deepcopy(opt.state_dict())
+    return out
+
+
+def data(n: int = 3, batch: int = 8):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 5, (batch,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def make(opt_cls=torch.optim.AdamW, **opt_kwargs):
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    opt = opt_cls(model.parameters(), lr=1e-3, **opt_kwargs)
+    return model, opt, functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+
+
+def test_apply_is_pure_and_matches_the_stateful_step() -> None:
+    model, opt, step = make()
+    twin_model = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=1e-3)
+    twin = functacc.compile_step(twin_model, nn.CrossEntropyLoss(), twin_opt, backend="eager")
+
+    state = step.init_state()
+    before = snapshot(model, opt)
+    state_before = copy.deepcopy(state)
+    for i, (x, y) in enumerate(data()):
+        torch.manual_seed(i)
+        new_state, loss = step.apply(state, x, y)
+        assert_close(state, state_before, rtol=0, atol=0, what="input state")  # not mutated
+        state, state_before = new_state, copy.deepcopy(new_state)
+        torch.manual_seed(i)
+        ref_loss = twin(x, y)
+        assert torch.equal(loss, ref_loss)
+    after = snapshot(model, opt)
+    assert_close(after["model"], before["model"], rtol=0, atol=0, what="model")
+    assert_close(after["opt"], before["opt"], rtol=0, atol=0, what="optimizer")
+    assert_close(state.params, dict(twin_model.named_parameters()), rtol=0, atol=0, what="params")
+    assert_close(state.buffers, dict(twin_model.named_buffers()), rtol=0, atol=0, what="buffers")
+    assert int(state.count) == 3
+    assert torch.equal(
+        state.opt_state[0].exp_avg["0.weight"], twin_opt.state[twin_model[0].weight]["exp_avg"]
+    )
+
+
+def test_init_state_is_a_copy() -> None:
+    model, _, step = make()
+    state = step.init_state()
+    x, y = data(1)[0]
+    step(x, y)
+    assert not torch.equal(state.params["0.weight"], model[0].weight)
+    assert int(state.count) == 0 and step.count == 1
+
+
+def test_no_retrace_then_one_retrace_per_new_signature(caplog) -> None:
+    _, _, step = make()
+    caplog.set_level(logging.INFO, logger="functacc")
+    (x, y), (x2, y2) = data(2)
+    step(x, y)
+    step(x2, y2)
+    assert step.num_traces == 1
+    step(x[:5], y[:5])  # the last, smaller batch of an epoch
+    assert step.num_traces == 2
+    step(x2[:5], y2[:5])
+    step(x, y)  # both signatures are cached
+    assert step.num_traces == 2
+    messages = [r.getMessage() for r in caplog.records if "traced" in r.getMessage()]
+    assert len(messages) == 2
+    assert "first call" in messages[0]
+    assert "(8, 3, 16, 16)" in messages[1] and "(5, 3, 16, 16)" in messages[1]
+
+
+def test_lr_and_momentum_changes_take_effect_without_retrace() -> None:
+    model, opt, step = make(torch.optim.SGD, momentum=0.9)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3, momentum=0.9)
+    for i, (x, y) in enumerate(data(4)):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["lr"] = 0.1 / (i + 1)
+            o.param_groups[0]["momentum"] = 0.5 + 0.1 * i
+        torch.manual_seed(i)
+        step(x, y)
+        torch.manual_seed(i)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    assert step.num_traces == 1
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+
+
+def test_structural_hyperparameter_change_retraces_with_reason(caplog) -> None:
+    _, opt, step = make(torch.optim.SGD, momentum=0.9)
+    caplog.set_level(logging.INFO, logger="functacc")
+    x, y = data(1)[0]
+    step(x, y)
+    opt.param_groups[0]["nesterov"] = True
+    step(x, y)
+    assert step.num_traces == 2
+    assert "optimizer hyperparameters" in caplog.records[-1].getMessage()
+
+
+def test_eval_mode_retraces_and_leaves_running_stats_alone() -> None:
+    model, _, step = make()
+    x, y = data(1)[0]
+    step(x, y)
+    model.eval()
+    stats = model[1].running_mean.clone()
+    tracked = int(model[1].num_batches_tracked)
+    step(x, y)
+    assert step.num_traces == 2
+    assert torch.equal(model[1].running_mean, stats)
+    assert int(model[1].num_batches_tracked) == tracked
+
+
+def test_dropout_draws_fresh_masks_and_consumes_rng_like_eager() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    ref = copy.deepcopy(model)
+    step = functacc.compile_step(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.0), backend="eager"
+    )
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    torch.manual_seed(5)
+    losses = [step(x, y) for _ in range(3)]
+    assert len({float(v) for v in losses}) == 3  # lr=0: only the masks differ
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(5)
+    ref_losses = [nn.functional.mse_loss(ref(x), y).detach() for _ in range(3)]
+    assert [float(v) for v in losses] == [float(v) for v in ref_losses]
+    assert torch.equal(rng_after, torch.get_rng_state())
+
+
+def test_trace_does_not_touch_real_state() -> None:
+    # Tracing runs on fake tensors: the first call changes BN stats once, not twice.
+    model, _, step = make()
+    x, y = data(1)[0]
+    step(x, y)
+    assert int(model[1].num_batches_tracked) == 1
+
+
+def test_load_state_dict_between_steps_is_followed() -> None:
+    model, opt, step = make()
+    x, y = data(1)[0]
+    step(x, y)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    torch.manual_seed(0)
+    first = step(x, y)
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)  # replaces opt.state with new tensors
+    torch.manual_seed(0)
+    again = step(x, y)
+    assert torch.equal(first, again)
+    assert step.num_traces == 1
+    assert opt.state[model[0].weight]["step"] == 2
+
+
+def test_loss_is_detached_scalar() -> None:
+    _, _, step = make()
+    loss = step(*data(1)[0])
+    assert loss.shape == () and not loss.requires_grad
+
+
+def test_optimizer_state_appears_only_after_first_step() -> None:
+    model, opt, step = make()
+    assert len(opt.state) == 0
+    step(*data(1)[0])
+    assert set(opt.state[model[0].weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_functionalize_is_pure() -> None:
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    apply_fn, params, buffers = functacc.functionalize(model)
+    before = copy.deepcopy(buffers)
+    x = torch.randn(4, 3, 16, 16)
+    out, new_buffers = apply_fn(params, buffers, x)
+    assert_close(buffers, before, rtol=0, atol=0, what="buffers")
+    assert int(new_buffers["1.num_batches_tracked"]) == 1
+    eager = copy.deepcopy(model)
+    torch.manual_seed(3)
+    expected = eager(x)
+    torch.manual_seed(3)
+    out, new_buffers = apply_fn(params, buffers, x)
+    assert torch.equal(out, expected)
+    assert_close(new_buffers, dict(eager.named_buffers()), rtol=0, atol=0, what="new buffers")
+    assert not torch.equal(new_buffers["1.running_mean"], buffers["1.running_mean"])
+    assert set(params) == {n for n, _ in model.named_parameters()}
+
+
+def test_gradient_transformation_optimizer() -> None:
+    torch.manual_seed(0)
+    model = models.mlp()
+    ref = copy.deepcopy(model)
+    opt = functacc.optim.chain(
+        functacc.optim.clip_by_global_norm(1.0), functacc.optim.adamw(1e-2, weight_decay=0.1)
+    )
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(5):
+        x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+        step(x, y)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+
+
+def test_public_api() -> None:
+    assert set(functacc.__all__) >= {
+        "compile_step",
+        "Step",
+        "TrainState",
+        "TraceError",
+        "functionalize",
+        "optim",
+    }
+    assert set(functacc.optim.__all__) >= {
+        "GradientTransformation",
+        "chain",
+        "sgd",
+        "adam",
+        "adamw",
+        "clip_by_global_norm",
+        "constant",
+        "linear_warmup",
+        "cosine_decay",
+        "from_torch",
+    }
+    for module in (functacc, functacc.optim):
+        for name in module.__all__:
+            assert hasattr(module, name), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_signature_includes_dtype(dtype: torch.dtype) -> None:
+    model = nn.Linear(4, 2).to(dtype)
+    step = functacc.compile_step(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    step(torch.randn(3, 4, dtype=dtype), torch.randn(3, 2, dtype=dtype))
+    assert model.weight.dtype == dtype
