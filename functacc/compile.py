@@ -43,9 +43,19 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
 
     # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
     # traced graph stays valid for inspection and for the eager fallback.
+    from torch._inductor import config as inductor_config
+
+    options = {}
+    if all(t.device.type == "cpu" for t in example_inputs):
+        # Inductor's layout optimization converts convolutions to channels-last. In a whole
+        # training step the weights are graph inputs rewritten every step, so it converts
+        # them back and forth every call: measured here on ResNet-18 (2-core CPU, batch 32)
+        # 138 ms/step with it, 58 ms without (eager: 77 ms).
+        options["layout_optimization"] = False
     # Detached examples: the graph already contains its backward, so Inductor must compile
     # it as an inference graph even when the inputs are parameters that require grad.
-    compiled = compile_fx(copy.deepcopy(gm), [t.detach() for t in example_inputs])
+    with inductor_config.patch(options):
+        compiled = compile_fx(copy.deepcopy(gm), [t.detach() for t in example_inputs])
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
     return lambda args: compiled(*args)
 

@@ -1,0 +1,78 @@
+"""Command line of the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from . import competitors, report, runner
+from .models import WORKLOADS, build
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m functacc bench",
+        description="Train one workload with eager PyTorch, torch.compile and functacc, "
+        "interleaved in one process, and compare throughput, compile time and memory.",
+    )
+    p.add_argument("--model", choices=WORKLOADS, default="mlp")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--image-size", type=int, default=None, help="resnet models only")
+    p.add_argument("--seq-len", type=int, default=None, help="transformer only")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--competitors",
+        default=",".join(competitors.COMPETITORS),
+        help="comma-separated subset of: " + ", ".join(competitors.COMPETITORS),
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    workload = build(
+        args.model,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        seq_len=args.seq_len,
+        device=args.device,
+    )
+    names = [n.strip() for n in args.competitors.split(",") if n.strip()]
+    factories = [lambda n=n: competitors.make(n, workload) for n in names]
+    results = runner.run(
+        factories,
+        batch_size=workload.inputs.shape[0],
+        device=torch.device(args.device),
+        warmup=args.warmup,
+        steps=args.steps,
+        rounds=args.rounds,
+        progress=not args.no_progress,
+    )
+    print(f"{workload.description}; {report.machine()}")
+    print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
+    print(report.table(results))
+    if args.json:
+        report.write_json(
+            args.json,
+            {
+                "workload": workload.description,
+                "machine": report.machine(),
+                "command": "python -m functacc bench "
+                + " ".join(sys.argv[1:] if argv is None else argv),
+                "results": [r.as_dict() for r in results],
+            },
+        )
+    if args.plot:
+        report.plot(args.plot, results, title=workload.description)
+    return 0

@@ -1,0 +1,81 @@
+"""The ways to train one workload that the benchmark compares, each from the same weights."""
+
+from __future__ import annotations
+
+import copy
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..step import compile_step
+from .models import Workload
+
+__all__ = ["COMPETITORS", "Competitor", "make"]
+
+
+class Competitor(Protocol):
+    name: str
+
+    def step(self) -> Tensor: ...
+
+
+class Eager:
+    """The plain PyTorch loop: zero_grad, forward, backward, optimizer step."""
+
+    name = "eager"
+
+    def __init__(self, w: Workload):
+        self.w = w
+        self.model = copy.deepcopy(w.model)
+        self.opt = w.make_opt(self.model)
+
+    def step(self) -> Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.w.loss_fn(self.model(self.w.inputs), self.w.targets)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+class TorchCompile(Eager):
+    """``torch.compile(model)`` for forward/backward and a compiled optimizer step, as in
+    PyTorch's "Compiling the optimizer with torch.compile" recipe."""
+
+    name = "torch.compile"
+
+    def __init__(self, w: Workload):
+        super().__init__(w)
+        self.compiled = torch.compile(self.model)
+        self.opt_step = torch.compile(self.opt.step)
+
+    def step(self) -> Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.w.loss_fn(self.compiled(self.w.inputs), self.w.targets)
+        loss.backward()
+        self.opt_step()
+        return loss.detach()
+
+
+class Functacc:
+    """``functacc.compile_step``: forward, backward and optimizer as one Inductor graph."""
+
+    name = "functacc"
+
+    def __init__(self, w: Workload, **options):
+        self.w = w
+        self.model = copy.deepcopy(w.model)
+        self.opt = w.make_opt(self.model)
+        self.compiled = compile_step(self.model, w.loss_fn, self.opt, **options)
+
+    def step(self) -> Tensor:
+        return self.compiled(self.w.inputs, self.w.targets)
+
+
+COMPETITORS = {c.name: c for c in (Eager, TorchCompile, Functacc)}
+
+
+def make(name: str, workload: Workload) -> Competitor:
+    if name not in COMPETITORS:
+        raise ValueError(f"unknown competitor {name!r}; choose from {', '.join(COMPETITORS)}")
+    return COMPETITORS[name](workload)

@@ -1,0 +1,116 @@
+"""The benchmark workloads: a model, synthetic data, a loss and an optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torchvision
+from torch import Tensor, nn
+
+__all__ = ["WORKLOADS", "Workload", "build"]
+
+
+@dataclass
+class Workload:
+    """Everything a competitor needs to train; ``make_opt`` builds a fresh optimizer."""
+
+    name: str
+    model: nn.Module
+    inputs: Tensor
+    targets: Tensor
+    loss_fn: nn.Module
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer]
+    description: str
+
+
+class MLP(nn.Sequential):
+    """8 x (Linear(256, 256) + ReLU) and a classifier: small matmuls, optimizer-heavy."""
+
+    def __init__(self, width: int = 256, depth: int = 8, classes: int = 10):
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        super().__init__(*layers, nn.Linear(width, classes))
+
+
+class TokenClassifier(nn.Module):
+    """A 4-layer pre-norm TransformerEncoder over token embeddings, mean-pooled."""
+
+    def __init__(self, vocab: int = 1000, dim: int = 256, layers: int = 4, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(
+            dim,
+            nhead=4,
+            dim_feedforward=4 * dim,
+            dropout=0.1,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+DEFAULTS = {
+    "mlp": {"batch_size": 32},
+    "resnet18": {"batch_size": 32, "image_size": 32},
+    "resnet50": {"batch_size": 16, "image_size": 32},
+    "transformer": {"batch_size": 16, "seq_len": 64},
+}
+WORKLOADS = tuple(DEFAULTS)
+
+
+def build(
+    name: str,
+    *,
+    batch_size: int | None = None,
+    image_size: int | None = None,
+    seq_len: int | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+) -> Workload:
+    """Build workload ``name`` with its defaults, overridden by the given sizes."""
+    if name not in DEFAULTS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
+    sizes = {**DEFAULTS[name]}
+    for key, value in (
+        ("batch_size", batch_size),
+        ("image_size", image_size),
+        ("seq_len", seq_len),
+    ):
+        if value is not None:
+            sizes[key] = value
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    b = sizes["batch_size"]
+    ce = nn.CrossEntropyLoss()
+    if name == "mlp":
+        model, opt = MLP(), _adamw
+        inputs = torch.randn(b, 256, generator=g)
+        desc = f"MLP 8x Linear(256,256)+ReLU, batch {b}, AdamW"
+    elif name in ("resnet18", "resnet50"):
+        model = getattr(torchvision.models, name)(num_classes=10)
+        opt = _sgd
+        s = sizes["image_size"]
+        inputs = torch.randn(b, 3, s, s, generator=g)
+        desc = f"torchvision {name}, {s}x{s} images, batch {b}, SGD momentum"
+    else:
+        model, opt = TokenClassifier(), _adamw
+        inputs = torch.randint(0, 1000, (b, sizes["seq_len"]), generator=g)
+        desc = f"4-layer Transformer d=256, seq {sizes['seq_len']}, batch {b}, AdamW"
+    targets = torch.randint(0, 10, (b,), generator=g)
+    return Workload(name, model.to(device), inputs.to(device), targets.to(device), ce, opt, desc)

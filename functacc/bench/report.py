@@ -1,0 +1,69 @@
+"""Tables, JSON and plots of benchmark results."""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Sequence
+
+import torch
+
+from .runner import Result
+
+__all__ = ["machine", "plot", "table", "write_json"]
+
+
+def machine() -> str:
+    cores = torch.get_num_threads()
+    cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {cores} threads, {gpu}, torch {torch.__version__}"
+
+
+def table(
+    results: Sequence[Result], *, baseline: str = "eager", rival: str = "torch.compile"
+) -> str:
+    """A Markdown table with throughput ratios to the baseline and to the rival."""
+    by_name = {r.name: r for r in results}
+    base = by_name.get(baseline)
+    other = by_name.get(rival)
+    lines = [
+        f"| | samples/s | vs {baseline} | vs {rival} | first step (s) | peak memory (MiB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        vs_base = f"{r.samples_per_s / base.samples_per_s:.2f}x" if base else "-"
+        vs_other = f"{r.samples_per_s / other.samples_per_s:.2f}x" if other else "-"
+        lines.append(
+            f"| {r.name} | {r.samples_per_s:.1f} | {vs_base} | {vs_other} | "
+            f"{r.first_step_s:.1f} | {r.peak_memory_bytes / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def plot(path: str, results: Sequence[Result], *, title: str) -> None:
+    """A bar chart of samples/s (matplotlib is the optional 'plot' extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(
+            "--plot needs matplotlib: pip install 'functacc[plot]' (or pip install matplotlib)"
+        ) from exc
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r.name for r in results]
+    values = [r.samples_per_s for r in results]
+    bars = ax.bar(names, values, color=["#888888", "#4c72b0", "#dd8452", "#55a868"][: len(names)])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("samples / s")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

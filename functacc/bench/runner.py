@@ -1,0 +1,85 @@
+"""Run competitors side by side in one process, interleaved round by round."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from ..memory import peak_memory
+from .competitors import Competitor
+
+__all__ = ["Result", "run"]
+
+
+@dataclass
+class Result:
+    name: str
+    first_step_s: float  # time to first step: tracing + compilation + one step
+    samples_per_s: float  # median over rounds
+    round_samples_per_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    final_loss: float = float("nan")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(
+    factories: Sequence[Callable[[], Competitor]],
+    *,
+    batch_size: int,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    rounds: int,
+    progress: bool = True,
+) -> list[Result]:
+    """Build each competitor (timing its first step), warm up, then time ``rounds`` rounds of
+    ``steps`` steps, rotating the order each round so that no competitor always runs first
+    (CPU frequency and cache state drift over a run)."""
+    total = len(factories) * (1 + warmup + rounds * steps + 1)
+    bar = tqdm(total=total, desc="bench", unit="step", disable=not progress, leave=False)
+    competitors: list[Competitor] = []
+    results: list[Result] = []
+    for factory in factories:
+        start = time.perf_counter()
+        competitor = factory()
+        competitor.step()
+        _sync(device)
+        first = time.perf_counter() - start
+        competitors.append(competitor)
+        results.append(Result(competitor.name, first, 0.0))
+        bar.update(1)
+    for competitor in competitors:
+        for _ in range(warmup):
+            competitor.step()
+            bar.update(1)
+    for r in range(rounds):
+        order = list(range(len(competitors)))
+        order = order[r % len(order) :] + order[: r % len(order)]
+        for i in order:
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = competitors[i].step()
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            results[i].round_samples_per_s.append(steps * batch_size / elapsed)
+            results[i].final_loss = float(loss)
+            bar.update(steps)
+    for competitor, result in zip(competitors, results, strict=True):
+        result.samples_per_s = statistics.median(result.round_samples_per_s)
+        result.peak_memory_bytes = peak_memory(competitor.step, device=device)
+        bar.update(1)
+    bar.close()
+    return results
