@@ -39,11 +39,8 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
     """
     if backend == "eager":
         return lambda args: gm(*args)
-    from torch._inductor.compile_fx import compile_fx
-
-    # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
-    # traced graph stays valid for inspection and for the eager fallback.
     from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
 
     options = {}
     if all(t.device.type == "cpu" for t in example_inputs):
@@ -54,6 +51,8 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
         options["layout_optimization"] = False
     # Detached examples: the graph already contains its backward, so Inductor must compile
     # it as an inference graph even when the inputs are parameters that require grad.
+    # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
+    # traced graph stays valid for inspection.
     with inductor_config.patch(options):
         compiled = compile_fx(copy.deepcopy(gm), [t.detach() for t in example_inputs])
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
