@@ -1,24 +1,19 @@
 """``compile_step``: the whole training step as one traced, compiled pure function.
 
-One call of the step is: forward, loss, backward (``torch.autograd.grad`` traced into the
-same graph, the joint-graph approach of AOTAutograd), gradient clipping, the optimizer update
-and the new BatchNorm statistics. It is traced once per input signature with fake tensors,
-compiled, and then replayed.
-
-Two forms share the same mathematics:
+The step is traced once per input signature with fake tensors, compiled, and replayed.
+Two forms share the same mathematics (:mod:`functacc.step_fn`):
 
 - ``step(inputs, targets)`` updates the model's own tensors and the ``torch.optim``
-  optimizer's own state in place (the graph writes into them), so the rest of a PyTorch
-  program (saving, evaluation, export, ``opt.state_dict()``) keeps working;
+  optimizer's own state in place (the graph's last ops write into them), so the rest of a
+  PyTorch program (saving, evaluation, export, ``opt.state_dict()``) keeps working;
 - ``step.apply(state, inputs, targets) -> (new_state, loss)`` is pure: it mutates nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -33,31 +28,17 @@ from .compile import (
     compile_graph,
 )
 from .errors import argument_error
-from .functional import call_module
-from .optim import GradientTransformation, clip_by_global_norm
+from .optim import GradientTransformation
 from .optim._torch import TorchOptimizerLink, _check_supported
-from .optim._transform import step_params
+from .parallel import resolve_strategy
+from .parallel.comm import CommStats, comm_stats
+from .parallel.strategy import check_same_model, sync_from_rank0
+from .step_fn import LossFn, StepFunction, TrainState
 from .trace import describe_tensor, run_error, trace
 
 __all__ = ["Step", "TrainState", "compile_step"]
 
 log = logging.getLogger("functacc")
-
-LossFn = Callable[[Any, Any], Tensor]
-
-
-class TrainState(NamedTuple):
-    """Everything a training step reads and writes.
-
-    ``params`` and ``buffers`` are keyed like ``model.named_parameters()`` /
-    ``named_buffers()``; ``opt_state`` is the optimizer's pure state; ``count`` is the number
-    of steps taken (0-dim int64 tensor).
-    """
-
-    params: dict[str, Tensor]
-    buffers: dict[str, Tensor]
-    opt_state: Any
-    count: Tensor
 
 
 @dataclass
@@ -66,16 +47,12 @@ class _Program:
 
     run: Compiled
     graph: torch.fx.GraphModule
-    constants: list[Any]  # non-tensor leaves of the batch, baked into the graph
     changed: list[bool] = field(default_factory=list)  # which state leaves the step rewrites
     names_with_grads: frozenset[str] = frozenset()
+    stats: CommStats | None = None
 
 
 _tensor_key = TensorSpec.of
-
-
-def _leaf_name(path: tuple) -> str:
-    return pytree.keystr(path)
 
 
 class Step:
@@ -100,6 +77,7 @@ class Step:
         backend: Backend = "inductor",
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
+        parallel: Any = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -111,30 +89,42 @@ class Step:
         check_backend(backend)
         if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1; got {grad_accum_steps!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None; got {max_grad_norm!r}")
+        _check_supported(opt)
         self.model = model
         self.loss_fn = loss_fn
         self.backend = backend
         self.grad_accum_steps = grad_accum_steps
-        self._clip = clip_by_global_norm(max_grad_norm) if max_grad_norm is not None else None
         self._params: dict[str, Tensor] = dict(model.named_parameters())
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
         self._modules = list(model.modules())
+        self._model_tensors = [*self._params.values(), *self._buffers.values()]
         self._cache = SignatureCache("the training step")
+        self._calls = 0
 
-        _check_supported(opt)
-        if isinstance(opt, GradientTransformation):
-            self._link: TorchOptimizerLink | None = None
-            self._transform = opt
-            opt_state = opt.init({n: p.detach() for n, p in self._params.items()})
-        else:
-            names = {id(p): n for n, p in self._params.items()}
-            self._link = TorchOptimizerLink(opt, names)
-            self._transform = self._link.transform()
-            opt_state = self._link.read_state(self._params, copy=False)
-            self._torch_state = opt.state
-        self._hyper_key = self._link.structure_key() if self._link else ()
-        count = torch.zeros((), dtype=torch.int64)
-        self._set_live_state(TrainState(self._params, self._buffers, opt_state, count))
+        self._link = (
+            None
+            if isinstance(opt, GradientTransformation)
+            else TorchOptimizerLink(opt, {id(p): n for n, p in self._params.items()})
+        )
+        self._strategy = resolve_strategy(
+            parallel, model, self._link.groups if self._link else None
+        )
+        if self._strategy.topology.world > 1:
+            # A collective call: every rank builds its step at the same point of its program.
+            check_same_model(self._params, "parameter")
+            check_same_model(self._buffers, "buffer")
+            sync_from_rank0({**self._params, **self._buffers})
+        self._fn = StepFunction(
+            model,
+            loss_fn,
+            self._build_transform(opt),
+            self._strategy,
+            grad_accum_steps,
+            max_grad_norm,
+        )
+        self._set_live_state(self._initial_state(opt))
         self._installed = False
 
     # -- public ------------------------------------------------------------------------
@@ -146,7 +136,13 @@ class Step:
     @property
     def count(self) -> int:
         """Steps taken by the stateful form."""
-        return int(self._live.count)
+        return self._calls
+
+    @property
+    def state(self) -> TrainState:
+        """The live training state of the stateful form. Its tensors are the ones the step
+        updates in place (the model's own parameters, unless sharded)."""
+        return self._live
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         """One training step that updates the model and the optimizer in place.
@@ -159,16 +155,18 @@ class Step:
         if self._link is not None:
             self._link.sync_hyperparams(self._live.opt_state)
         tensors, batch_key = self._flatten_batch(args, kwargs)
-        key = ("inplace", batch_key, self._state_key())
+        key = ("inplace", batch_key, self._state_key(self._calls))
         program = self._cache.get(key)
         if program is None:
-            program = self._build(key, self._live, args, kwargs, inplace=True)
+            program = self._build(key, self._live, args, kwargs, inplace=True, count=self._calls)
         try:
             with torch.no_grad():
                 loss = program.run([*self._live_leaves, *tensors])[0]
         except Exception as exc:
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
-        if not self._installed and self._link is not None:
+        self._calls += 1
+        self._last_program = program
+        if not self._installed and self._link is not None and self._strategy.named_state:
             # torch creates optimizer state at the first step; so do we, only once the
             # first step has succeeded (a failed first call must leave opt.state empty).
             self._link.install(self._live.opt_state, program.names_with_grads)
@@ -178,15 +176,9 @@ class Step:
     def init_state(self) -> TrainState:
         """A copy of the current training state (model, optimizer, step count) for
         :meth:`apply`. Later calls of the stateful step do not change it."""
-        params = {n: p.detach().clone() for n, p in self._params.items()}
-        buffers = {n: b.detach().clone() for n, b in self._buffers.items()}
-        if self._link is not None:
-            opt_state = self._link.read_state(params, copy=True)
-        else:
-            opt_state = pytree.tree_map(
-                lambda x: x.clone() if isinstance(x, Tensor) else x, self._live.opt_state
-            )
-        return TrainState(params, buffers, opt_state, self._live.count.clone())
+        return pytree.tree_map(
+            lambda x: x.detach().clone() if isinstance(x, Tensor) else x, self._live
+        )
 
     def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> tuple[TrainState, Tensor]:
         """The pure step: ``(new_state, loss)``; mutates nothing, not even ``state``.
@@ -205,20 +197,75 @@ class Step:
         leaves, spec = pytree.tree_flatten(state)
         tensors, batch_key = self._flatten_batch(args, kwargs)
         state_key = (spec, tuple(_tensor_key(t) for t in leaves))
-        key = ("pure", batch_key, self._state_key(), ("state", state_key))
+        count = int(state.count) if self._strategy.signature(0) != () else 0
+        key = ("pure", batch_key, self._state_key(count), ("state", state_key))
         program = self._cache.get(key)
         if program is None:
-            program = self._build(key, state, args, kwargs, inplace=False)
+            program = self._build(key, state, args, kwargs, inplace=False, count=count)
         try:
             with torch.no_grad():
                 outputs = program.run([*leaves, *tensors])
         except Exception as exc:
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
+        self._last_program = program
         new = iter(outputs[1:])
         new_leaves = [next(new) if c else t for t, c in zip(leaves, program.changed, strict=True)]
         return pytree.tree_unflatten(new_leaves, spec), outputs[0]
 
+    def stats(self) -> dict[str, Any]:
+        """What the last step communicated and what this rank holds.
+
+        ``collectives`` and ``payload_bytes`` per kind (``all_reduce``, ``reduce_scatter``,
+        ``all_gather``) are read off the compiled graph; ``sent_bytes`` estimates what this
+        rank sends on a ring. ``memory`` gives the bytes this rank holds between steps for
+        ``params``, ``grads`` (0: gradients live only inside the step) and ``optimizer``.
+        """
+        program = getattr(self, "_last_program", None)
+        comm = program.stats if program is not None and program.stats else CommStats()
+        return {
+            "strategy": self._strategy.name,
+            "world_size": self._strategy.topology.world,
+            "collectives": dict(comm.collectives),
+            "payload_bytes": dict(comm.payload_bytes),
+            "sent_bytes": dict(comm.sent_bytes),
+            "memory": {
+                "params": _nbytes(self._live.params),
+                "grads": 0,
+                "optimizer": _nbytes(self._live.opt_state),
+                "buffers": _nbytes(self._live.buffers),
+            },
+        }
+
+    def sync_model(self) -> nn.Module:
+        """Make ``model`` hold the full trained parameters on every rank (ZeRO-3 gathers
+        them; otherwise the model already holds them) and return it."""
+        self._strategy.write_model_params(self._live.params, self._params)
+        return self.model
+
     # -- live state --------------------------------------------------------------------
+    def _build_transform(self, opt: Any) -> GradientTransformation:
+        if self._link is None:
+            return opt
+        return self._link.transform(self._strategy.optimizer_groups(self._link.groups))
+
+    def _initial_state(self, opt: Any) -> TrainState:
+        strategy = self._strategy
+        params = strategy.live_params(self._params)
+        opt_params = strategy.optimizer_params(params)
+        if self._link is not None and strategy.named_state:
+            opt_state = self._link.read_state(self._params, copy=False)
+            self._torch_state = opt.state
+        elif self._link is not None:
+            named = self._link.read_state(self._params, copy=True)
+            opt_state = strategy.shard_optimizer_state(named, self._fn.transform, opt_params)
+            self._torch_state = opt.state
+        else:
+            opt_state = self._fn.transform.init(opt_params)
+        count = torch.zeros((), dtype=torch.int64)
+        extra = strategy.init_extra(self._params)
+        self._hyper_key = self._link.structure_key() if self._link else ()
+        return TrainState(params, self._buffers, opt_state, count, extra)
+
     def _set_live_state(self, state: TrainState) -> None:
         self._live = state
         self._live_leaves, self._live_spec = pytree.tree_flatten(state)
@@ -227,7 +274,7 @@ class Step:
         """Follow ``opt.load_state_dict`` and hyperparameter edits made between calls."""
         if self._link is None:
             return
-        if self._link.optimizer.state is not self._torch_state:
+        if self._link.optimizer.state is not self._torch_state and self._strategy.named_state:
             # load_state_dict() replaces the state dict: adopt its tensors as the live state.
             self._torch_state = self._link.optimizer.state
             opt_state = self._link.read_state(self._params, copy=False)
@@ -235,22 +282,19 @@ class Step:
             self._installed = False
         hyper_key = self._link.structure_key()
         if hyper_key != self._hyper_key:
-            self._transform = self._link.transform()
+            self._fn.transform = self._build_transform(self._link.optimizer)
             self._hyper_key = hyper_key
 
-    def _state_key(self) -> tuple:
+    def _state_key(self, count: int) -> tuple:
         # Cheap per-call checks of what changes the graph: train/eval mode, which parameters
-        # are trainable, dtypes/shapes of the model's tensors, optimizer hyperparameters.
+        # are trainable, dtypes/shapes of the model's tensors, optimizer structure.
         return (
             ("train mode", tuple(m.training for m in self._modules)),
             ("requires_grad", tuple(p.requires_grad for p in self._params.values())),
-            ("model tensors", tuple((p.dtype, p.shape) for p in self._live_leaves_model())),
+            ("model tensors", tuple((t.dtype, t.shape) for t in self._model_tensors)),
             ("optimizer hyperparameters", self._hyper_key),
+            ("parallel", self._strategy.signature(count)),
         )
-
-    def _live_leaves_model(self):
-        yield from self._params.values()
-        yield from self._buffers.values()
 
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
@@ -287,99 +331,22 @@ class Step:
                 parts.append(f"{name}: {leaf!r}")
         return "; ".join(parts) or "no inputs"
 
-    def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        k = self.grad_accum_steps
-        if k == 1:
-            return [(args, kwargs)]
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-            if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] % k:
-                raise argument_error(
-                    f"grad_accum_steps={k} splits every batch tensor into {k} micro-batches "
-                    f"along dim 0, but batch{_leaf_name(path)} has {leaf.shape[0]} rows. Use a "
-                    f"batch size divisible by {k} (e.g. DataLoader(..., drop_last=True))."
-                )
-        micro = []
-        for i in range(k):
-            chunk = [
-                x.tensor_split(k)[i] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves
-            ]
-            micro.append(pytree.tree_unflatten(chunk, spec))
-        return micro
-
-    # -- the step function -------------------------------------------------------------
-    def _loss(self, outputs: Any, args: tuple) -> Tensor:
-        if self.loss_fn is not None:
-            loss = self.loss_fn(outputs, args[1])
-            what = "loss_fn(outputs, targets)"
-        else:
-            loss = _model_loss(outputs)
-            what = "the model's loss"
-        if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            got = describe_tensor(loss) if isinstance(loss, Tensor) else type(loss).__name__
-            raise argument_error(
-                f"{what} must be a 0-dim floating-point tensor (the value to minimise); got "
-                f"{got}. Reduce it to a scalar, e.g. with reduction='mean' or loss.mean()."
-            )
-        return loss
-
-    def _call_model(
-        self, params: dict, buffers: dict, args: tuple, kwargs: dict
-    ) -> tuple[Any, dict]:
-        if self.loss_fn is not None:
-            inputs = args[0]
-            if isinstance(inputs, Mapping):
-                args, kwargs = (), dict(inputs)
-            elif isinstance(inputs, (tuple, list)):
-                args, kwargs = tuple(inputs), {}
-            else:
-                args, kwargs = (inputs,), {}
-        return call_module(self.model, params, buffers, args, kwargs)
-
-    def _step_fn(
-        self, state: TrainState, args: tuple, kwargs: dict, *, meta: dict
-    ) -> tuple[TrainState, Tensor]:
-        params = state.params
-        trainable = [n for n, p in self._params.items() if p.requires_grad]
-        buffers = state.buffers
-        grads: list[Tensor | None] = [None] * len(trainable)
-        losses = []
-        micro_batches = self._split(args, kwargs)
-        for micro_args, micro_kwargs in micro_batches:
-            with torch.enable_grad():
-                leaves = {n: params[n].detach().requires_grad_() for n in trainable}
-                outputs, buffers = self._call_model(
-                    {**params, **leaves}, buffers, micro_args, micro_kwargs
-                )
-                loss = self._loss(outputs, micro_args)
-                # The eager reference for accumulation is (loss / k).backward() per micro-batch.
-                scaled = loss / len(micro_batches) if len(micro_batches) > 1 else loss
-                if scaled.requires_grad and leaves:
-                    micro_grads = torch.autograd.grad(
-                        scaled, list(leaves.values()), allow_unused=True
-                    )
-                else:
-                    micro_grads = (None,) * len(trainable)
-            grads = [
-                g if acc is None else (acc if g is None else acc + g)
-                for acc, g in zip(grads, micro_grads, strict=True)
-            ]
-            losses.append(loss.detach())
-        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        named_grads = {n: g for n, g in zip(trainable, grads, strict=True) if g is not None}
-        meta["names_with_grads"] = frozenset(named_grads)
-        if self._clip is not None:
-            named_grads, _ = self._clip.update(named_grads, (), params)
-        new_params, opt_state = step_params(self._transform, named_grads, state.opt_state, params)
-        return TrainState(new_params, buffers, opt_state, state.count + 1), loss
-
+    # -- tracing -----------------------------------------------------------------------
     def _build(
-        self, key: tuple, state: TrainState, args: tuple, kwargs: dict, *, inplace: bool
+        self,
+        key: tuple,
+        state: TrainState,
+        args: tuple,
+        kwargs: dict,
+        *,
+        inplace: bool,
+        count: int,
     ) -> _Program:
         reason = self._cache.reason(key)
+        signature = self._strategy.signature(count)
         state_leaves, state_spec = pytree.tree_flatten_with_path(state)
         state_tensors = [t for _, t in state_leaves]
-        state_paths = [_leaf_name(p) for p, _ in state_leaves]
+        state_paths = [pytree.keystr(p) for p, _ in state_leaves]
         batch_leaves, batch_spec = pytree.tree_flatten((args, kwargs))
         is_tensor = [isinstance(x, Tensor) for x in batch_leaves]
         constants = [x for x in batch_leaves if not isinstance(x, Tensor)]
@@ -391,7 +358,9 @@ class Step:
             tensors, consts = iter(flat[n_state:]), iter(constants)
             batch = [next(tensors) if t else next(consts) for t in is_tensor]
             call_args, call_kwargs = pytree.tree_unflatten(batch, batch_spec)
-            new_state, loss = self._step_fn(state_in, call_args, call_kwargs, meta=meta)
+            new_state, loss = self._fn(
+                state_in, call_args, call_kwargs, meta=meta, signature=signature
+            )
             new_leaves, new_spec = pytree.tree_flatten(new_state)
             if new_spec != state_spec:
                 raise argument_error(
@@ -425,12 +394,18 @@ class Step:
         program = _Program(
             run=run,
             graph=graph,
-            constants=constants,
             changed=meta["changed"],
             names_with_grads=meta["names_with_grads"],
+            stats=comm_stats(graph) if self._strategy.topology.world > 1 else None,
         )
         self._cache.put(key, program, reason=reason)
         return program
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)
+    )
 
 
 def _hashable_constant(x: Any) -> Any:
@@ -441,21 +416,6 @@ def _hashable_constant(x: Any) -> Any:
     return (type(x), x)
 
 
-def _model_loss(outputs: Any) -> Any:
-    """The loss a model computed itself: a tensor, ``outputs["loss"]`` or ``outputs.loss``."""
-    if isinstance(outputs, Tensor):
-        return outputs
-    if isinstance(outputs, Mapping) and "loss" in outputs:
-        return outputs["loss"]
-    if hasattr(outputs, "loss"):
-        return outputs.loss
-    raise argument_error(
-        "with loss_fn=None the model must compute its own loss: return a 0-dim tensor, an "
-        f"object with a .loss attribute, or a mapping with key 'loss'; got "
-        f"{type(outputs).__name__}. Pass loss_fn=... to compute the loss from the outputs."
-    )
-
-
 def compile_step(
     model: nn.Module,
     loss_fn: LossFn | None,
@@ -464,6 +424,7 @@ def compile_step(
     backend: Backend = "inductor",
     grad_accum_steps: int = 1,
     max_grad_norm: float | None = None,
+    parallel: Any = None,
 ) -> Step:
     """Compile the whole training step of ``model`` into one graph.
 
@@ -480,6 +441,8 @@ def compile_step(
         grad_accum_steps: split each batch into this many micro-batches inside the graph,
             sum their gradients (of ``loss / k``), update once.
         max_grad_norm: clip the global gradient norm, as ``clip_grad_norm_``.
+        parallel: ``None`` (data parallel over all ranks when the world size is > 1),
+            :class:`functacc.parallel.DataParallel` or :class:`functacc.parallel.ZeRO`.
 
     Example:
         >>> import torch, functacc
@@ -497,4 +460,5 @@ def compile_step(
         backend=backend,
         grad_accum_steps=grad_accum_steps,
         max_grad_norm=max_grad_norm,
+        parallel=parallel,
     )

@@ -184,7 +184,7 @@ def test_bad_arguments() -> None:
         functacc.compile_step(model, nn.MSELoss(), opt, backend="tvm")
     with pytest.raises(ValueError, match="grad_accum_steps"):
         functacc.compile_step(model, nn.MSELoss(), opt, grad_accum_steps=0)
-    with pytest.raises(ValueError, match="max_norm"):
+    with pytest.raises(ValueError, match="max_grad_norm"):
         functacc.compile_step(model, nn.MSELoss(), opt, max_grad_norm=-1.0)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         functacc.compile_step(model, "mse", opt)

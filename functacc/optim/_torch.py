@@ -145,10 +145,12 @@ class TorchOptimizerLink:
         """
         return tuple(_structure(self.optimizer, g) for g in self.optimizer.param_groups)
 
-    def transform(self) -> GradientTransformation:
+    def transform(self, groups: list[list[str]] | None = None) -> GradientTransformation:
+        """The optimizer as a pure transformation; ``groups`` renames the parameters of each
+        param group (ZeRO updates flat shards, not the named parameters)."""
         _check_supported(self.optimizer)
         transforms = [_group_transform(self.optimizer, g) for g in self.optimizer.param_groups]
-        return partition(transforms, self.groups)
+        return partition(transforms, self.groups if groups is None else groups)
 
     def hyper_values(self) -> list[dict[str, float]]:
         return [_hyper_values(self.optimizer, g) for g in self.optimizer.param_groups]

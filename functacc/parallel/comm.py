@@ -1,0 +1,139 @@
+"""Collectives inside the traced step, and what a traced step communicates.
+
+The collectives are ``torch.distributed._functional_collectives``: traced, they become
+``_c10d_functional.*`` and ``wait_tensor`` nodes of the step graph, which Inductor schedules
+and a CUDA graph captures, running on gloo (CPU) or NCCL (CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.fx import GraphModule
+
+__all__ = ["CommStats", "all_gather", "all_reduce", "bucketed_all_reduce", "comm_stats"]
+
+Group = dist.ProcessGroup
+
+
+def all_reduce(t: Tensor, group: Group) -> Tensor:
+    """Sum over ``group``."""
+    return funcol.all_reduce(t, "sum", group)
+
+
+def reduce_scatter(t: Tensor, group: Group) -> Tensor:
+    """Sum over ``group`` of a 1-D tensor; this rank keeps its contiguous chunk."""
+    return funcol.reduce_scatter_single(t, "sum", 0, group)
+
+
+def all_gather(t: Tensor, group: Group) -> Tensor:
+    """Concatenate the 1-D chunks of ``group`` in rank order."""
+    return funcol.all_gather_single(t, 0, group)
+
+
+def buckets(tensors: Mapping[str, Tensor], bucket_bytes: float) -> list[list[str]]:
+    """Group names into buckets of at most ``bucket_bytes`` (a tensor larger than that gets a
+    bucket of its own), in reverse order like DDP: the last layers' gradients come first in
+    backward, so their bucket is ready first."""
+    out: list[list[str]] = []
+    size = 0.0
+    for name in reversed(list(tensors)):
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        if out and size + nbytes <= bucket_bytes and t.dtype == tensors[out[-1][0]].dtype:
+            out[-1].append(name)
+            size += nbytes
+        else:
+            out.append([name])
+            size = nbytes
+    return out
+
+
+def bucketed_all_reduce(
+    tensors: Mapping[str, Tensor],
+    group: Group,
+    *,
+    scale: float,
+    bucket_bytes: float,
+    wire_dtype: torch.dtype | None = None,
+) -> dict[str, Tensor]:
+    """``scale * sum over group`` of every tensor, one all-reduce per bucket.
+
+    ``scale`` is applied first (as DDP divides by the world size first), which keeps a bucket
+    sent as ``wire_dtype`` (e.g. bfloat16 compression) from overflowing.
+    """
+    out: dict[str, Tensor] = {}
+    for names in buckets(tensors, bucket_bytes):
+        flat = torch.cat([tensors[n].reshape(-1) for n in names]) * scale
+        dtype = flat.dtype
+        if wire_dtype is not None:
+            flat = flat.to(wire_dtype)
+        flat = all_reduce(flat, group).to(dtype)
+        for name, piece in zip(names, flat.split([tensors[n].numel() for n in names]), strict=True):
+            out[name] = piece.view_as(tensors[name])
+    return {n: out[n] for n in tensors}
+
+
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_gather_into_tensor": "all_gather",
+    "broadcast": "broadcast",
+}
+
+
+@dataclass
+class CommStats:
+    """What one step communicates, read off its graph.
+
+    ``payload_bytes`` counts the tensor each collective works on: the input of an all-reduce
+    or reduce-scatter, the output of an all-gather. ``sent_bytes`` estimates what one rank
+    sends on a ring: ``2 (n-1)/n`` of the payload for an all-reduce, ``(n-1)/n`` for a
+    reduce-scatter or an all-gather, over a group of ``n`` ranks.
+    """
+
+    collectives: dict[str, int] = field(default_factory=dict)
+    payload_bytes: dict[str, int] = field(default_factory=dict)
+    sent_bytes: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, payload: int, group_size: int) -> None:
+        factor = (
+            2 * (group_size - 1) / group_size
+            if kind == "all_reduce"
+            else ((group_size - 1) / group_size)
+        )
+        self.collectives[kind] = self.collectives.get(kind, 0) + 1
+        self.payload_bytes[kind] = self.payload_bytes.get(kind, 0) + payload
+        self.sent_bytes[kind] = self.sent_bytes.get(kind, 0.0) + factor * payload
+
+
+def _nbytes(value: object) -> int:
+    return value.numel() * value.element_size() if isinstance(value, Tensor) else 0
+
+
+def comm_stats(graph: GraphModule) -> CommStats:
+    """Count the collectives of a traced step and their sizes."""
+    stats = CommStats()
+    for node in graph.graph.nodes:
+        if (
+            node.op != "call_function"
+            or getattr(node.target, "namespace", "") != "_c10d_functional"
+        ):
+            continue
+        kind = _KINDS.get(node.target._opname)
+        if kind is None:
+            continue
+        group_name = node.args[-1]
+        group_size = dist.distributed_c10d._get_group_size_by_name(group_name)
+        if kind == "all_gather":
+            payload = _nbytes(node.meta.get("val"))
+        else:
+            payload = _nbytes(node.args[0].meta.get("val"))
+        stats.add(kind, payload, group_size)
+    return stats

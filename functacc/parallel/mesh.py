@@ -1,0 +1,113 @@
+"""The process group: started from torchrun's environment, and the sharding topology."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Topology", "init_distributed", "rank", "world_size"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def init_distributed(
+    backend: str | None = None, *, timeout: datetime.timedelta | float | None = None
+) -> bool:
+    """Start the default process group from torchrun's environment; idempotent.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
+    ``torchrun``). ``backend=None`` picks NCCL when CUDA is available and gloo otherwise. On
+    CUDA each process uses the GPU ``LOCAL_RANK``. ``timeout`` (seconds or a timedelta,
+    default 300 s, or ``FUNCTACC_TIMEOUT`` seconds from the environment) bounds how long a
+    collective waits for a rank that has died, so the others fail with an error instead of
+    hanging forever. Without torchrun's variables this is a single process: nothing to
+    start, returns ``False``.
+
+    Example:
+        >>> import functacc
+        >>> functacc.init_distributed()  # python script.py: world size 1
+        False
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    world = _env_int("WORLD_SIZE")
+    if world is None or _env_int("RANK") is None:
+        return False
+    if timeout is None:
+        env_timeout = os.environ.get("FUNCTACC_TIMEOUT")
+        timeout = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)
+    dist.init_process_group(backend, timeout=timeout)
+    return True
+
+
+def world_size() -> int:
+    """The number of processes (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How the ranks are arranged: ``replicas`` groups of ``shard_size`` ranks.
+
+    Parameters and optimizer state are sharded within a group and replicated across groups.
+    Plain data parallelism is ``shard_size == 1``; ZeRO over all ranks is ``replicas == 1``;
+    hybrid sharding is both > 1 (shard within a node, replicate across nodes: torchrun gives
+    one node's processes consecutive ranks, so a shard group is consecutive ranks).
+    """
+
+    world: int
+    shard_size: int
+    shard_group: dist.ProcessGroup | None  # None when shard_size == 1
+    replicate_group: dist.ProcessGroup | None  # None when there is one replica
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.shard_size
+
+    @property
+    def shard_rank(self) -> int:
+        return rank() % self.shard_size
+
+    @classmethod
+    def build(cls, shard_size: int | None, *, device_type: str = "cpu") -> Topology:
+        """Create the process groups (a collective call: every rank must make it)."""
+        world = world_size()
+        size = world if shard_size is None else shard_size
+        if not isinstance(size, int) or size < 1 or world % size:
+            raise ValueError(
+                f"shard_size must divide the world size; got shard_size={shard_size} with "
+                f"world size {world}. Use a divisor of {world} (e.g. the number of GPUs of one "
+                "node), or None to shard over all ranks."
+            )
+        if world == 1:
+            return cls(1, 1, None, None)
+        if size == world:
+            return cls(world, size, dist.group.WORLD, None)
+        if size == 1:
+            return cls(world, 1, None, dist.group.WORLD)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device_type, (world // size, size), mesh_dim_names=("replicate", "shard")
+        )
+        return cls(world, size, mesh.get_group("shard"), mesh.get_group("replicate"))

@@ -1,0 +1,409 @@
+"""ZeRO (Rajbhandari et al., 2020) stages 1-3 as transforms of the pure step.
+
+The parameters of each *wrap unit* (a module whose class is in ``wrap_layer_cls``, or the
+rest of the model) and optimizer param group are flattened into one padded vector; rank r of
+a shard group of n ranks owns the r-th of its n equal chunks.
+
+- stage 1: the optimizer state is sharded: gradients are all-reduced, each rank updates its
+  chunk, the chunks are all-gathered into the new parameters.
+- stage 2: as stage 1, but gradients are reduce-scattered (each rank receives only its chunk).
+- stage 3: the parameters are sharded too. Each unit is all-gathered just before its forward
+  (a forward pre-hook) and again in backward (a saved-tensor hook re-gathers instead of
+  keeping the full weights alive), so the full weights live only while used; the gather's
+  backward is the reduce-scatter of the gradient.
+
+With ``shard_size`` < world size (hybrid), chunks are sharded within groups of
+``shard_size`` ranks and the chunk gradients all-reduced across the groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+from .comm import all_gather, all_reduce, bucketed_all_reduce, reduce_scatter
+from .mesh import Topology
+from .strategy import Strategy
+
+__all__ = ["FlatUnit", "Sharded", "ZeRO"]
+
+
+@dataclass(frozen=True)
+class ZeRO:
+    """Shard optimizer state (stage 1), gradients (2) and parameters (3) over the ranks.
+
+    Example:
+        >>> import functacc
+        >>> zero3 = functacc.parallel.ZeRO(3, wrap_layer_cls={"Bottleneck"})
+        >>> hybrid = functacc.parallel.ZeRO(2, shard_size=8)  # shard in 8s, replicate across
+    """
+
+    stage: int
+    """1: optimizer state; 2: also gradients; 3: also parameters."""
+    _: KW_ONLY
+    shard_size: int | None = None
+    """Ranks per shard group (None: all ranks). Must divide the world size."""
+    wrap_layer_cls: Collection[str] | None = None
+    """Class names of the modules whose parameters form one unit (gathered together in stage
+    3), e.g. ``{"Bottleneck"}`` or ``{"TransformerEncoderLayer"}``; the rest is one unit."""
+    bucket_mb: float = 25.0
+    """Bucket size for the all-reduces of buffers and of unsharded parameters' gradients."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0; got {self.bucket_mb}")
+        if isinstance(self.wrap_layer_cls, str):
+            object.__setattr__(self, "wrap_layer_cls", {self.wrap_layer_cls})
+
+    def build(self, model: nn.Module, groups: Sequence[Sequence[str]] | None) -> Sharded:
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        topology = Topology.build(self.shard_size, device_type=device_type)
+        return Sharded(self, topology, model, groups)
+
+
+@dataclass
+class FlatUnit:
+    """Parameters flattened into one padded vector, sharded in equal chunks."""
+
+    key: str
+    module: str
+    group: int
+    names: list[str]
+    shapes: list[torch.Size]
+    dtype: torch.dtype
+    device: torch.device
+    shard_size: int
+    numels: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numels = [math.prod(s) for s in self.shapes]
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.total // self.shard_size)
+
+    def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
+        """Concatenate and zero-pad to ``shard_size`` equal chunks."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        pad = self.chunk * self.shard_size - self.total
+        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+    def my_chunk(self, flat: Tensor, shard_rank: int) -> Tensor:
+        return flat[shard_rank * self.chunk : (shard_rank + 1) * self.chunk]
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        pieces = flat[: self.total].split(self.numels)
+        return {n: p.view(s) for n, p, s in zip(self.names, pieces, self.shapes, strict=True)}
+
+
+def _wrap_modules(model: nn.Module, classes: Collection[str] | None) -> list[str]:
+    """Qualified names of the outermost modules whose class is in ``classes``."""
+    if not classes:
+        return []
+    found = {type(m).__name__ for _, m in model.named_modules()}
+    missing = set(classes) - found
+    if missing:
+        raise ValueError(
+            f"wrap_layer_cls names {sorted(missing)}, which the model does not contain. The "
+            f"model's module classes are: {', '.join(sorted(found))}"
+        )
+    out: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes and not any(
+            name.startswith(prefix + ".") for prefix in out
+        ):
+            out.append(name)
+    return out
+
+
+class Sharded(Strategy):
+    """The ZeRO strategy built by :class:`ZeRO`."""
+
+    named_state = False
+
+    def __init__(
+        self,
+        config: ZeRO,
+        topology: Topology,
+        model: nn.Module,
+        groups: Sequence[Sequence[str]] | None,
+    ):
+        self.config = config
+        self.stage = config.stage
+        self.topology = topology
+        self.name = f"ZeRO-{config.stage}" + (
+            f" (hybrid: {topology.replicas} x {topology.shard_size})"
+            if topology.replicas > 1
+            else ""
+        )
+        self.model = model
+        self.bucket_bytes = config.bucket_mb * 2**20
+        params = dict(model.named_parameters())
+        if groups is None:  # a GradientTransformation: every trainable parameter
+            groups = [[n for n, p in params.items() if p.requires_grad]]
+        group_of = {n: i for i, g in enumerate(groups) for n in g}
+        wraps = _wrap_modules(model, config.wrap_layer_cls)
+        self.units: list[FlatUnit] = []
+        by_key: dict[tuple, FlatUnit] = {}
+        for name, p in params.items():
+            if not p.requires_grad or name not in group_of:
+                continue  # frozen or not optimised: stays whole on every rank
+            module = next((w for w in wraps if name.startswith(w + ".")), "")
+            unit_key = (module, group_of[name], p.dtype, p.device)
+            if unit_key not in by_key:
+                label = f"{module or '<root>'}[group {group_of[name]}]"
+                if any(k[:2] == unit_key[:2] for k in by_key):
+                    label += f"[{p.dtype}]"
+                by_key[unit_key] = FlatUnit(
+                    label,
+                    module,
+                    group_of[name],
+                    [],
+                    [],
+                    p.dtype,
+                    p.device,
+                    topology.shard_size,
+                )
+                self.units.append(by_key[unit_key])
+            by_key[unit_key].names.append(name)
+            by_key[unit_key].shapes.append(p.shape)
+            by_key[unit_key].__post_init__()
+        self.sharded_names = {n for u in self.units for n in u.names}
+        self.unit_of = {n: u for u in self.units for n in u.names}
+
+    # -- construction (eager) ------------------------------------------------------------
+    def live_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self.stage < 3:
+            return params
+        live = {n: p for n, p in params.items() if n not in self.sharded_names}
+        with torch.no_grad():
+            for unit in self.units:
+                flat = unit.flatten([params[n].detach() for n in unit.names])
+                live[unit.key] = unit.my_chunk(flat, self.topology.shard_rank).clone()
+                for n in unit.names:
+                    # The model keeps no full copy under ZeRO-3: sync_model() restores it.
+                    params[n].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
+        return live
+
+    def state_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return self.live_params({n: p.detach().clone() for n, p in params.items()})
+
+    def full_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if self.stage < 3:
+            return dict(params)
+        out = {n: p for n, p in params.items() if n not in {u.key for u in self.units}}
+        for unit in self.units:
+            shard = params[unit.key].detach()
+            flat = shard.new_empty(unit.chunk * unit.shard_size)
+            if self.topology.shard_group is None:
+                flat.copy_(shard)
+            else:
+                dist.all_gather_into_tensor(flat, shard.contiguous(), self.topology.shard_group)
+            out.update(unit.unflatten(flat))
+        return out
+
+    def optimizer_groups(self, groups: list[list[str]]) -> list[list[str]]:
+        return [[u.key for u in self.units if u.group == i] for i in range(len(groups))]
+
+    def shard_optimizer_state(self, named_state: Any, transform: Any, opt_params: dict) -> Any:
+        """Flatten and shard a named optimizer state (torch's, when resuming) like the
+        parameters: per-parameter tensors are concatenated per unit, per-parameter scalars
+        (Adam's ``step``) taken from the unit's first parameter."""
+        fresh = transform.init(opt_params)
+        out = []
+        for fresh_group, named_group in zip(fresh, named_state, strict=True):
+            fields = {}
+            for field_name in fresh_group._fields:
+                new, old = getattr(fresh_group, field_name), getattr(named_group, field_name)
+                if isinstance(new, dict) and any(u.key in new for u in self.units):
+                    fields[field_name] = {
+                        key: self._shard_of(self._unit(key), old, like) for key, like in new.items()
+                    }
+                else:
+                    fields[field_name] = old
+            out.append(fresh_group._replace(**fields))
+        return tuple(out)
+
+    def _unit(self, key: str) -> FlatUnit:
+        return next(u for u in self.units if u.key == key)
+
+    def _shard_of(self, unit: FlatUnit, named: Mapping[str, Tensor], like: Tensor) -> Tensor:
+        if like.dim() == 0:
+            return named[unit.names[0]].detach().clone().to(like)
+        flat = unit.flatten([named[n].detach() for n in unit.names])
+        return unit.my_chunk(flat, self.topology.shard_rank).clone()
+
+    # -- inside the traced step ----------------------------------------------------------
+    def differentiable(self, params: Mapping[str, Tensor], trainable: set[str]) -> list[str]:
+        if self.stage < 3:
+            return [n for n in params if n in trainable]
+        return [u.key for u in self.units] + [
+            n for n in params if n in trainable and n not in self.sharded_names
+        ]
+
+    @contextlib.contextmanager
+    def materialize(self, params: dict[str, Tensor], model: nn.Module) -> Iterator[dict]:
+        if self.stage < 3:
+            yield params
+            return
+        gatherer = _Gatherer(self, params, model)
+        with gatherer.active():
+            # The sharded names keep the model's own (emptied) tensors as placeholders until
+            # the unit's pre-hook swaps the gathered weights in.
+            placeholders = {n: gatherer.accessor.get_tensor(n) for n in self.sharded_names}
+            yield {
+                **{n: t for n, t in params.items() if n not in gatherer.unit_keys},
+                **placeholders,
+            }
+
+    def optimizer_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if self.stage == 3:
+            return {u.key: params[u.key] for u in self.units}
+        return {
+            u.key: u.my_chunk(u.flatten([params[n] for n in u.names]), self.topology.shard_rank)
+            for u in self.units
+        }
+
+    def reduce_gradients(
+        self, grads: dict[str, Tensor], extra: dict[str, Any], signature: tuple
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        topo, world = self.topology, self.topology.world
+        out = {}
+        for unit in self.units:
+            if self.stage == 3:
+                if unit.key not in grads:
+                    continue
+                chunk = grads[unit.key]  # the gather's backward already reduce-scattered
+            else:
+                present = [n for n in unit.names if n in grads]
+                if not present:
+                    continue
+                flat = (
+                    unit.flatten(
+                        [
+                            grads[n] if n in grads else grads[present[0]].new_zeros(s)
+                            for n, s in zip(unit.names, unit.shapes, strict=True)
+                        ]
+                    )
+                    / world
+                )
+                if self.stage == 1:
+                    chunk = unit.my_chunk(all_reduce(flat, dist.group.WORLD), topo.shard_rank)
+                else:
+                    chunk = reduce_scatter(flat, topo.shard_group)
+            if self.stage == 3:
+                chunk = chunk / world
+            if topo.replicate_group is not None and self.stage != 1:
+                chunk = all_reduce(chunk, topo.replicate_group)
+            out[unit.key] = chunk
+        return out, extra
+
+    def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+        floating = {n: b for n, b in buffers.items() if b.is_floating_point()}
+        if not floating:
+            return buffers
+        averaged = bucketed_all_reduce(
+            floating,
+            dist.group.WORLD,
+            scale=1.0 / self.topology.world,
+            bucket_bytes=self.bucket_bytes,
+        )
+        return {**buffers, **averaged}
+
+    def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
+        squares = torch.stack([g.pow(2).sum() for g in grads.values()]).sum()
+        if self.topology.shard_group is not None:
+            squares = all_reduce(squares, self.topology.shard_group)
+        return squares.sqrt()
+
+    def new_params(
+        self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        if self.stage == 3:
+            return {n: updated.get(n, p) for n, p in params.items()}
+        new = dict(params)
+        for unit in self.units:
+            if unit.key not in updated:
+                continue
+            flat = updated[unit.key]
+            if self.topology.shard_group is not None:
+                flat = all_gather(flat, self.topology.shard_group)
+            new.update(unit.unflatten(flat))
+        return new
+
+
+class _Gatherer:
+    """ZeRO-3's lazy all-gathers: a forward pre-hook per unit module swaps in the gathered
+    weights just before the module runs; a saved-tensor hook stores views of them as
+    (unit, layout) and re-gathers in backward instead of keeping the full weights alive."""
+
+    def __init__(self, strategy: Sharded, params: Mapping[str, Tensor], model: nn.Module):
+        self.strategy = strategy
+        self.params = params
+        self.model = model
+        self.accessor = NamedMemberAccessor(model)
+        self.unit_keys = {u.key for u in strategy.units}
+        self.by_module: dict[str, list[FlatUnit]] = {}
+        for unit in strategy.units:
+            self.by_module.setdefault(unit.module, []).append(unit)
+        self.gathered: dict[int, FlatUnit] = {}  # id(full flat tensor) -> unit
+        self.backward_cache: tuple[str, Tensor] | None = None
+
+    def gather(self, unit: FlatUnit, shard: Tensor) -> Tensor:
+        group = self.strategy.topology.shard_group
+        return shard if group is None else all_gather(shard, group)
+
+    def pre_hook(self, module_name: str):
+        def hook(module: nn.Module, args: Any) -> None:
+            for unit in self.by_module[module_name]:
+                full = self.gather(unit, self.params[unit.key])
+                self.gathered[id(full)] = unit
+                for name, view in unit.unflatten(full).items():
+                    self.accessor.swap_tensor(name, view)
+
+        return hook
+
+    def pack(self, t: Tensor) -> Any:
+        base = t._base
+        if base is not None and id(base) in self.gathered:
+            unit = self.gathered[id(base)]
+            return ("functacc.regather", unit, t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(self, packed: Any) -> Tensor:
+        if not (isinstance(packed, tuple) and packed and packed[0] == "functacc.regather"):
+            return packed
+        _, unit, size, stride, offset = packed
+        # Backward visits units in reverse order, so one cached unit serves all of a unit's
+        # saved weights with a single re-gather.
+        if self.backward_cache is None or self.backward_cache[0] != unit.key:
+            shard = self.params[unit.key].detach()
+            self.backward_cache = (unit.key, self.gather(unit, shard))
+        return self.backward_cache[1].as_strided(size, stride, offset)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        handles = []
+        for module_name in self.by_module:
+            module = self.model.get_submodule(module_name)
+            handles.append(module.register_forward_pre_hook(self.pre_hook(module_name)))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()

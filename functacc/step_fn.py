@@ -1,0 +1,171 @@
+"""The pure training step: ``(state, batch) -> (new_state, loss)``.
+
+Forward, loss, ``torch.autograd.grad`` (traced into the same graph: the joint-graph approach
+of AOTAutograd, which keeps eager's kernels, dropout's included), gradient accumulation,
+the gradient collectives of the parallel strategy, clipping and the optimizer update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from .errors import argument_error
+from .functional import call_module
+from .optim import GradientTransformation
+from .optim._transform import step_params
+from .parallel.strategy import Strategy
+from .trace import describe_tensor
+
+__all__ = ["LossFn", "StepFunction", "TrainState"]
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class TrainState(NamedTuple):
+    """Everything a training step reads and writes.
+
+    ``params`` and ``buffers`` are keyed like ``model.named_parameters()`` /
+    ``named_buffers()`` (under ZeRO-3 the sharded parameters are flat shards keyed by their
+    wrap unit); ``opt_state`` is the optimizer's pure state; ``count`` is the number of steps
+    taken (0-dim int64 tensor); ``extra`` holds the state of step transforms such as
+    PowerSGD's error feedback.
+    """
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    opt_state: Any
+    count: Tensor
+    extra: dict[str, Any] | None = None
+
+
+@dataclass
+class StepFunction:
+    """The pure step of one model, loss, optimizer and parallel strategy."""
+
+    model: nn.Module
+    loss_fn: LossFn | None
+    transform: GradientTransformation
+    strategy: Strategy
+    grad_accum_steps: int = 1
+    max_grad_norm: float | None = None
+
+    def __call__(
+        self, state: TrainState, args: tuple, kwargs: dict, *, meta: dict, signature: tuple = ()
+    ) -> tuple[TrainState, Tensor]:
+        strategy = self.strategy
+        params = state.params
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        names = strategy.differentiable(params, trainable)
+        buffers = state.buffers
+        grads: list[Tensor | None] = [None] * len(names)
+        losses = []
+        micro_batches = split_micro_batches(args, kwargs, self.grad_accum_steps)
+        for micro_args, micro_kwargs in micro_batches:
+            with torch.enable_grad():
+                leaves = {n: params[n].detach().requires_grad_() for n in names}
+                with strategy.materialize({**params, **leaves}, self.model) as model_params:
+                    outputs, buffers = self._call_model(
+                        model_params, buffers, micro_args, micro_kwargs
+                    )
+                    loss = self._loss(outputs, micro_args)
+                    # The eager reference for accumulation is (loss / k).backward() per
+                    # micro-batch.
+                    scaled = loss / len(micro_batches) if len(micro_batches) > 1 else loss
+                    if scaled.requires_grad and leaves:
+                        micro_grads = torch.autograd.grad(
+                            scaled, list(leaves.values()), allow_unused=True
+                        )
+                    else:
+                        micro_grads = (None,) * len(names)
+            grads = [
+                g if acc is None else (acc if g is None else acc + g)
+                for acc, g in zip(grads, micro_grads, strict=True)
+            ]
+            losses.append(loss.detach())
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        named_grads = {n: g for n, g in zip(names, grads, strict=True) if g is not None}
+        meta["names_with_grads"] = frozenset(named_grads)
+        extra = dict(state.extra or {})
+        named_grads, extra = strategy.reduce_gradients(named_grads, extra, signature)
+        buffers = strategy.sync_buffers(buffers)
+        if self.max_grad_norm is not None and named_grads:
+            # torch.nn.utils.clip_grad_norm_'s formula, with no data-dependent branch.
+            coef = torch.clamp(
+                self.max_grad_norm / (strategy.global_norm(named_grads) + 1e-6), max=1.0
+            )
+            named_grads = {n: g.mul(coef.to(g.device)) for n, g in named_grads.items()}
+        opt_params = strategy.optimizer_params(params)
+        updated, opt_state = step_params(self.transform, named_grads, state.opt_state, opt_params)
+        updated = {n: updated[n] for n in named_grads if n in updated}
+        new_params = strategy.new_params(updated, params)
+        return TrainState(new_params, buffers, opt_state, state.count + 1, extra), loss
+
+    def _call_model(
+        self, params: dict, buffers: Mapping[str, Tensor], args: tuple, kwargs: dict
+    ) -> tuple[Any, dict]:
+        if self.loss_fn is not None:
+            inputs = args[0]
+            if isinstance(inputs, Mapping):
+                args, kwargs = (), dict(inputs)
+            elif isinstance(inputs, (tuple, list)):
+                args, kwargs = tuple(inputs), {}
+            else:
+                args, kwargs = (inputs,), {}
+        return call_module(self.model, params, buffers, args, kwargs)
+
+    def _loss(self, outputs: Any, args: tuple) -> Tensor:
+        if self.loss_fn is not None:
+            loss = self.loss_fn(outputs, args[1])
+            what = "loss_fn(outputs, targets)"
+        else:
+            loss = model_loss(outputs)
+            what = "the model's loss"
+        if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            got = describe_tensor(loss) if isinstance(loss, Tensor) else type(loss).__name__
+            raise argument_error(
+                f"{what} must be a 0-dim floating-point tensor (the value to minimise); got "
+                f"{got}. Reduce it to a scalar, e.g. with reduction='mean' or loss.mean()."
+            )
+        return loss
+
+
+def model_loss(outputs: Any) -> Any:
+    """The loss a model computed itself: a tensor, ``outputs["loss"]`` or ``outputs.loss``."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "loss" in outputs:
+        return outputs["loss"]
+    if hasattr(outputs, "loss"):
+        return outputs.loss
+    raise argument_error(
+        "with loss_fn=None the model must compute its own loss: return a 0-dim tensor, an "
+        f"object with a .loss attribute, or a mapping with key 'loss'; got "
+        f"{type(outputs).__name__}. Pass loss_fn=... to compute the loss from the outputs."
+    )
+
+
+def split_micro_batches(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
+    """Split every batch tensor into ``k`` equal micro-batches along dim 0."""
+    if k == 1:
+        return [(args, kwargs)]
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] % k:
+            raise argument_error(
+                f"grad_accum_steps={k} splits every batch tensor into {k} micro-batches along "
+                f"dim 0, but batch{pytree.keystr(path)} has {leaf.shape[0]} rows. Use a batch "
+                f"size divisible by {k} (e.g. DataLoader(..., drop_last=True))."
+            )
+    micro = []
+    for i in range(k):
+        chunk = [
+            x.tensor_split(k)[i] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves
+        ]
+        micro.append(pytree.tree_unflatten(chunk, spec))
+    return micro
