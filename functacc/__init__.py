@@ -11,19 +11,24 @@ Example:
     >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
 """
 
-from . import optim
+from . import optim, parallel
+from .data import DeviceLoader
 from .errors import TraceError
 from .functional import functionalize
+from .parallel import init_distributed
 from .step import Step, TrainState, compile_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeviceLoader",
     "Step",
     "TraceError",
     "TrainState",
     "__version__",
     "compile_step",
     "functionalize",
+    "init_distributed",
     "optim",
+    "parallel",
 ]

@@ -250,17 +250,20 @@ class Step:
 
     def _initial_state(self, opt: Any) -> TrainState:
         strategy = self._strategy
-        params = strategy.live_params(self._params)
-        opt_params = strategy.optimizer_params(params)
         if self._link is not None and strategy.named_state:
+            params = strategy.live_params(self._params)
             opt_state = self._link.read_state(self._params, copy=False)
-            self._torch_state = opt.state
         elif self._link is not None:
+            # Read torch's (full) state before the strategy shards the parameters.
             named = self._link.read_state(self._params, copy=True)
+            params = strategy.live_params(self._params)
+            opt_params = strategy.optimizer_params(params)
             opt_state = strategy.shard_optimizer_state(named, self._fn.transform, opt_params)
-            self._torch_state = opt.state
         else:
-            opt_state = self._fn.transform.init(opt_params)
+            params = strategy.live_params(self._params)
+            opt_state = self._fn.transform.init(strategy.optimizer_params(params))
+        if self._link is not None:
+            self._torch_state = opt.state
         count = torch.zeros((), dtype=torch.int64)
         extra = strategy.init_extra(self._params)
         self._hyper_key = self._link.structure_key() if self._link else ()

@@ -153,84 +153,6 @@ class Replicated(Strategy):
         return reduced, extra
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        return buffers
-
-    def optimizer_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The tensors the optimizer updates."""
-        return dict(params)
-
-    def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
-        """The norm of the whole gradient, for clipping."""
-        return global_norm(dict(grads))
-
-    def new_params(
-        self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]
-    ) -> dict[str, Tensor]:
-        """The state's new parameters from the optimizer's output."""
-        return {n: updated.get(n, p) for n, p in params.items()}
-
-
-class Replicated(Strategy):
-    """Data parallelism: whole parameters on every rank, gradients averaged by all-reduce.
-
-    Floating-point buffers (BatchNorm running statistics) are averaged over the ranks at the
-    end of every step, so every rank holds the same model; for running means that is exactly
-    the statistic of the global batch.
-    """
-
-    name = "data parallel"
-
-    def __init__(self, topology: Topology, *, bucket_mb: float, compression: Any = None):
-        self.topology = topology
-        self.group = topology.replicate_group
-        self.bucket_bytes = bucket_mb * 2**20
-        self.compression = compression
-
-    def init_extra(self, params: Mapping[str, Tensor]) -> dict[str, Any]:
-        if hasattr(self.compression, "init"):
-            return {"compression": self.compression.init(params)}
-        return {}
-
-    def signature(self, count: int) -> tuple:
-        if hasattr(self.compression, "signature"):
-            return self.compression.signature(count)
-        return ()
-
-    def reduce_gradients(
-        self, grads: dict[str, Tensor], extra: dict[str, Any], signature: tuple
-    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        world = self.topology.world
-        if hasattr(self.compression, "reduce"):
-            grads, state = self.compression.reduce(
-                grads,
-                extra["compression"],
-                group=self.group,
-                world=world,
-                bucket_bytes=self.bucket_bytes,
-                signature=signature,
-            )
-            return grads, {**extra, "compression": state}
-        compress = decompress = None
-        if self.compression == "bf16":
-            dtypes = {g.dtype for g in grads.values()}
-
-            def compress(flat: Tensor) -> Tensor:
-                return flat.to(torch.bfloat16)
-
-            def decompress(flat: Tensor) -> Tensor:
-                return flat.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)
-
-        reduced = bucketed_all_reduce(
-            grads,
-            self.group,
-            scale=1.0 / world,
-            bucket_bytes=self.bucket_bytes,
-            compress=compress,
-            decompress=decompress,
-        )
-        return reduced, extra
-
-    def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
         floating = {n: b for n, b in buffers.items() if b.is_floating_point()}
         if not floating:
             return buffers
@@ -254,8 +176,9 @@ def check_same_model(named: Mapping[str, Tensor], what: str) -> None:
             if ref_map.get(name) != their_map.get(name):
                 raise ValueError(
                     f"the model differs between ranks: {what} {name!r} is "
-                    f"{_describe(ref_map.get(name))} on rank 0 but {_describe(their_map.get(name))} "
-                    f"on rank {r}. Every rank must build the same model (same constructor "
+                    f"{_describe(ref_map.get(name))} on rank 0 but "
+                    f"{_describe(their_map.get(name))} on rank {r}. Every rank must build the "
+                    "same model (same constructor "
                     "arguments, same vocabulary size, ...)."
                 )
 

@@ -361,7 +361,7 @@ class _Gatherer:
         for unit in strategy.units:
             self.by_module.setdefault(unit.module, []).append(unit)
         self.gathered: dict[int, FlatUnit] = {}  # id(full flat tensor) -> unit
-        self.backward_cache: tuple[str, Tensor] | None = None
+        self.regathered: dict[str, Tensor] = {}
 
     def gather(self, unit: FlatUnit, shard: Tensor) -> Tensor:
         group = self.strategy.topology.shard_group
@@ -388,12 +388,14 @@ class _Gatherer:
         if not (isinstance(packed, tuple) and packed and packed[0] == "functacc.regather"):
             return packed
         _, unit, size, stride, offset = packed
-        # Backward visits units in reverse order, so one cached unit serves all of a unit's
-        # saved weights with a single re-gather.
-        if self.backward_cache is None or self.backward_cache[0] != unit.key:
+        # One re-gather per unit serves all its saved weights. Keeping the gathered tensor
+        # here costs no memory by itself: in the graph a tensor lives from its producer to
+        # its last use, and a unit's backward uses are adjacent, except for the root unit
+        # (first and last layers), which stays gathered in between, as FSDP keeps its root.
+        if unit.key not in self.regathered:
             shard = self.params[unit.key].detach()
-            self.backward_cache = (unit.key, self.gather(unit, shard))
-        return self.backward_cache[1].as_strided(size, stride, offset)
+            self.regathered[unit.key] = self.gather(unit, shard)
+        return self.regathered[unit.key].as_strided(size, stride, offset)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
