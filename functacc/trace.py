@@ -145,11 +145,28 @@ def _translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErr
     )
 
 
+def _is_collective_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = f"{type(exc).__name__} {exc}".lower()
+    markers = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "c10d")
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(m in text for m in markers)
+
+
 def run_error(exc: BaseException, signature: str) -> TraceError:
     """A compiled step that traced fine but failed while running (fake tensors do not check
-    every rule, e.g. some dtype mismatches). The step writes its state only after all
-    computation, so nothing was updated."""
+    every rule, e.g. some dtype mismatches; or a collective failed). The step writes its
+    state only after all computation, so nothing was updated."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _is_collective_failure(exc):
+        return TraceError(
+            "a collective of the training step failed: another rank has probably exited or "
+            "crashed, or the network between ranks failed. This rank's model and optimizer "
+            f"are unchanged by the failed step.\n{type(exc).__name__}: {message}\nEvery rank "
+            "waits for the others at most the process group's timeout "
+            "(functacc.init_distributed(timeout=...) or FUNCTACC_TIMEOUT seconds); restart "
+            "the job from the last checkpoint (torchrun --max-restarts does it automatically)."
+        )
     return TraceError(
         f"the compiled training step failed while running, before it wrote any state (model, "
         f"optimizer and step count are unchanged)\n{type(exc).__name__}: {message}\n"

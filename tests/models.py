@@ -38,12 +38,20 @@ def resnet18(classes: int = 10) -> nn.Module:
 class TinyTransformer(nn.Module):
     """Token classifier: embedding, a 2-layer TransformerEncoder (LayerNorm, GELU, dropout)."""
 
-    def __init__(self, vocab: int = 50, dim: int = 32, classes: int = 5, dropout: float = 0.1):
+    def __init__(
+        self, vocab: int = 50, dim: int = 32, classes: int = 5, dropout: float = 0.1, bias=True
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(1, 16, dim) * 0.02)
         layer = nn.TransformerEncoderLayer(
-            dim, nhead=4, dim_feedforward=64, dropout=dropout, activation="gelu", batch_first=True
+            dim,
+            nhead=4,
+            dim_feedforward=64,
+            dropout=dropout,
+            activation="gelu",
+            batch_first=True,
+            bias=bias,
         )
         self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.head = nn.Linear(dim, classes)

@@ -16,7 +16,14 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.fx import GraphModule
 
-__all__ = ["CommStats", "all_gather", "all_reduce", "bucketed_all_reduce", "comm_stats"]
+__all__ = [
+    "CommStats",
+    "all_gather",
+    "all_reduce",
+    "bucketed_all_reduce",
+    "comm_stats",
+    "reduce_scatter",
+]
 
 Group = dist.ProcessGroup
 
@@ -36,24 +43,6 @@ def all_gather(t: Tensor, group: Group) -> Tensor:
     return funcol.all_gather_single(t, 0, group)
 
 
-def buckets(tensors: Mapping[str, Tensor], bucket_bytes: float) -> list[list[str]]:
-    """Group names into buckets of at most ``bucket_bytes`` (a tensor larger than that gets a
-    bucket of its own), in reverse order like DDP: the last layers' gradients come first in
-    backward, so their bucket is ready first."""
-    out: list[list[str]] = []
-    size = 0.0
-    for name in reversed(list(tensors)):
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        if out and size + nbytes <= bucket_bytes and t.dtype == tensors[out[-1][0]].dtype:
-            out[-1].append(name)
-            size += nbytes
-        else:
-            out.append([name])
-            size = nbytes
-    return out
-
-
 def bucketed_all_reduce(
     tensors: Mapping[str, Tensor],
     group: Group,
@@ -62,19 +51,27 @@ def bucketed_all_reduce(
     bucket_bytes: float,
     wire_dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
-    """``scale * sum over group`` of every tensor, one all-reduce per bucket.
+    """``scale * sum over group`` of every tensor, in ``ceil(bytes / bucket_bytes)``
+    all-reduces per dtype.
 
-    ``scale`` is applied first (as DDP divides by the world size first), which keeps a bucket
-    sent as ``wire_dtype`` (e.g. bfloat16 compression) from overflowing.
+    The tensors are laid end to end (last first: the last layers' gradients are ready
+    first in backward, as DDP orders its buckets) and cut into buckets of ``bucket_bytes``;
+    a tensor may straddle two buckets. ``scale`` is applied first (DDP divides by the world
+    size first), which keeps a bucket sent as ``wire_dtype`` (bfloat16 compression) from
+    overflowing.
     """
     out: dict[str, Tensor] = {}
-    for names in buckets(tensors, bucket_bytes):
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in reversed(list(tensors)):
+        by_dtype.setdefault(tensors[name].dtype, []).append(name)
+    for dtype, names in by_dtype.items():
         flat = torch.cat([tensors[n].reshape(-1) for n in names]) * scale
-        dtype = flat.dtype
         if wire_dtype is not None:
             flat = flat.to(wire_dtype)
-        flat = all_reduce(flat, group).to(dtype)
-        for name, piece in zip(names, flat.split([tensors[n].numel() for n in names]), strict=True):
+        per_bucket = max(1, int(bucket_bytes // flat.element_size()))
+        reduced = torch.cat([all_reduce(b, group) for b in flat.split(per_bucket)])
+        pieces = reduced.to(dtype).split([tensors[n].numel() for n in names])
+        for name, piece in zip(names, pieces, strict=True):
             out[name] = piece.view_as(tensors[name])
     return {n: out[n] for n in tensors}
 

@@ -1,0 +1,269 @@
+"""Distributed training on gloo (CPU), launched with torchrun: every number the README
+claims, asserted against a single-process or data-parallel reference.
+
+Each scenario runs once per session (tests/dist/worker.py) and several tests read its
+results. Tolerances: ZeRO 1-3 on 2 ranks repeat data parallelism's arithmetic exactly (the
+gathers and reduce-scatters move the same values and sum in the same order), so they are
+compared bit for bit; on 4 ranks (hybrid) and against one process on the full batch,
+reductions add in a different order, so they are compared at fp32 reduction-order tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "dist" / "worker.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# Reduction-order tolerance: sums over ranks in another order, 10 steps.
+REDUCTION = {"rtol": 1e-5, "atol": 1e-6}
+# AdamW divides each gradient element by its running RMS, so an element whose gradient is
+# close to zero moves by a rounding-sized fraction of its step (measured: 1e-5 at most).
+REDUCTION_ADAM = {"rtol": 1e-5, "atol": 2e-5}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
+    out.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
+def run_torchrun(tmp: Path, scenario: str, nproc: int, timeout: float = 600) -> dict:
+    out = tmp / f"{scenario}.pt"
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(WORKER), scenario, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+    assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="session")
+def parity(workdir) -> dict:
+    return run_torchrun(workdir, "parity", 2)
+
+
+@pytest.fixture(scope="session")
+def hybrid(workdir) -> dict:
+    return run_torchrun(workdir, "hybrid", 4)
+
+
+def test_data_parallel_equals_one_process_on_the_full_batch(parity) -> None:
+    # Ranks initialised with different seeds: the step broadcast rank 0's weights.
+    for name in ("mlp", "transformer"):
+        assert_close(
+            parity[f"dp/{name}/adamw"]["state"],
+            parity[f"single/{name}"],
+            **REDUCTION_ADAM,
+            what=f"DP {name}",
+        )
+    for stage in (None, 1, 2, 3):  # with clipping: the global norm spans all shards
+        assert_close(
+            parity[f"clip/{stage}"]["state"],
+            parity["single_clip/mlp"],
+            **REDUCTION,
+            what=f"clipped, ZeRO stage {stage}",
+        )
+
+
+@pytest.mark.parametrize("model", ["cnn_bn", "transformer"])
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_equals_data_parallel(parity, model, opt, stage) -> None:
+    zero, dp = parity[f"zero{stage}/{model}/{opt}"], parity[f"dp/{model}/{opt}"]
+    assert_close(zero["state"], dp["state"], rtol=0, atol=0, what=f"ZeRO-{stage}")
+    assert_close(zero["losses"], dp["losses"], rtol=0, atol=0, what="losses")
+
+
+@pytest.mark.parametrize("model", ["cnn_bn", "transformer"])
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_sharding_equals_data_parallel(hybrid, model, opt, stage) -> None:
+    # 4 ranks: shard within pairs, replicate across the two pairs.
+    result, dp = hybrid[f"hybrid{stage}/{model}/{opt}"], hybrid[f"dp/{model}/{opt}"]
+    assert result["stats"]["strategy"] == f"ZeRO-{stage} (hybrid: 2 x 2)"
+    tol = REDUCTION_ADAM if opt == "adamw" else REDUCTION
+    assert_close(result["state"], dp["state"], **tol, what=f"hybrid ZeRO-{stage}")
+
+
+def _param_bytes(state: dict) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for n, t in state.items()
+        if "running" not in n and "num_batches" not in n
+    )
+
+
+def test_data_parallel_bytes_match_theory(parity) -> None:
+    # README: DP all-reduces all gradient bytes once per step, in ceil(bytes / bucket)
+    # collectives (plus one for the floating-point buffers, averaged every step).
+    small = parity["dp_small_buckets"]["stats"]
+    grad_bytes = _param_bytes(parity["dp_small_buckets"]["state"])
+    bucket = 0.004 * 2**20
+    assert small["payload_bytes"] == {"all_reduce": grad_bytes}
+    assert small["collectives"] == {"all_reduce": -(-grad_bytes // int(bucket))}
+    dp = parity["dp/cnn_bn/sgd_momentum"]
+    buffers = sum(t.numel() * t.element_size() for n, t in dp["state"].items() if "running" in n)
+    assert dp["stats"]["payload_bytes"] == {"all_reduce": _param_bytes(dp["state"]) + buffers}
+    assert dp["stats"]["collectives"] == {"all_reduce": 2}  # one bucket each: grads, buffers
+    bf16 = parity["dp_bf16"]["stats"]
+    assert bf16["payload_bytes"]["all_reduce"] == grad_bytes // 2
+
+
+def test_zero3_bytes_match_theory(parity) -> None:
+    # Each parameter is all-gathered twice (forward, and again in backward) and each
+    # gradient reduce-scattered once; payloads are padded to a multiple of the 2 ranks.
+    for model in ("cnn_bn", "transformer"):
+        result = parity[f"zero3/{model}/adamw"]
+        stats, n_params = result["stats"], _param_bytes(result["state"]) // 4
+        units = stats["collectives"]["reduce_scatter"]
+        padded = n_params + units  # at most one padding element per unit on 2 ranks
+        assert 2 * 4 * n_params <= stats["payload_bytes"]["all_gather"] <= 2 * 4 * padded
+        assert 4 * n_params <= stats["payload_bytes"]["reduce_scatter"] <= 4 * padded
+        assert stats["collectives"]["all_gather"] == 2 * units
+
+
+def test_zero3_memory_is_one_nth_of_data_parallel(parity) -> None:
+    for model in ("cnn_bn", "transformer"):
+        zero, dp = parity[f"zero3/{model}/adamw"], parity[f"dp/{model}/adamw"]
+        mem = zero["stats"]["memory"]
+        persistent = mem["params"] + mem["grads"] + mem["optimizer"]
+        dp_mem = dp["stats"]["memory"]
+        dp_persistent = dp_mem["params"] + dp_mem["grads"] + dp_mem["optimizer"]
+        assert persistent <= dp_persistent / 2 * 1.05
+        # Cross-check stats() against the tensors the step actually holds.
+        assert zero["held"] == {"params": mem["params"], "optimizer": mem["optimizer"]}
+
+
+@pytest.fixture(scope="session")
+def powersgd(workdir) -> dict:
+    return run_torchrun(workdir, "powersgd", 2)
+
+
+def test_powersgd_reaches_the_uncompressed_loss_with_a_tenth_of_the_bytes(powersgd) -> None:
+    # Rank 4 with error feedback, 200 steps of SGD on a learnable 2-layer-teacher problem;
+    # "final loss" is the final model's loss over all the training data.
+    plain, compressed = powersgd["plain"], powersgd["powersgd"]
+    assert plain["final"] < 0.5 * plain["losses"][0]  # it learned
+    assert compressed["final"] <= plain["final"] * 1.05
+    assert compressed["payload_bytes"] <= plain["payload_bytes"] / 10
+    assert compressed["traces"] == 2  # one retrace when warm-up ends, none after
+
+
+def test_uneven_dataset_finishes_every_epoch(workdir) -> None:
+    result = run_torchrun(workdir, "uneven", 2, timeout=300)
+    # 21 samples, batch 4, 2 ranks: 11 samples each (one repeated), 3 batches per epoch.
+    assert result["counts"] == [[3, 3, 3], [3, 3, 3]]
+    assert result["len"] == 3
+    first, second = result["indices"]
+    assert len(first) == len(second) == 11
+    assert set(first) | set(second) == set(range(21))
+
+
+def test_configuration_errors_are_clear_on_every_rank(workdir) -> None:
+    errors = run_torchrun(workdir, "errors", 2, timeout=300)["errors"]
+    for rank_errors in errors:
+        assert "shard_size must divide the world size" in rank_errors["shard_size"]
+        assert "Bottleneck" in rank_errors["wrap_cls"] and "Linear" in rank_errors["wrap_cls"]
+        assert "'0.weight'" in rank_errors["mismatch"]
+        assert "(32, 16)" in rank_errors["mismatch"] and "(24, 16)" in rank_errors["mismatch"]
+
+
+def test_killed_rank_makes_the_others_fail_not_hang(tmp_path) -> None:
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(2):
+        e = env() | {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "FUNCTACC_TIMEOUT": "30",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), "killed", str(tmp_path / "k.pt")],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    out0, _ = procs[0].communicate(timeout=120)
+    procs[1].wait(timeout=60)
+    elapsed = time.monotonic() - start
+    assert procs[1].returncode == -9  # SIGKILL
+    assert procs[0].returncode == 3, out0[-3000:]
+    assert "RANK0_FAILED" in out0
+    assert "another rank has probably exited or crashed" in out0
+    assert elapsed < 60
+
+
+def test_two_launchers_multi_node_match_single_node(workdir, parity) -> None:
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            str(WORKER),
+            "multinode",
+            str(workdir / f"multinode{node}.pt"),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    result = torch.load(workdir / "multinode0.pt", weights_only=False)
+    single_node = parity["dp/mlp/adamw"]
+    # The same two ranks over TCP, whichever launcher started them: the same arithmetic.
+    assert_close(
+        result["dp/mlp/adamw"]["state"], single_node["state"], rtol=0, atol=0, what="multi-node"
+    )
+
+
+def test_parallel_without_process_group_is_an_error(monkeypatch) -> None:
+    from models import mlp
+
+    import functacc
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = mlp()
+    with pytest.raises(RuntimeError, match=r"functacc.init_distributed\(\)"):
+        functacc.compile_step(
+            model,
+            torch.nn.CrossEntropyLoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            parallel=functacc.parallel.ZeRO(3),
+        )
