@@ -161,11 +161,14 @@ class DeviceLoader:
             if limit is not None and self.even_batches and index >= limit:
                 return
             batch = next(mine, _DONE)
-            if limit is None and self.even_batches:
-                # Unknown length: stop as soon as any rank runs out (one tiny all-reduce
-                # per batch, on a group of its own so it never interleaves with training).
-                if not _agree_all_have_batch(batch is not _DONE, self._group()):
-                    return
+            # Unknown length: stop as soon as any rank runs out (one tiny all-reduce per
+            # batch, on a group of its own so it never interleaves with training).
+            if (
+                limit is None
+                and self.even_batches
+                and not _agree_all_have_batch(batch is not _DONE, self._group())
+            ):
+                return
             if batch is _DONE:
                 return
             yield batch
