@@ -36,11 +36,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks to launch with torchrun (then --parallel picks the strategy)",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=("dp", "zero1", "zero2", "zero3"),
+        default="dp",
+        help="with --nproc > 1: functacc's strategy; compared with torch DDP (dp) or FSDP2",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.nproc > 1:
+        from .distributed import launch
+
+        return launch(args, argv)
     workload = build(
         args.model,
         batch_size=args.batch_size,
