@@ -37,8 +37,9 @@ def main() -> None:
     labels = torch.randint(0, 10, (args.samples,))
     dataset = torch.utils.data.TensorDataset(images, labels)
     loader = functacc.DeviceLoader(
-        torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True,
-                                    drop_last=True)
+        torch.utils.data.DataLoader(
+            dataset, batch_size=args.batch_size, shuffle=True, drop_last=True
+        )
     )
 
     model = torchvision.models.resnet18(num_classes=10).to(loader.device)

@@ -23,8 +23,9 @@ class LanguageModel(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
 
@@ -58,8 +59,9 @@ def main() -> None:
     zero3 = functacc.parallel.ZeRO(
         3, shard_size=args.shard_size, wrap_layer_cls={"TransformerEncoderLayer"}
     )
-    step = functacc.compile_step(model, loss_fn, opt, parallel=zero3, backend=args.backend,
-                                 max_grad_norm=1.0)
+    step = functacc.compile_step(
+        model, loss_fn, opt, parallel=zero3, backend=args.backend, max_grad_norm=1.0
+    )
 
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     start = time.perf_counter()
@@ -69,8 +71,8 @@ def main() -> None:
         if i == 0:
             start = time.perf_counter()
         if rank == 0 and (i + 1) % 10 == 0:
-            rate = i * args.batch_size * functacc.parallel.world_size() / (
-                time.perf_counter() - start
+            rate = (
+                i * args.batch_size * functacc.parallel.world_size() / (time.perf_counter() - start)
             )
             print(f"Step: {i + 1}, Loss: {float(loss):.4f}, Throughputs: {rate:.1f} samples/s")
     stats = step.stats()

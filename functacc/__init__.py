@@ -16,12 +16,14 @@ from .data import DeviceLoader
 from .errors import TraceError
 from .functional import functionalize
 from .parallel import init_distributed
+from .precision import Precision
 from .step import Step, TrainState, compile_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DeviceLoader",
+    "Precision",
     "Step",
     "TraceError",
     "TrainState",

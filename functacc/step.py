@@ -12,6 +12,7 @@ Two forms share the same mathematics (:mod:`functacc.step_fn`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,15 @@ from .compile import (
     check_backend,
     compile_graph,
 )
+from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
 from .optim import GradientTransformation
 from .optim._torch import TorchOptimizerLink, _check_supported
 from .parallel import resolve_strategy
 from .parallel.comm import CommStats, comm_stats
 from .parallel.strategy import check_same_model, sync_from_rank0
+from .precision import resolve_precision
+from .remat import validate_remat
 from .step_fn import LossFn, StepFunction, TrainState
 from .trace import describe_tensor, run_error, trace
 
@@ -78,6 +82,9 @@ class Step:
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         parallel: Any = None,
+        precision: Any = None,
+        remat: Collection[str] | None = None,
+        cuda_graphs: bool | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -116,6 +123,9 @@ class Step:
             check_same_model(self._params, "parameter")
             check_same_model(self._buffers, "buffer")
             sync_from_rank0({**self._params, **self._buffers})
+        self.precision = resolve_precision(precision)
+        self._device = next((t.device for t in self._params.values()), torch.device("cpu"))
+        self._cuda_graphs = check_cuda_graphs(cuda_graphs, self._device)
         self._fn = StepFunction(
             model,
             loss_fn,
@@ -123,6 +133,8 @@ class Step:
             self._strategy,
             grad_accum_steps,
             max_grad_norm,
+            self.precision,
+            validate_remat(model, remat),
         )
         self._set_live_state(self._initial_state(opt))
         self._installed = False
@@ -137,6 +149,19 @@ class Step:
     def count(self) -> int:
         """Steps taken by the stateful form."""
         return self._calls
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current float16 loss scale (``None`` without loss scaling). Reading it waits
+        for the device."""
+        scaler = (self._live.extra or {}).get("loss_scale")
+        return float(scaler["scale"]) if scaler else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because their float16 gradients overflowed."""
+        scaler = (self._live.extra or {}).get("loss_scale")
+        return int(scaler["skipped"]) if scaler else 0
 
     @property
     def state(self) -> TrainState:
@@ -159,6 +184,8 @@ class Step:
         program = self._cache.get(key)
         if program is None:
             program = self._build(key, self._live, args, kwargs, inplace=True, count=self._calls)
+            if self._cuda_graphs:
+                program.run = CudaGraphRunner(program.run, len(self._live_leaves))
         try:
             with torch.no_grad():
                 loss = program.run([*self._live_leaves, *tensors])[0]
@@ -264,8 +291,11 @@ class Step:
             opt_state = self._fn.transform.init(strategy.optimizer_params(params))
         if self._link is not None:
             self._torch_state = opt.state
-        count = torch.zeros((), dtype=torch.int64)
+        # On the parameters' device: a CUDA graph must read and advance it on the GPU.
+        count = torch.zeros((), dtype=torch.int64, device=self._device)
         extra = strategy.init_extra(self._params)
+        if self.precision is not None and self.precision.loss_scaling:
+            extra["loss_scale"] = self.precision.init_state(self._device)
         self._hyper_key = self._link.structure_key() if self._link else ()
         return TrainState(params, self._buffers, opt_state, count, extra)
 
@@ -428,6 +458,9 @@ def compile_step(
     grad_accum_steps: int = 1,
     max_grad_norm: float | None = None,
     parallel: Any = None,
+    precision: Any = None,
+    remat: Collection[str] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> Step:
     """Compile the whole training step of ``model`` into one graph.
 
@@ -446,6 +479,13 @@ def compile_step(
         max_grad_norm: clip the global gradient norm, as ``clip_grad_norm_``.
         parallel: ``None`` (data parallel over all ranks when the world size is > 1),
             :class:`functacc.parallel.DataParallel` or :class:`functacc.parallel.ZeRO`.
+        precision: ``None`` (the model's dtype), ``"bf16"``, ``"fp16"`` (with dynamic loss
+            scaling) or :class:`functacc.Precision`: autocast compute, float32 master
+            weights and optimizer state.
+        remat: class names of modules whose activations are recomputed in backward instead
+            of stored (e.g. ``{"TransformerEncoderLayer"}``).
+        cuda_graphs: capture the compiled step as a CUDA graph and replay it; ``None`` means
+            on for CUDA models, off elsewhere.
 
     Example:
         >>> import torch, functacc
@@ -464,4 +504,7 @@ def compile_step(
         grad_accum_steps=grad_accum_steps,
         max_grad_norm=max_grad_norm,
         parallel=parallel,
+        precision=precision,
+        remat=remat,
+        cuda_graphs=cuda_graphs,
     )

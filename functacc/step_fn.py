@@ -7,6 +7,7 @@ the gradient collectives of the parallel strategy, clipping and the optimizer up
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -20,6 +21,8 @@ from .functional import call_module
 from .optim import GradientTransformation
 from .optim._transform import step_params
 from .parallel.strategy import Strategy
+from .precision import Precision
+from .remat import rematerialize
 from .trace import describe_tensor
 
 __all__ = ["LossFn", "StepFunction", "TrainState"]
@@ -54,6 +57,8 @@ class StepFunction:
     strategy: Strategy
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None
+    precision: Precision | None = None
+    remat: frozenset[str] = frozenset()
 
     def __call__(
         self, state: TrainState, args: tuple, kwargs: dict, *, meta: dict, signature: tuple = ()
@@ -63,20 +68,29 @@ class StepFunction:
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         names = strategy.differentiable(params, trainable)
         buffers = state.buffers
+        extra = dict(state.extra or {})
+        scaler = extra.get("loss_scale")
+        device_type = next(iter(params.values())).device.type if params else "cpu"
         grads: list[Tensor | None] = [None] * len(names)
         losses = []
         micro_batches = split_micro_batches(args, kwargs, self.grad_accum_steps)
         for micro_args, micro_kwargs in micro_batches:
             with torch.enable_grad():
                 leaves = {n: params[n].detach().requires_grad_() for n in names}
-                with strategy.materialize({**params, **leaves}, self.model) as model_params:
-                    outputs, buffers = self._call_model(
-                        model_params, buffers, micro_args, micro_kwargs
-                    )
-                    loss = self._loss(outputs, micro_args)
+                with (
+                    strategy.materialize({**params, **leaves}, self.model) as model_params,
+                    rematerialize(self.model, self.remat),
+                ):
+                    with self._autocast(device_type):
+                        outputs, buffers = self._call_model(
+                            model_params, buffers, micro_args, micro_kwargs
+                        )
+                        loss = self._loss(outputs, micro_args)
                     # The eager reference for accumulation is (loss / k).backward() per
                     # micro-batch.
                     scaled = loss / len(micro_batches) if len(micro_batches) > 1 else loss
+                    if scaler:
+                        scaled = scaled * scaler["scale"].to(scaled.dtype)
                     if scaled.requires_grad and leaves:
                         micro_grads = torch.autograd.grad(
                             scaled, list(leaves.values()), allow_unused=True
@@ -87,24 +101,41 @@ class StepFunction:
                 g if acc is None else (acc if g is None else acc + g)
                 for acc, g in zip(grads, micro_grads, strict=True)
             ]
-            losses.append(loss.detach())
+            losses.append(loss.detach().float() if loss.dtype != torch.float64 else loss.detach())
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         named_grads = {n: g for n, g in zip(names, grads, strict=True) if g is not None}
         meta["names_with_grads"] = frozenset(named_grads)
-        extra = dict(state.extra or {})
         named_grads, extra = strategy.reduce_gradients(named_grads, extra, signature)
         buffers = strategy.sync_buffers(buffers)
+        found_inf = None
+        if scaler and named_grads:
+            named_grads, found_inf = self.precision.unscale(named_grads, scaler)
+            found_inf = strategy.any_rank(found_inf)
         if self.max_grad_norm is not None and named_grads:
             # torch.nn.utils.clip_grad_norm_'s formula, with no data-dependent branch.
-            coef = torch.clamp(
-                self.max_grad_norm / (strategy.global_norm(named_grads) + 1e-6), max=1.0
-            )
+            norm = strategy.global_norm(named_grads)
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             named_grads = {n: g.mul(coef.to(g.device)) for n, g in named_grads.items()}
         opt_params = strategy.optimizer_params(params)
         updated, opt_state = step_params(self.transform, named_grads, state.opt_state, opt_params)
         updated = {n: updated[n] for n in named_grads if n in updated}
         new_params = strategy.new_params(updated, params)
+        if found_inf is not None:
+            # An overflowing step is skipped: every parameter and optimizer tensor keeps its
+            # exact bits (selected, not recomputed), decided on the device, no host sync.
+            new_params = _keep_if(found_inf, params, new_params)
+            opt_state = pytree.tree_map(
+                lambda old, new: torch.where(found_inf, old, new) if new is not old else old,
+                state.opt_state,
+                opt_state,
+            )
+            extra["loss_scale"] = self.precision.next_state(scaler, found_inf)
         return TrainState(new_params, buffers, opt_state, state.count + 1, extra), loss
+
+    def _autocast(self, device_type: str) -> Any:
+        if self.precision is None:
+            return contextlib.nullcontext()
+        return self.precision.autocast(device_type)
 
     def _call_model(
         self, params: dict, buffers: Mapping[str, Tensor], args: tuple, kwargs: dict
@@ -133,6 +164,10 @@ class StepFunction:
                 f"{got}. Reduce it to a scalar, e.g. with reduction='mean' or loss.mean()."
             )
         return loss
+
+
+def _keep_if(flag: Tensor, old: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> dict:
+    return {n: torch.where(flag, old[n], t) if t is not old[n] else t for n, t in new.items()}
 
 
 def model_loss(outputs: Any) -> Any:

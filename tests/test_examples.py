@@ -23,22 +23,57 @@ def run(args: list[str], timeout: float = 600) -> str:
 
 
 def test_quickstart() -> None:
-    out = run([str(EXAMPLES / "resnet_quickstart.py"), "--steps", "4", "--log-every", "2",
-               "--batch-size", "4", "--image-size", "16", "--backend", "eager"])
+    out = run(
+        [
+            str(EXAMPLES / "resnet_quickstart.py"),
+            "--steps",
+            "4",
+            "--log-every",
+            "2",
+            "--batch-size",
+            "4",
+            "--image-size",
+            "16",
+            "--backend",
+            "eager",
+        ]
+    )
     assert "[eager] Epoch: 0, Step: 4" in out and "[functacc] Epoch: 0, Step: 4" in out
     assert "samples/s" in out.splitlines()[-1]
 
 
 @pytest.mark.distributed
 def test_data_parallel_example() -> None:
-    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(EXAMPLES / "train_data_parallel.py"), "--samples", "128", "--backend", "eager"])
+    out = run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(EXAMPLES / "train_data_parallel.py"),
+            "--samples",
+            "128",
+            "--backend",
+            "eager",
+        ]
+    )
     assert "Epoch: 1, Step: 2" in out and "(2 ranks, data parallel)" in out
 
 
 @pytest.mark.distributed
 def test_zero3_example() -> None:
-    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(EXAMPLES / "train_zero3.py"), "--steps", "10", "--backend", "eager"])
+    out = run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(EXAMPLES / "train_zero3.py"),
+            "--steps",
+            "10",
+            "--backend",
+            "eager",
+        ]
+    )
     assert "Step: 10, Loss:" in out
     assert "ZeRO-3: per-rank state" in out and "full model restored: 924,672 parameters" in out

@@ -95,6 +95,10 @@ class Strategy:
         """The norm of the whole gradient, for clipping."""
         return global_norm(dict(grads))
 
+    def any_rank(self, flag: Tensor) -> Tensor:
+        """``flag`` or'ed over the ranks whose gradients differ (shards), so all agree."""
+        return flag
+
     def new_params(
         self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:

@@ -330,6 +330,11 @@ class Sharded(Strategy):
             squares = all_reduce(squares, self.topology.shard_group)
         return squares.sqrt()
 
+    def any_rank(self, flag: Tensor) -> Tensor:
+        if self.topology.shard_group is None:
+            return flag
+        return all_reduce(flag.to(torch.float32), self.topology.shard_group) > 0
+
     def new_params(
         self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:

@@ -1,0 +1,119 @@
+"""CUDA-graph capture and replay of a compiled step (all CUDA-only code lives here).
+
+A CUDA graph replays a recorded sequence of kernels with the same memory addresses, so the
+host launches one graph instead of hundreds of kernels. The stateful step suits it: its state
+tensors (parameters, buffers, optimizer state) keep their addresses from step to step, and
+the graph writes the new values into them. Only the batch changes address, so it is copied
+into static input buffers first; the outputs (the loss) are copied out, because the next
+replay overwrites them. The first call runs uncaptured (warm-up: lazy initialisation,
+autotuning); the second captures and replays; later calls replay. Random ops (dropout) use
+PyTorch's default CUDA generator, whose state ``torch.cuda.graph`` registers with the graph,
+so every replay draws fresh numbers.
+
+The capture itself is injected (``graph_factory``) so that everything but the CUDA calls —
+static buffers, copy-in, copy-out, re-capture when the state moves — is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["CudaGraphRunner", "GraphFactory", "check_cuda_graphs"]
+
+
+class CapturedGraph(Protocol):
+    def capture(self) -> contextlib.AbstractContextManager: ...
+
+    def replay(self) -> None: ...
+
+
+GraphFactory = Callable[[], CapturedGraph]
+
+
+class _TorchCudaGraph:
+    """``torch.cuda.CUDAGraph`` behind the two-method interface the runner uses."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        # torch.cuda.graph captures on a side stream and registers the default generator's
+        # state with the graph (fresh dropout masks on every replay).
+        with torch.cuda.graph(self.graph):
+            yield
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def check_cuda_graphs(enabled: bool | None, device: torch.device) -> bool:
+    """``None``: on for CUDA, off elsewhere; ``True`` off CUDA is an error."""
+    if enabled is None:
+        return device.type == "cuda"
+    if enabled and device.type != "cuda":
+        raise ValueError(
+            f"cuda_graphs=True needs the model on a CUDA device; it is on {device}. CUDA "
+            "graphs replay GPU kernels; on CPU use cuda_graphs=None (the default) or False."
+        )
+    return bool(enabled)
+
+
+class CudaGraphRunner:
+    """Wraps a compiled step ``run(inputs) -> outputs`` with capture and replay.
+
+    ``num_state`` leading inputs are the live state (stable addresses); the rest is the batch.
+    """
+
+    def __init__(
+        self,
+        run: Callable[[list[Tensor]], Sequence[Tensor]],
+        num_state: int,
+        *,
+        graph_factory: GraphFactory | None = None,
+        warmup_calls: int = 1,
+    ):
+        self.run = run
+        self.num_state = num_state
+        self.graph_factory = graph_factory or _TorchCudaGraph
+        self.warmup_calls = warmup_calls
+        self.calls = 0
+        self.captures = 0
+        self.graph: CapturedGraph | None = None
+        self.static_batch: list[Tensor] = []
+        self.static_outputs: Sequence[Tensor] = ()
+        self.state_ptrs: tuple[int, ...] = ()
+
+    def __call__(self, inputs: list[Tensor]) -> list[Tensor]:
+        state, batch = inputs[: self.num_state], inputs[self.num_state :]
+        self.calls += 1
+        if self.calls <= self.warmup_calls:
+            return list(self.run([*state, *batch]))
+        ptrs = tuple(t.data_ptr() for t in state)
+        if self.graph is None or ptrs != self.state_ptrs:
+            # First replay, or the state was replaced (e.g. optimizer.load_state_dict): the
+            # graph baked in the old addresses, so capture again.
+            self._capture(state, batch, ptrs)
+        else:
+            for static, new in zip(self.static_batch, batch, strict=True):
+                static.copy_(new, non_blocking=True)
+        self.graph.replay()
+        # The next replay overwrites the graph's outputs: hand out copies.
+        return [t.clone() for t in self.static_outputs]
+
+    def _capture(self, state: list[Tensor], batch: list[Tensor], ptrs: tuple[int, ...]) -> None:
+        self.static_batch = [t.clone() for t in batch]
+        graph = self.graph_factory()
+        with graph.capture():
+            self.static_outputs = tuple(self.run([*state, *self.static_batch]))
+        self.graph = graph
+        self.state_ptrs = ptrs
+        self.captures += 1
+
+    def describe(self) -> dict[str, Any]:
+        return {"calls": self.calls, "captures": self.captures}
