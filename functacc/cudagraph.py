@@ -10,24 +10,34 @@ autotuning); the second captures and replays; later calls replay. Random ops (dr
 PyTorch's default CUDA generator, whose state ``torch.cuda.graph`` registers with the graph,
 so every replay draws fresh numbers.
 
-The capture itself is injected (``graph_factory``) so that everything but the CUDA calls —
-static buffers, copy-in, copy-out, re-capture when the state moves — is tested on CPU.
+The graph is injected (``graph_factory``; ``Step`` uses :data:`DEFAULT_GRAPH_FACTORY`) so
+that everything but the CUDA calls — static buffers, copy-in, copy-out, re-capture when the
+state moves — is tested on CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["CudaGraphRunner", "GraphFactory", "check_cuda_graphs"]
+__all__ = [
+    "CapturedGraph",
+    "CudaGraphRunner",
+    "GraphFactory",
+    "TorchCudaGraph",
+    "check_cuda_graphs",
+]
 
 
 class CapturedGraph(Protocol):
-    def capture(self) -> contextlib.AbstractContextManager: ...
+    """What the runner needs from a graph: record ``fn`` once, replay it, its outputs."""
+
+    outputs: Sequence[Tensor]
+
+    def capture(self, fn: Callable[[], Sequence[Tensor]]) -> None: ...
 
     def replay(self) -> None: ...
 
@@ -35,21 +45,24 @@ class CapturedGraph(Protocol):
 GraphFactory = Callable[[], CapturedGraph]
 
 
-class _TorchCudaGraph:
-    """``torch.cuda.CUDAGraph`` behind the two-method interface the runner uses."""
+class TorchCudaGraph:
+    """``torch.cuda.CUDAGraph`` behind the runner's interface."""
 
     def __init__(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
+        self.outputs: Sequence[Tensor] = ()
 
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
+    def capture(self, fn: Callable[[], Sequence[Tensor]]) -> None:
         # torch.cuda.graph captures on a side stream and registers the default generator's
-        # state with the graph (fresh dropout masks on every replay).
+        # state with the graph, so every replay draws fresh dropout masks.
         with torch.cuda.graph(self.graph):
-            yield
+            self.outputs = tuple(fn())
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+DEFAULT_GRAPH_FACTORY: GraphFactory = TorchCudaGraph
 
 
 def check_cuda_graphs(enabled: bool | None, device: torch.device) -> bool:
@@ -80,13 +93,12 @@ class CudaGraphRunner:
     ):
         self.run = run
         self.num_state = num_state
-        self.graph_factory = graph_factory or _TorchCudaGraph
+        self.graph_factory = graph_factory or DEFAULT_GRAPH_FACTORY
         self.warmup_calls = warmup_calls
         self.calls = 0
         self.captures = 0
         self.graph: CapturedGraph | None = None
         self.static_batch: list[Tensor] = []
-        self.static_outputs: Sequence[Tensor] = ()
         self.state_ptrs: tuple[int, ...] = ()
 
     def __call__(self, inputs: list[Tensor]) -> list[Tensor]:
@@ -104,13 +116,13 @@ class CudaGraphRunner:
                 static.copy_(new, non_blocking=True)
         self.graph.replay()
         # The next replay overwrites the graph's outputs: hand out copies.
-        return [t.clone() for t in self.static_outputs]
+        return [t.clone() for t in self.graph.outputs]
 
     def _capture(self, state: list[Tensor], batch: list[Tensor], ptrs: tuple[int, ...]) -> None:
         self.static_batch = [t.clone() for t in batch]
+        static_inputs = [*state, *self.static_batch]
         graph = self.graph_factory()
-        with graph.capture():
-            self.static_outputs = tuple(self.run([*state, *self.static_batch]))
+        graph.capture(lambda: self.run(list(static_inputs)))
         self.graph = graph
         self.state_ptrs = ptrs
         self.captures += 1

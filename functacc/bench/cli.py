@@ -13,6 +13,13 @@ from .models import WORKLOADS, build
 
 __all__ = ["main", "parser"]
 
+REMAT_DEFAULTS = {
+    "mlp": {"Linear"},
+    "resnet18": {"BasicBlock"},
+    "resnet50": {"Bottleneck"},
+    "transformer": {"TransformerEncoderLayer"},
+}
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -36,6 +43,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="also run functacc in this precision, next to float32",
+    )
+    p.add_argument(
+        "--remat",
+        metavar="CLASSES",
+        nargs="?",
+        const="default",
+        default=None,
+        help="also run functacc recomputing these modules' activations in backward "
+        "(comma-separated class names; without a value, the model's blocks)",
+    )
     p.add_argument(
         "--nproc",
         type=int,
@@ -67,6 +89,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     names = [n.strip() for n in args.competitors.split(",") if n.strip()]
     factories = [lambda n=n: competitors.make(n, workload) for n in names]
+    if args.precision:
+        factories.append(
+            lambda: competitors.functacc_variant(workload, args.precision, precision=args.precision)
+        )
+    if args.remat:
+        classes = (
+            REMAT_DEFAULTS[args.model] if args.remat == "default" else set(args.remat.split(","))
+        )
+        factories.append(lambda: competitors.functacc_variant(workload, "remat", remat=classes))
     results = runner.run(
         factories,
         batch_size=workload.inputs.shape[0],

@@ -62,7 +62,9 @@ class Functacc:
 
     name = "functacc"
 
-    def __init__(self, w: Workload, **options):
+    def __init__(self, w: Workload, *, label: str | None = None, **options):
+        if label:
+            self.name = f"functacc {label}"
         self.w = w
         self.model = copy.deepcopy(w.model)
         self.opt = w.make_opt(self.model)
@@ -79,3 +81,8 @@ def make(name: str, workload: Workload) -> Competitor:
     if name not in COMPETITORS:
         raise ValueError(f"unknown competitor {name!r}; choose from {', '.join(COMPETITORS)}")
     return COMPETITORS[name](workload)
+
+
+def functacc_variant(workload: Workload, label: str, **options) -> Competitor:
+    """functacc with options (``precision=``, ``remat=``), shown as ``functacc <label>``."""
+    return Functacc(workload, label=label, **options)

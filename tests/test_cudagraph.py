@@ -1,0 +1,140 @@
+"""CUDA graphs: the capture/replay logic on CPU with a stand-in graph; the real capture on
+CUDA (skipped here, with the reason, when no GPU is present)."""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+from helpers import assert_close
+from torch import nn
+
+import functacc
+from functacc import cudagraph
+
+
+class RecordedGraph:
+    """Stands in for a CUDA graph on CPU: capture records the closure, replay runs it and
+    writes the results into fixed output tensors, as a real replay writes its static
+    outputs."""
+
+    captures = 0
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.outputs: list[torch.Tensor] = []
+
+    def capture(self, fn) -> None:
+        RecordedGraph.captures += 1
+        self.fn = fn
+
+    def replay(self) -> None:
+        results = self.fn()
+        if not self.outputs:
+            self.outputs = [torch.empty_like(r) for r in results]
+        for static, r in zip(self.outputs, results, strict=True):
+            static.copy_(r)
+
+
+def test_cuda_graphs_true_on_cpu_is_an_error() -> None:
+    model = models.mlp()
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
+        functacc.compile_step(
+            model,
+            nn.CrossEntropyLoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            cuda_graphs=True,
+        )
+
+
+def test_runner_copies_in_and_out() -> None:
+    state = torch.zeros(3)
+    calls = []
+
+    def run(inputs):
+        s, x = inputs
+        calls.append(x.data_ptr())
+        s.add_(x)
+        return [s.sum().reshape(1)]
+
+    runner = cudagraph.CudaGraphRunner(run, 1, graph_factory=RecordedGraph)
+    first = runner([state, torch.ones(3)])  # warm-up: runs directly
+    second = runner([state, torch.full((3,), 2.0)])  # capture, then replay
+    batch = torch.full((3,), 3.0)
+    third = runner([state, batch])
+    assert [float(o) for o in (first[0], second[0], third[0])] == [3.0, 9.0, 18.0]
+    assert runner.captures == 1
+    # Replays read the static buffer, never the caller's tensor.
+    assert calls[-1] == runner.static_batch[0].data_ptr() != batch.data_ptr()
+    third[0].add_(100.0)  # the caller owns a copy
+    assert float(runner.graph.outputs[0]) == 18.0
+
+
+def test_runner_recaptures_when_the_state_moves() -> None:
+    def run(inputs):
+        return [inputs[0] + inputs[1]]
+
+    runner = cudagraph.CudaGraphRunner(run, 1, graph_factory=RecordedGraph)
+    a = torch.zeros(2)
+    for _ in range(3):
+        runner([a, torch.ones(2)])
+    b = torch.zeros(2)  # e.g. optimizer.load_state_dict replaced the tensors
+    out = runner([b, torch.ones(2)])
+    assert runner.captures == 2 and torch.equal(out[0], torch.ones(2))
+
+
+def test_step_with_graph_replay_matches_plain_step(monkeypatch) -> None:
+    monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
+    monkeypatch.setattr(cudagraph, "check_cuda_graphs", lambda enabled, device: True)
+    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda enabled, device: True)
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    ref = copy.deepcopy(model)
+    step = functacc.compile_step(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        backend="eager",
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_step = functacc.compile_step(
+        ref, nn.CrossEntropyLoss(), ref_opt, backend="eager", cuda_graphs=False
+    )
+    g = torch.Generator().manual_seed(0)
+    for i in range(5):
+        x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+        torch.manual_seed(i)
+        loss = step(x, y)
+        torch.manual_seed(i)
+        ref_loss = ref_step(x, y)
+        assert torch.equal(loss, ref_loss)
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    program = next(iter(step._cache._entries.values()))
+    assert program.run.describe() == {"calls": 5, "captures": 1}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_step_matches_uncaptured_step_on_gpu() -> None:
+    torch.manual_seed(0)
+    model = models.cnn_bn().cuda()
+    ref = copy.deepcopy(model)
+    step = functacc.compile_step(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        cuda_graphs=True,
+    )
+    ref_step = functacc.compile_step(
+        ref,
+        nn.CrossEntropyLoss(),
+        torch.optim.AdamW(ref.parameters(), lr=1e-3),
+        cuda_graphs=False,
+    )
+    model[9].p = ref[9].p = 0.0  # the two runs draw dropout differently
+    for _ in range(5):
+        x = torch.randn(8, 3, 16, 16, device="cuda")
+        y = torch.randint(0, 5, (8,), device="cuda")
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+    assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5, what="model")

@@ -1,0 +1,112 @@
+"""Mixed precision against float32, and float16 loss scaling: skip, back off, grow."""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+from helpers import assert_close
+from torch import nn
+
+import functacc
+
+
+def train_transformer(precision, steps: int = 100):
+    torch.manual_seed(0)
+    model = models.TinyTransformer(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager", precision=precision
+    )
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 50, (8, 32, 12), generator=g)
+    labels = tokens[:, :, 0] % 5  # learnable: the class is a function of the first token
+    losses = [float(step(tokens[i % 8], labels[i % 8])) for i in range(steps)]
+    return losses, model, opt, step
+
+
+@pytest.fixture(scope="module")
+def float32_run():
+    return train_transformer(None)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_tracks_float32(float32_run, precision) -> None:
+    losses32 = float32_run[0]
+    losses, model, opt, step = train_transformer(precision)
+    final32, final = sum(losses32[-10:]) / 10, sum(losses[-10:]) / 10
+    assert final32 < 0.5 * losses32[0]  # it learned
+    assert abs(final - final32) <= 0.02 * final32
+    # Master weights and optimizer state stay float32.
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(
+        t.dtype == torch.float32 for s in opt.state.values() for k, t in s.items() if k != "step"
+    )
+    # The compute really ran in the low-precision type.
+    graph = next(iter(step._cache._entries.values())).graph
+    dtype = functacc.Precision(precision).dtype
+    assert any(
+        n.target == torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == dtype
+        for n in graph.graph.nodes
+    )
+
+
+def mlp_step(**precision_options):
+    torch.manual_seed(0)
+    model = models.mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    precision = functacc.Precision("fp16", **precision_options)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager", precision=precision
+    )
+    return model, opt, step
+
+
+def batch(scale: float = 1.0):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 16, generator=g) * scale, torch.randint(0, 5, (8,), generator=g)
+
+
+def test_fp16_overflow_skips_the_step_bit_for_bit() -> None:
+    model, opt, step = mlp_step(init_scale=2.0**10)
+    for _ in range(3):
+        step(*batch())
+    before_model = copy.deepcopy(model.state_dict())
+    before_opt = copy.deepcopy(opt.state_dict())
+    scale = step.loss_scale
+    step(*batch(1e30))  # overflows in float16
+    assert step.skipped_steps == 1
+    assert step.loss_scale == scale / 2
+    assert_close(model.state_dict(), before_model, rtol=0, atol=0, what="params")
+    assert_close(opt.state_dict(), before_opt, rtol=0, atol=0, what="optimizer")
+    step(*batch())  # training continues
+    assert step.skipped_steps == 1
+    assert not torch.equal(model[0].weight, before_model["0.weight"])
+    assert step.num_traces == 1  # the skip is data, not a different graph
+
+
+def test_fp16_scale_grows_after_growth_interval() -> None:
+    _, _, step = mlp_step(init_scale=8.0, growth_interval=3)
+    for i in range(7):
+        step(*batch())
+        assert step.loss_scale == 8.0 * 2 ** ((i + 1) // 3)
+
+
+def test_loss_scaling_adds_no_host_synchronisation() -> None:
+    _, _, step = mlp_step()
+    step(*batch())
+    graph = next(iter(step._cache._entries.values())).graph
+    targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert "aten._local_scalar_dense.default" not in targets  # no .item() in the step
+    assert isinstance(step.state.extra["loss_scale"]["scale"], torch.Tensor)
+
+
+def test_invalid_precision() -> None:
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'bf16' or 'fp16'"):
+        functacc.compile_step(model, nn.CrossEntropyLoss(), opt, precision="fp8")
+    with pytest.raises(ValueError, match="growth_interval"):
+        functacc.Precision("fp16", growth_interval=0)
