@@ -58,9 +58,10 @@ def main() -> None:
         measured = len(loader) - (1 if epoch == 0 else 0)
         throughput = measured * args.batch_size * world / max(elapsed, 1e-9)
         if rank == 0:
+            strategy = step.stats()["strategy"]
             print(
                 f"Epoch: {epoch}, Step: {len(loader)}, Loss: {float(loss):.4f}, "
-                f"Throughputs: {throughput:.1f} samples/s ({world} ranks, {step.stats()['strategy']})"
+                f"Throughputs: {throughput:.1f} samples/s ({world} ranks, {strategy})"
             )
     if dist.is_initialized():
         dist.destroy_process_group()
