@@ -12,6 +12,8 @@ Example:
 """
 
 from . import optim, parallel
+from .accelerate import accelerate
+from .config import Config
 from .data import DeviceLoader
 from .errors import TraceError
 from .functional import functionalize
@@ -22,12 +24,14 @@ from .step import Step, TrainState, compile_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "Config",
     "DeviceLoader",
     "Precision",
     "Step",
     "TraceError",
     "TrainState",
     "__version__",
+    "accelerate",
     "compile_step",
     "functionalize",
     "init_distributed",

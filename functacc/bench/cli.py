@@ -35,8 +35,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
+        "--accelerate",
+        action="store_true",
+        help="compare eager with functacc.accelerate (the TorchAcc-style front door)",
+    )
+    p.add_argument(
         "--competitors",
-        default=",".join(competitors.COMPETITORS),
+        default="eager,torch.compile,functacc",
         help="comma-separated subset of: " + ", ".join(competitors.COMPETITORS),
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -88,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=args.device,
     )
     names = [n.strip() for n in args.competitors.split(",") if n.strip()]
+    if args.accelerate and "accelerate" not in names:
+        names = ["eager", "accelerate"]
     factories = [lambda n=n: competitors.make(n, workload) for n in names]
     if args.precision:
         factories.append(

@@ -74,7 +74,19 @@ class Functacc:
         return self.compiled(self.w.inputs, self.w.targets)
 
 
-COMPETITORS = {c.name: c for c in (Eager, TorchCompile, Functacc)}
+class Accelerate(Eager):
+    """The eager loop on a model prepared by ``functacc.accelerate`` (torch.compile)."""
+
+    name = "accelerate"
+
+    def __init__(self, w: Workload):
+        from ..accelerate import accelerate
+
+        super().__init__(w)
+        accelerate(self.model)
+
+
+COMPETITORS = {c.name: c for c in (Eager, TorchCompile, Functacc, Accelerate)}
 
 
 def make(name: str, workload: Workload) -> Competitor:

@@ -1,0 +1,23 @@
+"""Sizes of the TorchAcc-style examples: small enough for a 2-core CPU by default, the
+TorchAcc documentation's sizes with --full (ResNet-50, 224x224, batch 64, 6400 samples)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def sizes() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--full", action="store_true", help="the documentation's sizes (GPU)")
+    p.add_argument("--samples", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--log-steps", type=int, default=None)
+    args = p.parse_args()
+    full = {"samples": 6400, "batch_size": 64, "image_size": 224, "epochs": 2, "log_steps": 20}
+    small = {"samples": 320, "batch_size": 16, "image_size": 64, "epochs": 2, "log_steps": 5}
+    for key, value in (full if args.full else small).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args

@@ -1,0 +1,52 @@
+"""ResNet-50, fully sharded (FSDP) over all ranks of torchrun.
+
+torchrun --nproc_per_node=2 examples/torchacc/resnet_acc_fsdp.py
+"""
+
+import os
+import time
+
+import torch
+import torchvision
+from _sizes import sizes
+
+import functacc as torchacc
+
+args = sizes()
+batch_size = args.batch_size
+log_steps = args.log_steps
+inputs = torch.randn(args.samples, 3, args.image_size, args.image_size)
+labels = torch.randint(0, 100, (args.samples,))
+dataset = torch.utils.data.TensorDataset(inputs, labels)
+train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
+
+model = torchvision.models.resnet50()
+model.fc = torch.nn.Linear(model.fc.in_features, 100)
+
+config = torchacc.Config()
+config.dist.fsdp.size = int(os.environ.get("WORLD_SIZE", 1))
+config.dist.fsdp.wrap_layer_cls = {"Bottleneck"}
+model, train_loader = torchacc.accelerate(model, train_loader, config)
+device = model.device
+
+criterion = torch.nn.CrossEntropyLoss()
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.001)
+
+for epoch in range(args.epochs):
+    model.train()
+    start_time = time.time()
+    for i, (inputs, labels) in enumerate(train_loader, 1):
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = criterion(outputs, labels)
+        loss.backward()
+        optimizer.step()
+        if i % log_steps == 0 and torch.distributed.get_rank() == 0:
+            iteration_time = time.time() - start_time
+            throughputs = (
+                batch_size * log_steps / iteration_time * torch.distributed.get_world_size()
+            )
+            print(
+                f"Epoch: {epoch}, Step: {i}, Loss: {loss:.4f}, Throughputs: {throughputs:.4f} samples/s"
+            )
+            start_time = time.time()

@@ -1,0 +1,214 @@
+"""functacc.accelerate and Config: the eager loop on PyTorch's engines."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+import pytest
+import torch
+from helpers import assert_close
+from test_parallel import REDUCTION, run_torchrun, workdir  # noqa: F401
+from torch import nn
+
+import functacc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def no_compile() -> functacc.Config:
+    config = functacc.Config()
+    config.compute.compile = False
+    return config
+
+
+def loop(model, batches, opt_cls=torch.optim.SGD):
+    opt = opt_cls(model.parameters(), lr=0.05)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def data(n=5):
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def test_accelerated_eager_loop_equals_plain_loop() -> None:
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    model[9].p = 0.0
+    ref = copy.deepcopy(model)
+    same = functacc.accelerate(model, config=no_compile())
+    assert same is model and model.device == torch.device("cpu")
+    assert list(model.state_dict()) == list(ref.state_dict())  # the user's own names
+    assert_close(loop(model, data()), loop(ref, data()), rtol=0, atol=0, what="losses")
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+
+
+@pytest.mark.inductor
+def test_accelerate_with_torch_compile() -> None:
+    torch.manual_seed(0)
+    model = models.mlp()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(5)
+    ]
+    functacc.accelerate(model)
+    # Inductor's fused kernels reorder float32 arithmetic.
+    assert_close(loop(model, batches), loop(ref, batches), rtol=1e-5, atol=1e-6, what="losses")
+
+
+def test_dataloader_yields_batches_on_the_device() -> None:
+    dataset = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10))
+    model, loader = functacc.accelerate(
+        nn.Linear(3, 2), torch.utils.data.DataLoader(dataset, batch_size=4), no_compile()
+    )
+    batches = list(loader)
+    assert [len(y) for _, y in batches] == [4, 4, 2]
+    assert all(x.device == model.device for x, _ in batches)
+
+
+def test_bf16_config_computes_in_bf16_returns_float32() -> None:
+    config = no_compile()
+    config.compute.bf16 = True
+    model = functacc.accelerate(models.mlp(), config=config)
+    out = model(torch.randn(4, 16))
+    assert out.dtype == torch.float32 and model[0].weight.dtype == torch.float32
+
+
+def test_gradient_checkpointing_config() -> None:
+    torch.manual_seed(0)
+    model = models.TinyTransformer(dropout=0.0)
+    ref = copy.deepcopy(model)
+    config = no_compile()
+    config.memory.gc = True
+    config.memory.gc_cls = {"TransformerEncoderLayer"}
+    functacc.accelerate(model, config=config)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randint(0, 50, (8, 12), generator=g), torch.randint(0, 5, (8,), generator=g))
+        for _ in range(3)
+    ]
+    assert_close(loop(model, batches), loop(ref, batches), rtol=0, atol=0, what="losses")
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("setup", "field"),
+    [
+        (
+            lambda c: (setattr(c.compute, "fp16", True), setattr(c.compute, "bf16", True)),
+            "compute.fp16 and compute.bf16",
+        ),
+        (lambda c: setattr(c.dist.fsdp, "size", 3), "dist.fsdp.size=3"),
+        (lambda c: setattr(c.dist.dp, "size", 2), r"dist.dp.size \(2\) x dist.fsdp.size"),
+        (lambda c: setattr(c.memory, "gc", True), "memory.gc_cls"),
+        (lambda c: setattr(c.dataloader, "prefetch", -1), "dataloader.prefetch"),
+    ],
+)
+def test_invalid_config_names_the_field(setup, field) -> None:
+    config = functacc.Config()
+    setup(config)
+    with pytest.raises(ValueError, match=field):
+        functacc.accelerate(models.mlp(), config=config)
+
+
+def test_unknown_config_attribute_raises() -> None:
+    config = functacc.Config()
+    with pytest.raises(AttributeError, match=r"Did you mean dist.fsdp.wrap_layer_cls\?"):
+        config.dist.fsdp.wrap_layer_class = {"Block"}
+    with pytest.raises(AttributeError, match="no field 'gpu'"):
+        config.gpu = 1
+
+
+def test_cuda_amp_in_the_loop_is_a_noop_on_cpu() -> None:
+    model = functacc.accelerate(models.mlp(), config=no_compile())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning):
+        scaler = torch.cuda.amp.GradScaler()
+    with pytest.warns(UserWarning), torch.cuda.amp.autocast():
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 16)), torch.zeros(4).long())
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert loss.dtype == torch.float32
+
+
+@pytest.mark.distributed
+def test_accelerate_under_torchrun_matches_ddp_and_fsdp_matches_dp(workdir) -> None:  # noqa: F811
+    result = run_torchrun(workdir, "accelerate", 2)
+    for name in ("dp", "fsdp"):
+        assert result[f"{name}_same_object"]
+        assert result[f"{name}_rank"] == (0, 2)
+        assert not any(
+            k.startswith(("module.", "_fsdp", "forward")) for k in result[f"{name}_keys"]
+        )
+    assert_close(result["dp_losses"], result["ddp_losses"], rtol=0, atol=0, what="DP losses")
+    assert_close(result["dp_state"], result["ddp_state"], rtol=0, atol=0, what="DP model")
+    # FSDP reduce-scatters where DDP all-reduces: another summation order.
+    assert_close(result["fsdp_losses"], result["dp_losses"], **REDUCTION, what="FSDP losses")
+    assert_close(result["fsdp_state"], result["dp_state"], **REDUCTION, what="FSDP model")
+
+
+EXAMPLES = ROOT / "examples" / "torchacc"
+TINY = [
+    "--samples",
+    "16",
+    "--batch-size",
+    "4",
+    "--image-size",
+    "32",
+    "--log-steps",
+    "2",
+    "--epochs",
+    "1",
+]
+
+
+def run_example(args: list[str], torchrun: bool = False) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1")
+    cmd = [sys.executable]
+    if torchrun:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*cmd, *args, *TINY], capture_output=True, text=True, timeout=600, env=env, cwd=EXAMPLES
+    )
+    assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("script", "torchrun"),
+    [
+        ("resnet_native.py", False),
+        ("resnet_acc.py", False),
+        ("resnet_acc_amp.py", False),
+        pytest.param("resnet_acc_dp.py", True, marks=pytest.mark.distributed),
+        pytest.param("resnet_acc_fsdp.py", True, marks=pytest.mark.distributed),
+    ],
+)
+def test_torchacc_examples(script: str, torchrun: bool) -> None:
+    source = (EXAMPLES / script).read_text()
+    if script != "resnet_native.py":
+        assert "import functacc as torchacc" in source
+    out = run_example([script], torchrun)
+    lines = [ln for ln in out.splitlines() if ln.startswith("Epoch:")]
+    # 16 samples / 4 per batch (per rank under torchrun: 2 steps), a line every 2 steps,
+    # printed once (rank 0 only).
+    expected = 1 if torchrun else 2
+    assert len(lines) == expected, out
+    assert lines[0].startswith("Epoch: 0, Step: 2, Loss: ") and lines[0].endswith(" samples/s")
