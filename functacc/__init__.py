@@ -13,17 +13,22 @@ Example:
 
 from . import optim, parallel
 from .accelerate import accelerate
+from .checkpoint import load, load_model, save, save_model
 from .config import Config
 from .data import DeviceLoader
 from .errors import TraceError
+from .manager import CheckpointManager
 from .functional import functionalize
 from .parallel import init_distributed
 from .precision import Precision
+from .safe_io import CheckpointError
 from .step import Step, TrainState, compile_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointManager",
     "Config",
     "DeviceLoader",
     "Precision",
@@ -35,6 +40,10 @@ __all__ = [
     "compile_step",
     "functionalize",
     "init_distributed",
+    "load",
+    "load_model",
     "optim",
     "parallel",
+    "save",
+    "save_model",
 ]

@@ -107,6 +107,10 @@ class DeviceLoader:
             worker_init_fn=loader.worker_init_fn,
             persistent_workers=loader.persistent_workers,
             prefetch_factor=loader.prefetch_factor,
+            # Its own generator: starting an epoch then never draws from the global RNG
+            # (a DataLoader draws its workers' base seed), which keeps dropout's stream the
+            # same whether a run was resumed or not.
+            generator=torch.Generator().manual_seed(seed),
         )
 
     # -- epochs and resumption ---------------------------------------------------------

@@ -270,6 +270,21 @@ class Step:
         return self.model
 
     # -- live state --------------------------------------------------------------------
+    def _after_load(self) -> None:
+        """After a checkpoint wrote into the live state: the torch optimizer shows it."""
+        if self._link is None:
+            return
+        self._link.write_hyperparams(self._live.opt_state)
+        if self._strategy.named_state:
+            trainable = {n for n, p in self._params.items() if p.requires_grad}
+            self._link.install(self._live.opt_state, trainable)
+            self._installed = True
+
+    def _load_full_params(self) -> None:
+        """The model's parameters were overwritten (load_model): re-shard them into the
+        live state where the state holds shards."""
+        self._strategy.load_full_params(self._params, self._live.params)
+
     def _build_transform(self, opt: Any) -> GradientTransformation:
         if self._link is None:
             return opt

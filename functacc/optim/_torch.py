@@ -165,6 +165,17 @@ class TorchOptimizerLink:
                     group_state.hyperparams[k].fill_(v)
             self._values = values
 
+    def write_hyperparams(self, state: tuple | list) -> None:
+        """Set ``param_groups`` from the state's hyperparameters (after loading a
+        checkpoint, the loaded values are the current ones)."""
+        for group, group_state in zip(self.optimizer.param_groups, state, strict=True):
+            values = {k: float(v) for k, v in group_state.hyperparams.items()}
+            if "beta1" in values:
+                group["betas"] = (values.pop("beta1"), values.pop("beta2"))
+            for k, v in values.items():
+                group[k] = v
+        self._values = self.hyper_values()
+
     def with_current_hyperparams(self, state: tuple) -> tuple:
         """A copy of ``state`` holding the optimizer's current hyperparameter values."""
         return tuple(

@@ -51,6 +51,13 @@ class Strategy:
                 if model_params[name] is not value:
                     model_params[name].data = value.detach().clone()
 
+    def load_full_params(self, model_params: Mapping[str, Tensor], live: dict) -> None:
+        """Copy full parameters (the model's) into the live state where it differs."""
+        with torch.no_grad():
+            for name, p in model_params.items():
+                if name in live and live[name] is not p:
+                    live[name].copy_(p)
+
     def shard_optimizer_state(self, named_state: Any, transform: Any, opt_params: dict) -> Any:
         """The optimizer state in the optimizer's space, from the named (full) state."""
         return named_state

@@ -219,6 +219,14 @@ class Sharded(Strategy):
     def optimizer_groups(self, groups: list[list[str]]) -> list[list[str]]:
         return [[u.key for u in self.units if u.group == i] for i in range(len(groups))]
 
+    def load_full_params(self, model_params: Mapping[str, Tensor], live: dict) -> None:
+        if self.stage < 3:
+            return
+        with torch.no_grad():
+            for unit in self.units:
+                flat = unit.flatten([model_params[n].detach() for n in unit.names])
+                live[unit.key].copy_(unit.my_chunk(flat, self.topology.shard_rank))
+
     def shard_optimizer_state(self, named_state: Any, transform: Any, opt_params: dict) -> Any:
         """Flatten and shard a named optimizer state (torch's, when resuming) like the
         parameters: per-parameter tensors are concatenated per unit, per-parameter scalars
