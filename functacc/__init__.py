@@ -17,8 +17,8 @@ from .checkpoint import load, load_model, save, save_model
 from .config import Config
 from .data import DeviceLoader
 from .errors import TraceError
-from .manager import CheckpointManager
 from .functional import functionalize
+from .manager import CheckpointManager
 from .parallel import init_distributed
 from .precision import Precision
 from .safe_io import CheckpointError

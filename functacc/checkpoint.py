@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .data import DeviceLoader
 from .optim import AdamState, SGDState
@@ -344,7 +345,7 @@ def load(
             dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
     except CheckpointError:
         raise
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
         raise CheckpointError(
             f"checkpoint {path!r} could not be read: {type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}. A data file is "
@@ -378,7 +379,10 @@ def _restore_host_state(
         )
     if loader is not None:
         loader.load_state_dict(
-            {"epoch": int(targets["loader.epoch"]), "batch_index": int(targets["loader.batch_index"])}
+            {
+                "epoch": int(targets["loader.epoch"]),
+                "batch_index": int(targets["loader.batch_index"]),
+            }
         )
     step._calls = int(step.state.count)
     step._after_load()

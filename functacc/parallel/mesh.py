@@ -51,7 +51,16 @@ def init_distributed(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)
-    dist.init_process_group(backend, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return True
+    # Restarted by torchrun (--max-restarts): the launcher's store still holds the previous
+    # attempt's addresses, which a new process group would try to connect to. A prefix per
+    # attempt keeps each attempt's keys apart.
+    store, rank_, world_ = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"functacc/attempt{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world_, timeout=timeout)
     return True
 
 

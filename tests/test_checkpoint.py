@@ -1,0 +1,251 @@
+"""Checkpoints: exact resume, resharding, crash and restart, atomic writes, safe loading,
+and clear errors for bad checkpoints."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+import pytest
+import torch
+from helpers import assert_close
+from test_parallel import REDUCTION, TORCHRUN, WORKER, env, run_torchrun, workdir  # noqa: F401
+from torch import nn
+
+import functacc
+from functacc import CheckpointError
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = Path(__file__).resolve().parent / "ckpt_job.py"
+
+
+def job(mode: str, directory: Path, steps: int, **extra_env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(JOB), mode, str(directory), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env() | extra_env,
+    )
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_resume_in_a_new_process_is_bit_exact(tmp_path, backend) -> None:
+    # 10 steps straight, against 5 steps + save, then a new process that loads and trains
+    # 5 more: dropout, BatchNorm, a shuffling loader mid-epoch and an LR scheduler.
+    for mode, steps in (("full", 10), ("first", 5), ("resume", 5)):
+        proc = job(mode, tmp_path, steps, BACKEND=backend)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    first = torch.load(tmp_path / "first.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resume.pt", weights_only=True)
+    assert first["losses"] + resumed["losses"] == full["losses"]
+    assert_close(resumed["model"], full["model"], rtol=0, atol=0, what="model")
+    assert_close(resumed["opt"], full["opt"], rtol=0, atol=0, what="optimizer")
+
+
+def test_kill_while_writing_leaves_the_previous_checkpoint(tmp_path) -> None:
+    proc = job("kill_while_saving", tmp_path, 0)
+    assert proc.returncode == -9  # SIGKILL in the middle of the second save
+    assert (tmp_path / "step_00000004.partial").is_dir()  # the half-written one ...
+    manager = functacc.CheckpointManager(tmp_path, every_steps=2)
+    assert [Path(p).name for p in manager.checkpoints()] == ["step_00000002"]  # ... is ignored
+    model = models.cnn_bn()
+    step = functacc.compile_step(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        backend="eager",
+    )
+    assert manager.restore_latest(step) and step.count == 2
+
+
+def small_step(hidden: int = 32, dtype=torch.float32, opt_cls=torch.optim.AdamW):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 5)).to(dtype)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt_cls(model.parameters(), lr=1e-3), backend="eager"
+    )
+    step(torch.randn(4, 16, dtype=dtype), torch.randint(0, 5, (4,)))
+    return model, step
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    _, step = small_step()
+    functacc.save(step, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+class Payload:
+    """Unpickling this would create a file: the proof that code ran."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_malicious_metadata_is_refused_and_does_not_run(saved, tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    (saved / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    _, step = small_step()
+    with pytest.raises(CheckpointError, match=r"refusing to load .*os\.makedirs.*could run code"):
+        functacc.load(step, saved)
+    assert not marker.exists()
+
+
+def test_malicious_data_file_is_refused_and_does_not_run(saved, tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    data = next(saved.glob("*.distcp"))
+    data.write_bytes(pickle.dumps(Payload(str(marker))) * 50)
+    _, step = small_step()
+    with pytest.raises(CheckpointError, match="could not be read"):
+        functacc.load(step, saved)
+    assert not marker.exists()
+
+
+def test_missing_checkpoint(tmp_path) -> None:
+    _, step = small_step()
+    with pytest.raises(CheckpointError, match="the directory does not exist"):
+        functacc.load(step, tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"\.metadata file is missing"):
+        functacc.load(step, tmp_path / "empty")
+
+
+def test_truncated_shard(saved) -> None:
+    data = next(saved.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    model, step = small_step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="damaged or truncated"):
+        functacc.load(step, saved)
+    del before  # a failed read may have filled some tensors: the message says use another
+
+
+def test_shape_mismatch_names_parameter_and_both_shapes(saved) -> None:
+    _, step = small_step(hidden=24)
+    with pytest.raises(
+        CheckpointError,
+        match=r"'params.0.weight' has shape \(32, 16\) in the "
+        r"checkpoint but torch.Size\(\[24, 16\]\) in the model",
+    ):
+        functacc.load(step, saved)
+
+
+def test_dtype_mismatch(saved) -> None:
+    _, step = small_step(dtype=torch.float64)
+    with pytest.raises(CheckpointError, match="torch.float32 in the checkpoint but torch.float64"):
+        functacc.load(step, saved)
+
+
+def test_different_model_lists_names(saved) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5), nn.Linear(5, 5))
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.AdamW(model.parameters()), backend="eager"
+    )
+    with pytest.raises(CheckpointError, match=r"missing from it: 3.bias, 3.weight; .* none"):
+        functacc.load(step, saved)
+
+
+def test_checkpoint_manager_keeps_the_last_k(tmp_path) -> None:
+    _, step = small_step()
+    manager = functacc.CheckpointManager(tmp_path, every_steps=2, keep=2)
+    saved = []
+    for _ in range(6):  # small_step() took one already: counts 2 to 7
+        step(torch.randn(4, 16), torch.randint(0, 5, (4,)))
+        saved.append(manager.maybe_save(step))
+    assert [Path(p).name for p in saved if p] == [f"step_0000000{i}" for i in (2, 4, 6)]
+    assert [Path(p).name for p in manager.checkpoints()] == ["step_00000004", "step_00000006"]
+    _, fresh = small_step()
+    assert functacc.CheckpointManager(tmp_path, every_steps=2).restore_latest(fresh)
+    assert fresh.count == 6
+
+
+def test_save_model_and_load_model(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = models.Tied()  # tied weights are stored once
+    functacc.save_model(model, tmp_path / "model.safetensors")
+    other = models.Tied()
+    functacc.load_model(other, tmp_path / "model.safetensors")
+    assert_close(other.state_dict(), model.state_dict(), rtol=0, atol=0, what="weights")
+    assert other.out.weight is other.embed.weight
+    with pytest.raises(CheckpointError, match="different model"):
+        functacc.load_model(models.mlp(), tmp_path / "model.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        functacc.load_model(other, tmp_path / "bad.safetensors")
+
+
+@pytest.fixture(scope="session")
+def zero3_checkpoint(workdir):  # noqa: F811
+    os.environ["CKPT"] = str(workdir / "zero3_ckpt")
+    reference = run_torchrun(workdir, "reshard_save", 2)
+    return workdir / "zero3_ckpt", reference["state"]
+
+
+@pytest.mark.distributed
+def test_zero3_checkpoint_loads_into_one_process(zero3_checkpoint) -> None:
+    import dist.worker as worker
+
+    path, reference = zero3_checkpoint
+    torch.manual_seed(0)
+    model = models.mlp()
+    step = functacc.compile_step(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        backend="eager",
+    )
+    functacc.load(step, path)
+    assert step.count == 5
+    for x, y in worker.batches("vector", world=1, n=10)[5:]:
+        step(x, y)
+    assert_close(model.state_dict(), reference, **REDUCTION, what="1 process after ZeRO-3")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("layout", "nproc"), [("dp", 2), ("zero1", 4)])
+def test_zero3_checkpoint_loads_into_other_layouts(zero3_checkpoint, workdir, layout, nproc):  # noqa: F811
+    path, reference = zero3_checkpoint
+    os.environ["CKPT"], os.environ["LAYOUT"] = str(path), layout
+    try:
+        result = run_torchrun(workdir, "reshard_load", nproc)
+    finally:
+        del os.environ["LAYOUT"]
+    assert result["count"] == 5
+    assert_close(result["state"], reference, **REDUCTION, what=f"{layout} on {nproc} ranks")
+
+
+@pytest.mark.distributed
+def test_crash_and_restart_under_torchrun(tmp_path) -> None:
+    def launch(name: str, crash: bool) -> dict:
+        ckpt = tmp_path / name
+        extra = {"CKPT": str(ckpt)} | ({"CRASH": "1"} if crash else {})
+        out = tmp_path / f"{name}.pt"
+        cmd = [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc_per_node=2",
+            "--max-restarts=1",
+            str(WORKER),
+            "crash",
+            str(out),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env() | extra)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        return torch.load(out, weights_only=False)
+
+    uninterrupted = launch("plain", crash=False)
+    crashed = launch("crashed", crash=True)
+    assert uninterrupted["restored_at"] is None and uninterrupted["attempt"] == 0
+    # Rank 1 was SIGKILLed at step 7; torchrun restarted both; they resumed from step 6.
+    assert crashed["attempt"] == 1 and crashed["restored_at"] == 6
+    assert_close(crashed["state"], uninterrupted["state"], rtol=0, atol=0, what="final params")
