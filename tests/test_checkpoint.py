@@ -141,7 +141,7 @@ def test_shape_mismatch_names_parameter_and_both_shapes(saved) -> None:
 
 def test_dtype_mismatch(saved) -> None:
     _, step = small_step(dtype=torch.float64)
-    with pytest.raises(CheckpointError, match="torch.float32 in the checkpoint but torch.float64"):
+    with pytest.raises(CheckpointError, match=r"float32 in the checkpoint but torch\.float64"):
         functacc.load(step, saved)
 
 

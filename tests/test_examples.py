@@ -77,3 +77,17 @@ def test_zero3_example() -> None:
     )
     assert "Step: 10, Loss:" in out
     assert "ZeRO-3: per-rank state" in out and "full model restored: 924,672 parameters" in out
+
+
+@pytest.mark.distributed
+def test_resumable_example_resumes_across_layouts(tmp_path) -> None:
+    script = str(EXAMPLES / "train_resumable.py")
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    first = run([*torchrun, script, "--ckpt", str(tmp_path), "--steps", "10", "--every", "5"])
+    assert "Step: 10" in first and "resumed" not in first
+    second = run(
+        [*torchrun, script, "--ckpt", str(tmp_path), "--steps", "15", "--every", "5", "--zero", "3"]
+    )
+    assert "resumed at step 10" in second and "Step: 15" in second
+    third = run([script, "--ckpt", str(tmp_path), "--steps", "20", "--every", "5"])
+    assert "resumed at step 15" in third and (tmp_path / "model.safetensors").is_file()
