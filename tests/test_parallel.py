@@ -179,6 +179,8 @@ def test_uneven_dataset_finishes_every_epoch(workdir) -> None:
     first, second = result["indices"]
     assert len(first) == len(second) == 11
     assert set(first) | set(second) == set(range(21))
+    # A stream of unknown length (7 batches: 4 for rank 0, 3 for rank 1) stops both at 3.
+    assert result["stream_counts"] == [[3, 3], [3, 3]]
 
 
 def test_configuration_errors_are_clear_on_every_rank(workdir) -> None:
