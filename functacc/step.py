@@ -193,6 +193,10 @@ class Step:
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
         self._calls += 1
         self._last_program = program
+        if self._link is not None:
+            # What torch.optim.lr_scheduler checks to know the optimizer stepped (it warns
+            # about a skipped first value otherwise).
+            self._link.optimizer._opt_called = True
         if not self._installed and self._link is not None and self._strategy.named_state:
             # torch creates optimizer state at the first step; so do we, only once the
             # first step has succeeded (a failed first call must leave opt.state empty).
