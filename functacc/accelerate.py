@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import Config
 from .data import DeviceLoader
+from .functional import check_module_classes
 from .parallel.mesh import init_distributed, world_size
 from .parallel.strategy import sync_from_rank0
 
@@ -48,13 +49,7 @@ def _low_precision(config: Config) -> torch.dtype | None:
 def _checkpoint_modules(model: nn.Module, classes: set[str]) -> None:
     """Recompute the activations of these modules in backward (forward patched in place,
     so parameter names and ``state_dict()`` keys stay the user's)."""
-    found = {type(m).__name__ for m in model.modules()}
-    missing = set(classes) - found
-    if missing:
-        raise ValueError(
-            f"memory.gc_cls names {sorted(missing)}, which the model does not contain; its "
-            f"module classes are: {', '.join(sorted(found))}"
-        )
+    classes = check_module_classes(model, classes, "memory.gc_cls")
     for module in model.modules():
         if type(module).__name__ in classes:
             module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
@@ -124,13 +119,7 @@ def _fully_shard(
         if dtype
         else (MixedPrecisionPolicy())
     )
-    wrap = set(config.dist.fsdp.wrap_layer_cls)
-    found = {type(m).__name__ for m in model.modules()}
-    if wrap - found:
-        raise ValueError(
-            f"dist.fsdp.wrap_layer_cls names {sorted(wrap - found)}, which the model does not "
-            f"contain; its module classes are: {', '.join(sorted(found))}"
-        )
+    wrap = check_module_classes(model, config.dist.fsdp.wrap_layer_cls, "dist.fsdp.wrap_layer_cls")
     for module in model.modules():
         if type(module).__name__ in wrap:
             fully_shard(module, mesh=mesh, mp_policy=policy)

@@ -53,8 +53,17 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
     # it as an inference graph even when the inputs are parameters that require grad.
     # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
     # traced graph stays valid for inspection.
-    with inductor_config.patch(options):
-        compiled = compile_fx(copy.deepcopy(gm), [t.detach() for t in example_inputs])
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A fake mode with a ShapeEnv: without one Inductor's FX graph cache and AOTAutograd's
+    # cache bypass the graph ("No shape env"), and every process recompiles from scratch.
+    # Static shapes: the graph is specialised to its signature (a new one retraces).
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fakes = [fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example_inputs]
+    with inductor_config.patch(options), tracing(TracingContext(fake_mode)):
+        compiled = compile_fx(copy.deepcopy(gm), fakes)
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
     return lambda args: compiled(*args)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["ApplyFn", "call_module", "functionalize"]
+__all__ = ["ApplyFn", "call_module", "check_module_classes", "functionalize"]
 
 ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]
 
@@ -58,3 +58,17 @@ def functionalize(model: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[st
         return call_module(model, params, buffers, args, kwargs)
 
     return apply_fn, params, buffers
+
+
+def check_module_classes(model: nn.Module, classes: Collection[str], option: str) -> set[str]:
+    """``classes`` as a set, after checking the model has a module of each class; the error
+    lists the classes it does have (``option`` names the setting, e.g. ``"remat"``)."""
+    chosen = {classes} if isinstance(classes, str) else set(classes)
+    found = {type(m).__name__ for m in model.modules()}
+    missing = chosen - found
+    if missing:
+        raise ValueError(
+            f"{option} names {sorted(missing)}, which the model does not contain. The model's "
+            f"module classes are: {', '.join(sorted(found))}"
+        )
+    return chosen

@@ -18,6 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from .functional import check_module_classes
+
 __all__ = ["rematerialize", "validate_remat"]
 
 
@@ -66,16 +68,7 @@ def _with_replay(forward: Callable) -> Callable:
 def validate_remat(model: nn.Module, classes: Collection[str] | None) -> frozenset[str]:
     if not classes:
         return frozenset()
-    if isinstance(classes, str):
-        classes = {classes}
-    found = {type(m).__name__ for m in model.modules()}
-    missing = set(classes) - found
-    if missing:
-        raise ValueError(
-            f"remat names {sorted(missing)}, which the model does not contain. The model's "
-            f"module classes are: {', '.join(sorted(found))}"
-        )
-    return frozenset(classes)
+    return frozenset(check_module_classes(model, classes, "remat"))
 
 
 @contextlib.contextmanager

@@ -76,6 +76,18 @@ def bucketed_all_reduce(
     return {n: out[n] for n in tensors}
 
 
+def average_floating(
+    tensors: Mapping[str, Tensor], group: Group, *, world: int, bucket_bytes: float
+) -> dict[str, Tensor]:
+    """Average the floating-point tensors over ``group`` (BatchNorm statistics); others
+    (``num_batches_tracked``) are the same on every rank and stay as they are."""
+    floating = {n: t for n, t in tensors.items() if t.is_floating_point()}
+    if not floating:
+        return dict(tensors)
+    averaged = bucketed_all_reduce(floating, group, scale=1.0 / world, bucket_bytes=bucket_bytes)
+    return {**tensors, **averaged}
+
+
 _KINDS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",

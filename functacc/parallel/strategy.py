@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..optim import global_norm
-from .comm import bucketed_all_reduce
+from .comm import average_floating, bucketed_all_reduce
 from .mesh import Topology
 
 __all__ = ["Replicated", "Strategy", "check_same_model", "sync_from_rank0"]
@@ -164,13 +164,9 @@ class Replicated(Strategy):
         return reduced, extra
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        floating = {n: b for n, b in buffers.items() if b.is_floating_point()}
-        if not floating:
-            return buffers
-        averaged = bucketed_all_reduce(
-            floating, self.group, scale=1.0 / self.topology.world, bucket_bytes=self.bucket_bytes
+        return average_floating(
+            buffers, self.group, world=self.topology.world, bucket_bytes=self.bucket_bytes
         )
-        return {**buffers, **averaged}
 
 
 def check_same_model(named: Mapping[str, Tensor], what: str) -> None:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from .comm import all_gather, all_reduce, bucketed_all_reduce, reduce_scatter
+from ..functional import check_module_classes
+from .comm import all_gather, all_reduce, average_floating, reduce_scatter
 from .mesh import Topology
 from .strategy import Strategy
 
@@ -114,13 +115,7 @@ def _wrap_modules(model: nn.Module, classes: Collection[str] | None) -> list[str
     """Qualified names of the outermost modules whose class is in ``classes``."""
     if not classes:
         return []
-    found = {type(m).__name__ for _, m in model.named_modules()}
-    missing = set(classes) - found
-    if missing:
-        raise ValueError(
-            f"wrap_layer_cls names {sorted(missing)}, which the model does not contain. The "
-            f"model's module classes are: {', '.join(sorted(found))}"
-        )
+    check_module_classes(model, classes, "wrap_layer_cls")
     out: list[str] = []
     for name, module in model.named_modules():
         if type(module).__name__ in classes and not any(
@@ -321,16 +316,9 @@ class Sharded(Strategy):
         return out, extra
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        floating = {n: b for n, b in buffers.items() if b.is_floating_point()}
-        if not floating:
-            return buffers
-        averaged = bucketed_all_reduce(
-            floating,
-            dist.group.WORLD,
-            scale=1.0 / self.topology.world,
-            bucket_bytes=self.bucket_bytes,
+        return average_floating(
+            buffers, dist.group.WORLD, world=self.topology.world, bucket_bytes=self.bucket_bytes
         )
-        return {**buffers, **averaged}
 
     def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
         squares = torch.stack([g.pow(2).sum() for g in grads.values()]).sum()
