@@ -37,6 +37,11 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
     C++/OpenMP (CPU) or Triton (CUDA) kernels; its FX graph cache makes a second process
     with the same graph skip code generation.
     """
+    from .parallel.schedule import issue_collectives_early
+
+    # Collectives are traced after the whole backward; start each gradient reduction as soon
+    # as its gradients exist, so it overlaps the rest of backward (on every rank alike).
+    issue_collectives_early(gm)
     if backend == "eager":
         return lambda args: gm(*args)
     from torch._inductor import config as inductor_config

@@ -186,8 +186,7 @@ def test_save_model_and_load_model(tmp_path) -> None:
 
 @pytest.fixture(scope="session")
 def zero3_checkpoint(workdir):  # noqa: F811
-    os.environ["CKPT"] = str(workdir / "zero3_ckpt")
-    reference = run_torchrun(workdir, "reshard_save", 2)
+    reference = run_torchrun(workdir, "reshard_save", 2, CKPT=str(workdir / "zero3_ckpt"))
     return workdir / "zero3_ckpt", reference["state"]
 
 
@@ -215,11 +214,7 @@ def test_zero3_checkpoint_loads_into_one_process(zero3_checkpoint) -> None:
 @pytest.mark.parametrize(("layout", "nproc"), [("dp", 2), ("zero1", 4)])
 def test_zero3_checkpoint_loads_into_other_layouts(zero3_checkpoint, workdir, layout, nproc):  # noqa: F811
     path, reference = zero3_checkpoint
-    os.environ["CKPT"], os.environ["LAYOUT"] = str(path), layout
-    try:
-        result = run_torchrun(workdir, "reshard_load", nproc)
-    finally:
-        del os.environ["LAYOUT"]
+    result = run_torchrun(workdir, "reshard_load", nproc, CKPT=str(path), LAYOUT=layout)
     assert result["count"] == 5
     assert_close(result["state"], reference, **REDUCTION, what=f"{layout} on {nproc} ranks")
 

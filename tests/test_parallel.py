@@ -46,10 +46,14 @@ def env() -> dict:
     return out
 
 
-def run_torchrun(tmp: Path, scenario: str, nproc: int, timeout: float = 600) -> dict:
+def run_torchrun(
+    tmp: Path, scenario: str, nproc: int, timeout: float = 600, **extra_env: str
+) -> dict:
     out = tmp / f"{scenario}.pt"
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(WORKER), scenario, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env() | extra_env
+    )
     assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return torch.load(out, weights_only=False)
 

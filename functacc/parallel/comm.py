@@ -54,26 +54,56 @@ def bucketed_all_reduce(
     """``scale * sum over group`` of every tensor, in ``ceil(bytes / bucket_bytes)``
     all-reduces per dtype.
 
-    The tensors are laid end to end (last first: the last layers' gradients are ready
-    first in backward, as DDP orders its buckets) and cut into buckets of ``bucket_bytes``;
-    a tensor may straddle two buckets. ``scale`` is applied first (DDP divides by the world
-    size first), which keeps a bucket sent as ``wire_dtype`` (bfloat16 compression) from
-    overflowing.
+    The tensors are laid end to end, last first (the last layers' gradients are ready first
+    in backward, as DDP orders its buckets), and cut into buckets of ``bucket_bytes``; a
+    tensor may straddle two buckets. Each bucket is built from its own tensors only, so its
+    all-reduce can start as soon as they exist (see :mod:`functacc.parallel.schedule`).
+    ``scale`` is applied first (DDP divides by the world size first), which keeps a bucket
+    sent as ``wire_dtype`` (bfloat16 compression) from overflowing.
     """
-    out: dict[str, Tensor] = {}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name in reversed(list(tensors)):
         by_dtype.setdefault(tensors[name].dtype, []).append(name)
+    pieces: dict[str, list[Tensor]] = {n: [] for n in tensors}
     for dtype, names in by_dtype.items():
-        flat = torch.cat([tensors[n].reshape(-1) for n in names]) * scale
-        if wire_dtype is not None:
-            flat = flat.to(wire_dtype)
-        per_bucket = max(1, int(bucket_bytes // flat.element_size()))
-        reduced = torch.cat([all_reduce(b, group) for b in flat.split(per_bucket)])
-        pieces = reduced.to(dtype).split([tensors[n].numel() for n in names])
-        for name, piece in zip(names, pieces, strict=True):
-            out[name] = piece.view_as(tensors[name])
-    return {n: out[n] for n in tensors}
+        capacity = max(
+            1, int(bucket_bytes // torch.empty((), dtype=wire_dtype or dtype).element_size())
+        )
+        bucket: list[tuple[str, Tensor]] = []
+        room = capacity
+        for name in names:
+            flat = tensors[name].reshape(-1)
+            start = 0
+            while start < flat.numel():
+                take = min(room, flat.numel() - start)
+                bucket.append((name, flat[start : start + take]))
+                start += take
+                room -= take
+                if room == 0:
+                    _reduce_bucket(bucket, group, scale, wire_dtype, dtype, pieces)
+                    bucket, room = [], capacity
+        if bucket:
+            _reduce_bucket(bucket, group, scale, wire_dtype, dtype, pieces)
+    return {
+        n: torch.cat(pieces[n]).view_as(t) if len(pieces[n]) > 1 else pieces[n][0].view_as(t)
+        for n, t in tensors.items()
+    }
+
+
+def _reduce_bucket(
+    bucket: list[tuple[str, Tensor]],
+    group: Group,
+    scale: float,
+    wire_dtype: torch.dtype | None,
+    dtype: torch.dtype,
+    pieces: dict[str, list[Tensor]],
+) -> None:
+    flat = torch.cat([piece for _, piece in bucket]) * scale
+    if wire_dtype is not None:
+        flat = flat.to(wire_dtype)
+    reduced = all_reduce(flat, group).to(dtype)
+    for (name, _), piece in zip(bucket, reduced.split([p.numel() for _, p in bucket]), strict=True):
+        pieces[name].append(piece)
 
 
 def average_floating(

@@ -1,0 +1,107 @@
+"""Schedule the gradient collectives of a traced step as early as their inputs allow."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+_EARLY = {"all_reduce", "reduce_scatter_tensor"}
+
+
+def _is_collective(node: Node, names=_EARLY) -> bool:
+    return (
+        node.op == "call_function"
+        and getattr(node.target, "namespace", "") == "_c10d_functional"
+        and node.target._opname in names
+    )
+
+
+def _is_wait(node: Node) -> bool:
+    return (
+        node.op == "call_function"
+        and getattr(node.target, "namespace", "") == "_c10d_functional"
+        and node.target._opname == "wait_tensor"
+    )
+
+
+def _pure(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in node.target.tags
+
+
+def issue_collectives_early(gm: GraphModule) -> int:
+    """Move each gradient all-reduce / reduce-scatter (with the pure ops that only prepare
+    its input) right after the last node it depends on, and each wait right before its first
+    use, so communication overlaps the rest of backward. Returns how many moved."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    prep: set[Node] = set()
+    for node in nodes:
+        if _is_collective(node):
+            prep.add(node)
+    # Pure producers whose every user is already in the set are part of the preparation.
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(nodes):
+            if node in prep or not _pure(node) or not node.users:
+                continue
+            if all(u in prep for u in node.users):
+                prep.add(node)
+                changed = True
+    if not any(_is_collective(n) for n in nodes):
+        return 0
+    order: list[Node] = []
+    placed: set[Node] = set()
+    pending = sorted(prep, key=position.get)
+    waits = {n for n in nodes if _is_wait(n) and n.args and n.args[0] in prep}
+
+    def place(n: Node) -> None:
+        """Place ``n`` after its inputs, pulling in (just in time) any not placed yet."""
+        if n in placed:
+            return
+        for a in n.all_input_nodes:
+            place(a)
+        order.append(n)
+        placed.add(n)
+
+    def available(a: Node) -> bool:
+        # A wait whose collective has been issued can be placed when a chain needs it.
+        return a in placed or (a in waits and a.args[0] in placed)
+
+    def flush() -> None:
+        progress = True
+        while progress:
+            progress = False
+            for n in list(pending):
+                if all(available(a) for a in n.all_input_nodes):
+                    place(n)
+                    pending.remove(n)
+                    progress = True
+
+    for node in nodes[:-1]:
+        if node in prep or node in waits:
+            continue  # issued early by flush(), or waited for just before first use
+        place(node)
+        if node.op != "placeholder":  # placeholders stay together at the top
+            flush()
+    flush()
+    for n in nodes[:-1]:
+        place(n)
+    place(nodes[-1])
+    assert len(order) == len(nodes), (len(order), len(nodes))
+    moved = sum(1 for i, n in enumerate(order) if nodes[i] is not n)
+    # Re-link the graph in the new order (output stays last).
+    for prev, node in zip(order, order[1:]):
+        prev.append(node)
+    gm.graph.lint()
+    gm.recompile()
+    return moved
