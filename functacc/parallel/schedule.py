@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import operator
 
-import torch
 from torch.fx import GraphModule, Node
 
 _EARLY = {"all_reduce", "reduce_scatter_tensor"}
@@ -37,15 +36,35 @@ def _is_wait(node: Node) -> bool:
     )
 
 
-def _pure(node: Node) -> bool:
+# Ops that only assemble a collective's input (flatten, concatenate, scale, cast): they move
+# with it. Real compute stays in program order, and the collective follows it closely.
+_PREP_OPS = {
+    "cat",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "slice",
+    "split",
+    "split_with_sizes",
+    "mul",
+    "div",
+    "_to_copy",
+    "clone",
+    "alias",
+    "t",
+    "permute",
+    "expand",
+}
+
+
+def _is_prep_op(node: Node) -> bool:
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return True
+    name = getattr(node.target, "_opname", None)
     schema = getattr(node.target, "_schema", None)
-    if schema is None or schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in node.target.tags
+    return name in _PREP_OPS and schema is not None and not schema.is_mutable
 
 
 def issue_collectives_early(gm: GraphModule) -> int:
@@ -63,7 +82,7 @@ def issue_collectives_early(gm: GraphModule) -> int:
     while changed:
         changed = False
         for node in reversed(nodes):
-            if node in prep or not _pure(node) or not node.users:
+            if node in prep or not _is_prep_op(node) or not node.users:
                 continue
             if all(u in prep for u in node.users):
                 prep.add(node)
