@@ -29,8 +29,9 @@ def fake_collective_graph():
 
 
 def order(gm):
-    return [str(n.target).split(".")[-2] if n.op == "call_function" else n.op
-            for n in gm.graph.nodes]
+    return [
+        str(n.target).split(".")[-2] if n.op == "call_function" else n.op for n in gm.graph.nodes
+    ]
 
 
 def test_reductions_start_early_and_waits_move_late() -> None:
