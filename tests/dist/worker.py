@@ -1,0 +1,424 @@
+"""Scenarios run under torchrun by tests/test_parallel.py: ``worker.py SCENARIO OUT``.
+
+Every rank runs the scenario; rank 0 saves what the test asserts on with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import models  # noqa: E402
+
+import functacc  # noqa: E402
+from functacc.parallel import DataParallel, PowerSGD, ZeRO  # noqa: E402
+
+STEPS = 10
+B = 8  # per-rank batch
+
+
+def batches(kind: str, world: int, n: int = STEPS, seed: int = 0):
+    """Global batches of B * world samples; rank r trains on the r-th slice."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        if kind == "image":
+            x = torch.randn(B * world, 3, 16, 16, generator=g)
+        elif kind == "tokens":
+            x = torch.randint(0, 50, (B * world, 12), generator=g)
+        else:
+            x = torch.randn(B * world, 16, generator=g)
+        out.append((x, torch.randint(0, 5, (B * world,), generator=g)))
+    return out
+
+
+MODELS = {
+    "mlp": (models.mlp, "vector"),
+    "cnn_bn": (lambda: _no_dropout(models.cnn_bn()), "image"),
+    # No biases: the key projection's bias has a gradient that is zero in exact arithmetic,
+    # which Adam turns into full-size steps of either sign on rounding noise.
+    "transformer": (lambda: models.TinyTransformer(dropout=0.0, bias=False), "tokens"),
+}
+OPTS = {
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05),
+}
+WRAP = {"cnn_bn": {"Conv2d"}, "transformer": {"TransformerEncoderLayer"}, "mlp": {"Linear"}}
+
+
+def _no_dropout(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def train(model_name: str, opt_name: str, parallel, *, seed_by_rank: bool = False, **kw):
+    """Train on this rank's slices; return the full model state and the step's stats."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    make, kind = MODELS[model_name]
+    # Ranks may initialise differently: the step broadcasts rank 0's weights.
+    torch.manual_seed(rank if seed_by_rank else 0)
+    model = make()
+    opt = OPTS[opt_name](model)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel, **kw
+    )
+    losses = []
+    for x, y in batches(kind, world):
+        losses.append(step(x.chunk(world)[rank], y.chunk(world)[rank]))
+    step.sync_model()
+    held = sum(t.numel() * t.element_size() for t in _leaves(step.state.params))
+    held_opt = sum(t.numel() * t.element_size() for t in _leaves(step.state.opt_state))
+    return {
+        "state": copy.deepcopy(model.state_dict()),
+        "losses": torch.stack(losses),
+        "stats": step.stats(),
+        "held": {"params": held, "optimizer": held_opt},
+    }
+
+
+def _leaves(tree):
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def single_process(model_name: str, opt_name: str, world: int, **kw):
+    """The reference: one process, eager PyTorch, the full batch of all ranks."""
+    make, kind = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make()
+    opt = OPTS[opt_name](model)
+    for x, y in batches(kind, world):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if kw.get("max_grad_norm"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), kw["max_grad_norm"])
+        opt.step()
+    return copy.deepcopy(model.state_dict())
+
+
+def scenario_parity(out: dict) -> None:
+    world = dist.get_world_size()
+    for model_name in ("mlp", "transformer"):
+        out[f"single/{model_name}"] = single_process(model_name, "adamw", world)
+        out[f"dp/{model_name}/adamw"] = train(model_name, "adamw", None, seed_by_rank=True)
+    out["single_clip/mlp"] = single_process("mlp", "sgd_momentum", world, max_grad_norm=0.1)
+    for stage in (None, 1, 2, 3):
+        parallel = None if stage is None else ZeRO(stage, wrap_layer_cls=None)
+        out[f"clip/{stage}"] = train("mlp", "sgd_momentum", parallel, max_grad_norm=0.1)
+    for model_name in ("cnn_bn", "transformer"):
+        for opt_name in OPTS:
+            out[f"dp/{model_name}/{opt_name}"] = train(model_name, opt_name, DataParallel())
+            for stage in (1, 2, 3):
+                zero = ZeRO(stage, wrap_layer_cls=WRAP[model_name])
+                out[f"zero{stage}/{model_name}/{opt_name}"] = train(model_name, opt_name, zero)
+    out["dp_small_buckets"] = train("mlp", "adamw", DataParallel(bucket_mb=0.004))
+    out["dp_bf16"] = train("mlp", "adamw", DataParallel(compression="bf16"))
+
+
+def scenario_hybrid(out: dict) -> None:
+    for model_name in ("cnn_bn", "transformer"):
+        for opt_name in OPTS:
+            out[f"dp/{model_name}/{opt_name}"] = train(model_name, opt_name, None)
+            for stage in (1, 2, 3):
+                zero = ZeRO(stage, shard_size=2, wrap_layer_cls=WRAP[model_name])
+                out[f"hybrid{stage}/{model_name}/{opt_name}"] = train(model_name, opt_name, zero)
+
+
+def scenario_powersgd(out: dict) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    # A learnable problem: a random 2-layer teacher, 256-wide student.
+    teacher = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
+    xs = torch.randn(200, 2 * B * world, 32, generator=g)
+    with torch.no_grad():
+        ys = [teacher(x).argmax(1) for x in xs]
+    for name, compression in (("plain", None), ("powersgd", PowerSGD(rank=4, warmup_steps=5))):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, backend="eager",
+            parallel=DataParallel(compression=compression),
+        )
+        losses, sent = [], 0.0
+        for x, y in zip(xs, ys, strict=True):
+            losses.append(float(step(x.chunk(world)[rank], y.chunk(world)[rank])))
+            sent += sum(step.stats()["payload_bytes"].values())
+        with torch.no_grad():  # the final model's loss over all the training data
+            final = float(nn.functional.cross_entropy(model(xs.flatten(0, 1)), torch.cat(ys)))
+        out[name] = {
+            "losses": losses, "final": final, "payload_bytes": sent, "traces": step.num_traces
+        }
+
+
+def scenario_uneven(out: dict) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = torch.utils.data.TensorDataset(torch.randn(21, 16), torch.randint(0, 5, (21,)))
+    loader = functacc.DeviceLoader(
+        torch.utils.data.DataLoader(data, batch_size=4, shuffle=True), prefetch=2
+    )
+    torch.manual_seed(0)
+    model = models.mlp()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+        backend="eager",
+    )
+    seen, counts = [], []
+    for _epoch in range(3):
+        n = 0
+        for x, y in loader:
+            step(x, y)
+            n += 1
+            seen.append(y)
+        counts.append(n)
+    all_counts = [None] * world
+    dist.all_gather_object(all_counts, counts)
+    # Which samples did this rank see in epoch 0 (by label tensor identity: index order)?
+    loader.set_epoch(0)
+    indices = list(iter(loader.loader.sampler))
+    all_indices = [None] * world
+    dist.all_gather_object(all_indices, indices)
+    out["counts"] = all_counts
+    out["indices"] = all_indices
+    out["len"] = len(loader)
+
+    class Stream(torch.utils.data.IterableDataset):
+        """25 samples of unknown length: 7 batches of 4, split batch by batch over ranks."""
+
+        def __iter__(self):
+            for i in range(25):
+                yield torch.randn(16), i % 5
+
+    stream = functacc.DeviceLoader(torch.utils.data.DataLoader(Stream(), batch_size=4))
+    stream_counts = []
+    for _ in range(2):
+        n = 0
+        for x, y in stream:
+            step(x, y)
+            n += 1
+        stream_counts.append(n)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, stream_counts)
+    out["stream_counts"] = gathered
+
+
+def scenario_errors(out: dict) -> None:
+    rank = dist.get_rank()
+    errors = {}
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name, build in {
+        "shard_size": lambda: functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, parallel=ZeRO(2, shard_size=3)
+        ),
+        "wrap_cls": lambda: functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, parallel=ZeRO(3, wrap_layer_cls={"Bottleneck"})
+        ),
+        "mismatch": lambda: _mismatched(rank),
+    }.items():
+        try:
+            build()
+            errors[name] = None
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    out["errors"] = gathered
+
+
+def _mismatched(rank: int):
+    hidden = 32 if rank == 0 else 24
+    model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 5))
+    return functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+
+
+def scenario_killed(out: dict) -> None:
+    """Rank 1 dies (SIGKILL) after two steps; rank 0 must fail, not hang."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = models.mlp()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+        backend="eager",
+    )
+    start = time.monotonic()
+    for i, (x, y) in enumerate(batches("vector", world, n=50)):
+        if i == 2 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            step(x.chunk(world)[rank], y.chunk(world)[rank])
+        except Exception as exc:
+            print(f"RANK0_FAILED after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+            sys.exit(3)
+    print("RANK0_FINISHED", flush=True)
+
+
+def scenario_multinode(out: dict) -> None:
+    out["dp/mlp/adamw"] = train("mlp", "adamw", None)
+
+
+SCENARIOS = {
+    "parity": scenario_parity,
+    "hybrid": scenario_hybrid,
+    "powersgd": scenario_powersgd,
+    "uneven": scenario_uneven,
+    "errors": scenario_errors,
+    "killed": scenario_killed,
+    "multinode": scenario_multinode,
+}
+
+
+def main() -> None:
+    scenario, path = sys.argv[1], sys.argv[2]
+    functacc.init_distributed()
+    out: dict = {}
+    try:
+        SCENARIOS[scenario](out)
+    except Exception:
+        traceback.print_exc()
+        raise
+    if dist.get_rank() == 0:
+        torch.save(out, path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+
+def _eager_loop(model, world, rank, steps=STEPS):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in batches("image", world, n=steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def scenario_accelerate(out: dict) -> None:
+    """accelerate + the eager loop, against plain DDP, and FSDP against DP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    make = MODELS["cnn_bn"][0]
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(make())
+    out["ddp_losses"] = _eager_loop(ddp, world, rank)
+    out["ddp_state"] = copy.deepcopy(ddp.module.state_dict())
+    for name, fsdp in (("dp", 1), ("fsdp", world)):
+        torch.manual_seed(rank)  # different inits: accelerate broadcasts rank 0's (seed 0)
+        model = make()
+        config = functacc.Config()
+        config.compute.compile = False
+        config.dist.fsdp.size = fsdp
+        config.dist.fsdp.wrap_layer_cls = {"Conv2d"}
+        same = functacc.accelerate(model, config=config)
+        out[f"{name}_same_object"] = same is model
+        out[f"{name}_rank"] = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+        out[f"{name}_losses"] = _eager_loop(model, world, rank)
+        state = model.state_dict()
+        out[f"{name}_keys"] = list(state)
+        out[f"{name}_state"] = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in state.items()
+        }
+
+
+SCENARIOS["accelerate"] = scenario_accelerate
+
+
+def _reshard_step(parallel):
+    """An MLP + AdamW step (no BatchNorm: its batch statistics depend on the per-rank batch,
+    so only parameters and optimizer state carry over between layouts)."""
+    torch.manual_seed(0)
+    model = models.mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
+    )
+
+
+def reshard_train(step, start: int, stop: int) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for x, y in batches("vector", world=1, n=stop)[start:]:
+        # The same global batch of 8 whatever the world size; each rank its slice.
+        losses.append(step(x.chunk(world)[rank], y.chunk(world)[rank]))
+    return losses
+
+
+def scenario_reshard_save(out: dict) -> None:
+    """ZeRO-3 on 2 ranks: 5 steps, save, 5 more (the reference trajectory)."""
+    model, step = _reshard_step(ZeRO(3, wrap_layer_cls={"Linear"}))
+    reshard_train(step, 0, 5)
+    functacc.save(step, os.environ["CKPT"])
+    reshard_train(step, 5, 10)
+    step.sync_model()
+    out["state"] = copy.deepcopy(model.state_dict())
+
+
+def scenario_reshard_load(out: dict) -> None:
+    parallel = {"dp": DataParallel(), "zero1": ZeRO(1)}[os.environ["LAYOUT"]]
+    model, step = _reshard_step(parallel)
+    functacc.load(step, os.environ["CKPT"])
+    out["count"] = step.count
+    reshard_train(step, 5, 10)
+    step.sync_model()
+    out["state"] = copy.deepcopy(model.state_dict())
+
+
+def scenario_crash(out: dict) -> None:
+    """Data parallel with a CheckpointManager; under torchrun --max-restarts=1, rank 1 dies
+    at step 7 of the first attempt and the restarted job resumes from step 6."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = models.cnn_bn()  # dropout and BatchNorm
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 3, 16, 16, generator=g), torch.randint(0, 5, (48,), generator=g)
+    )
+    loader = functacc.DeviceLoader(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    manager = functacc.CheckpointManager(os.environ["CKPT"], every_steps=2, keep=2, loader=loader)
+    restored = manager.restore_latest(step)
+    out["restored_at"] = step.count if restored else None
+    while step.count < 10:
+        for x, y in loader:
+            if os.environ.get("CRASH") and attempt == 0 and rank == 1 and step.count == 7:
+                os.kill(os.getpid(), signal.SIGKILL)
+            step(x, y)
+            manager.maybe_save(step)
+            if step.count == 10:
+                break
+    out["state"] = copy.deepcopy(model.state_dict())
+    out["attempt"] = attempt
+    out["checkpoints"] = [os.path.basename(p) for p in manager.checkpoints()]
+
+
+SCENARIOS.update(
+    reshard_save=scenario_reshard_save,
+    reshard_load=scenario_reshard_load,
+    crash=scenario_crash,
+)
+
+
+if __name__ == "__main__":
+    main()
