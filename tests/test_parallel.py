@@ -100,6 +100,13 @@ def test_zero_equals_data_parallel(parity, model, opt, stage) -> None:
     assert_close(zero["losses"], dp["losses"], rtol=0, atol=0, what="losses")
 
 
+def test_zero3_with_tied_weights(parity) -> None:
+    # The tied embedding/output weight is gathered once and seen under both names.
+    zero, dp = parity["zero3/tied/adamw"], parity["dp/tied/adamw"]
+    assert_close(zero["state"], dp["state"], rtol=0, atol=0, what="tied ZeRO-3")
+    assert "'embed.weight' is tied to 'out.weight'" in parity["tied_split_error"]
+
+
 @pytest.mark.parametrize("model", ["cnn_bn", "transformer"])
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
 @pytest.mark.parametrize("stage", [1, 2, 3])

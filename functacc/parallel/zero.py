@@ -179,6 +179,22 @@ class Sharded(Strategy):
             by_key[unit_key].__post_init__()
         self.sharded_names = {n for u in self.units for n in u.names}
         self.unit_of = {n: u for u in self.units for n in u.names}
+        # Tied parameters: every other name under which a sharded parameter is reachable.
+        canonical = {id(p): n for n, p in params.items()}
+        self.aliases: dict[str, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            first = canonical[id(p)]
+            if name != first and first in self.sharded_names:
+                self.aliases.setdefault(first, []).append(name)
+                owner = next((w for w in wraps if name.startswith(w + ".")), "")
+                if config.stage == 3 and owner != self.unit_of[first].module:
+                    raise ValueError(
+                        f"parameter {first!r} is tied to {name!r}, which lies in another ZeRO-3 "
+                        f"unit ({owner or 'the root'!r} vs "
+                        f"{self.unit_of[first].module or 'the root'!r}); a unit's weights are "
+                        "gathered only while that unit runs. Keep tied modules in one unit "
+                        "(drop their class from wrap_layer_cls) or use ZeRO stage 1 or 2."
+                    )
 
     # -- construction (eager) ------------------------------------------------------------
     def live_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -374,7 +390,8 @@ class _Gatherer:
                 full = self.gather(unit, self.params[unit.key])
                 self.gathered[id(full)] = unit
                 for name, view in unit.unflatten(full).items():
-                    self.accessor.swap_tensor(name, view)
+                    for alias in (name, *self.strategy.aliases.get(name, ())):
+                        self.accessor.swap_tensor(alias, view)
 
         return hook
 

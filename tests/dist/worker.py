@@ -35,6 +35,10 @@ def batches(kind: str, world: int, n: int = STEPS, seed: int = 0):
             x = torch.randn(B * world, 3, 16, 16, generator=g)
         elif kind == "tokens":
             x = torch.randint(0, 50, (B * world, 12), generator=g)
+        elif kind == "tied":
+            x = torch.randint(0, 20, (B * world, 6), generator=g)
+            out.append((x, torch.randint(0, 20, (B * world,), generator=g)))
+            continue
         else:
             x = torch.randn(B * world, 16, generator=g)
         out.append((x, torch.randint(0, 5, (B * world,), generator=g)))
@@ -47,6 +51,7 @@ MODELS = {
     # No biases: the key projection's bias has a gradient that is zero in exact arithmetic,
     # which Adam turns into full-size steps of either sign on rounding noise.
     "transformer": (lambda: models.TinyTransformer(dropout=0.0, bias=False), "tokens"),
+    "tied": (lambda: models.Tied(vocab=20, dim=8), "tied"),
 }
 OPTS = {
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
@@ -122,6 +127,13 @@ def scenario_parity(out: dict) -> None:
                 zero = ZeRO(stage, wrap_layer_cls=WRAP[model_name])
                 out[f"zero{stage}/{model_name}/{opt_name}"] = train(model_name, opt_name, zero)
     out["dp_small_buckets"] = train("mlp", "adamw", DataParallel(bucket_mb=0.004))
+    out["dp/tied/adamw"] = train("tied", "adamw", None)
+    out["zero3/tied/adamw"] = train("tied", "adamw", ZeRO(3))
+    try:
+        train("tied", "adamw", ZeRO(3, wrap_layer_cls={"Embedding"}))
+        out["tied_split_error"] = None
+    except ValueError as exc:
+        out["tied_split_error"] = str(exc)
     out["dp_bf16"] = train("mlp", "adamw", DataParallel(compression="bf16"))
 
 
