@@ -16,7 +16,7 @@ from .accelerate import accelerate
 from .checkpoint import load, load_model, save, save_model
 from .config import Config
 from .data import DeviceLoader
-from .errors import TraceError
+from .errors import RetraceError, TraceError
 from .functional import functionalize
 from .manager import CheckpointManager
 from .parallel import init_distributed
@@ -32,6 +32,7 @@ __all__ = [
     "Config",
     "DeviceLoader",
     "Precision",
+    "RetraceError",
     "Step",
     "TraceError",
     "TrainState",

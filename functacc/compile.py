@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -29,13 +29,20 @@ def check_backend(backend: str) -> None:
         )
 
 
-def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Backend) -> Compiled:
+def compile_graph(
+    gm: GraphModule,
+    example_inputs: Sequence[Tensor],
+    backend: Backend,
+    *,
+    fakes: Sequence[Tensor] | None = None,
+) -> Compiled:
     """Compile ``gm`` with ``backend``; the result takes one list of tensors.
 
     ``"eager"`` runs the FX graph op by op with PyTorch's own kernels, which makes it
     bit-identical to eager PyTorch for the same op sequence. ``"inductor"`` generates fused
     C++/OpenMP (CPU) or Triton (CUDA) kernels; its FX graph cache makes a second process
-    with the same graph skip code generation.
+    with the same graph skip code generation. ``fakes``: the symbolic fake inputs a
+    dynamic-shape graph was traced with (Inductor then compiles size-generic kernels).
     """
     from .parallel.schedule import issue_collectives_early
 
@@ -44,8 +51,11 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
     issue_collectives_early(gm)
     if backend == "eager":
         return lambda args: gm(*args)
+    from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     options = {}
     if all(t.device.type == "cpu" for t in example_inputs):
@@ -54,23 +64,58 @@ def compile_graph(gm: GraphModule, example_inputs: Sequence[Tensor], backend: Ba
         # them back and forth every call: measured here on ResNet-18 (2-core CPU, batch 32)
         # 138 ms/step with it, 58 ms without (eager: 77 ms).
         options["layout_optimization"] = False
-    # Detached examples: the graph already contains its backward, so Inductor must compile
-    # it as an inference graph even when the inputs are parameters that require grad.
     # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
     # traced graph stays valid for inspection.
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    # A fake mode with a ShapeEnv: without one Inductor's FX graph cache and AOTAutograd's
-    # cache bypass the graph ("No shape env"), and every process recompiles from scratch.
-    # Static shapes: the graph is specialised to its signature (a new one retraces).
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    fakes = [fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example_inputs]
+    graph = copy.deepcopy(gm)
+    if fakes is None:
+        # A fake mode with a ShapeEnv: without one Inductor's FX graph cache and
+        # AOTAutograd's cache bypass the graph ("No shape env"), and every process
+        # recompiles from scratch. Static shapes: the graph is specialised to its signature.
+        # Detached examples: the graph already contains its backward, so Inductor must
+        # compile it as an inference graph even when the inputs are parameters.
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        fakes = [fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example_inputs]
+    else:
+        fake_mode = fakes[0].fake_mode
+        _views_to_reshapes(graph)
     with inductor_config.patch(options), tracing(TracingContext(fake_mode)):
-        compiled = compile_fx(copy.deepcopy(gm), fakes)
+        compiled = compile_fx(graph, list(fakes))
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
     return lambda args: compiled(*args)
+
+
+def _views_to_reshapes(gm: GraphModule) -> None:
+    """Turn ``aten.view`` into ``aten.reshape`` where nothing writes through the view.
+
+    Inductor re-traces the graph with its own decompositions, whose outputs may have other
+    strides than the kernels the trace saw (e.g. ``cat`` with an empty tensor, as a
+    key/value cache starts). With concrete sizes a view that became impossible is rare; with
+    symbolic sizes the view check cannot be decided and the compile fails. ``reshape`` is
+    the same value (a copy only where a view is impossible); a view that an in-place op
+    writes through must stay a view, so those are kept (Inductor's own post-grad pass
+    does this rewrite on graphs that are already functional).
+    """
+
+    def chain(node: object) -> Iterator[torch.fx.Node]:
+        """``node`` and the tensors it is a view of."""
+        while isinstance(node, torch.fx.Node):
+            yield node
+            is_view = getattr(node.target, "is_view", False)
+            node = node.args[0] if is_view and node.args else None
+
+    aliased_writes: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args, strict=False):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                aliased_writes.update(chain(value))
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        # Kept: a view written through, or a view of a tensor that something writes to.
+        if not any(n in aliased_writes for n in chain(node)):
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
 
 
 class SignatureCache:

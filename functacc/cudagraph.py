@@ -10,6 +10,11 @@ autotuning); the second captures and replays; later calls replay. Random ops (dr
 PyTorch's default CUDA generator, whose state ``torch.cuda.graph`` registers with the graph,
 so every replay draws fresh numbers.
 
+A graph compiled with symbolic sizes serves many batch shapes, but a CUDA graph is fixed to
+one: the runner keeps one capture per concrete batch shape, at most ``cache_size`` of them
+(least recently used evicted), all in one shared memory pool (replays never overlap, and
+each copies its outputs out, so captures can reuse each other's intermediate memory).
+
 The graph is injected (``graph_factory``; ``Step`` uses :data:`DEFAULT_GRAPH_FACTORY`) so
 that everything but the CUDA calls — static buffers, copy-in, copy-out, re-capture when the
 state moves — is tested on CPU.
@@ -17,7 +22,9 @@ state moves — is tested on CPU.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -33,11 +40,12 @@ __all__ = [
 
 
 class CapturedGraph(Protocol):
-    """What the runner needs from a graph: record ``fn`` once, replay it, its outputs."""
+    """What the runner needs from a graph: record ``fn`` once (in memory ``pool``), replay
+    it, its outputs."""
 
     outputs: Sequence[Tensor]
 
-    def capture(self, fn: Callable[[], Sequence[Tensor]]) -> None: ...
+    def capture(self, fn: Callable[[], Sequence[Tensor]], pool: Any) -> None: ...
 
     def replay(self) -> None: ...
 
@@ -52,10 +60,10 @@ class TorchCudaGraph:
         self.graph = torch.cuda.CUDAGraph()
         self.outputs: Sequence[Tensor] = ()
 
-    def capture(self, fn: Callable[[], Sequence[Tensor]]) -> None:
+    def capture(self, fn: Callable[[], Sequence[Tensor]], pool: Any) -> None:
         # torch.cuda.graph captures on a side stream and registers the default generator's
         # state with the graph, so every replay draws fresh dropout masks.
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = tuple(fn())
 
     def replay(self) -> None:
@@ -63,6 +71,10 @@ class TorchCudaGraph:
 
 
 DEFAULT_GRAPH_FACTORY: GraphFactory = TorchCudaGraph
+
+
+def _default_pool() -> Any:
+    return torch.cuda.graph_pool_handle()
 
 
 def check_cuda_graphs(enabled: bool | None, device: torch.device) -> bool:
@@ -77,10 +89,21 @@ def check_cuda_graphs(enabled: bool | None, device: torch.device) -> bool:
     return bool(enabled)
 
 
+@dataclass
+class _Capture:
+    """One batch shape's capture: its static batch buffers and the state it baked in."""
+
+    calls: int = 0
+    graph: CapturedGraph | None = None
+    static_batch: list[Tensor] = field(default_factory=list)
+    state_ptrs: tuple[int, ...] = ()
+
+
 class CudaGraphRunner:
     """Wraps a compiled step ``run(inputs) -> outputs`` with capture and replay.
 
-    ``num_state`` leading inputs are the live state (stable addresses); the rest is the batch.
+    ``num_state`` leading inputs are the live state (stable addresses); the rest is the
+    batch. Each batch shape gets ``warmup_calls`` uncaptured calls, then a capture.
     """
 
     def __init__(
@@ -88,44 +111,67 @@ class CudaGraphRunner:
         run: Callable[[list[Tensor]], Sequence[Tensor]],
         num_state: int,
         *,
+        cache_size: int = 8,
         graph_factory: GraphFactory | None = None,
+        pool_factory: Callable[[], Any] | None = None,
         warmup_calls: int = 1,
     ):
         self.run = run
         self.num_state = num_state
+        self.cache_size = cache_size
         self.graph_factory = graph_factory or DEFAULT_GRAPH_FACTORY
+        self.pool_factory = pool_factory or _default_pool
+        self.pool: Any = None
         self.warmup_calls = warmup_calls
         self.calls = 0
         self.captures = 0
-        self.graph: CapturedGraph | None = None
-        self.static_batch: list[Tensor] = []
-        self.state_ptrs: tuple[int, ...] = ()
+        self.evictions = 0
+        self.entries: OrderedDict[tuple, _Capture] = OrderedDict()
 
     def __call__(self, inputs: list[Tensor]) -> list[Tensor]:
         state, batch = inputs[: self.num_state], inputs[self.num_state :]
         self.calls += 1
-        if self.calls <= self.warmup_calls:
+        shapes = tuple(t.shape for t in batch)
+        entry = self.entries.get(shapes)
+        if entry is None:
+            entry = self.entries[shapes] = _Capture()
+            if len(self.entries) > self.cache_size:
+                self.entries.popitem(last=False)  # the least recently used size
+                self.evictions += 1
+        else:
+            self.entries.move_to_end(shapes)
+        entry.calls += 1
+        if entry.calls <= self.warmup_calls:
             return list(self.run([*state, *batch]))
         ptrs = tuple(t.data_ptr() for t in state)
-        if self.graph is None or ptrs != self.state_ptrs:
-            # First replay, or the state was replaced (e.g. optimizer.load_state_dict): the
-            # graph baked in the old addresses, so capture again.
-            self._capture(state, batch, ptrs)
+        if entry.graph is None or ptrs != entry.state_ptrs:
+            # First replay of this size, or the state was replaced (e.g.
+            # optimizer.load_state_dict): the graph baked in the old addresses, so capture.
+            self._capture(entry, state, batch, ptrs)
         else:
-            for static, new in zip(self.static_batch, batch, strict=True):
+            for static, new in zip(entry.static_batch, batch, strict=True):
                 static.copy_(new, non_blocking=True)
-        self.graph.replay()
+        entry.graph.replay()
         # The next replay overwrites the graph's outputs: hand out copies.
-        return [t.clone() for t in self.graph.outputs]
+        return [t.clone() for t in entry.graph.outputs]
 
-    def _capture(self, state: list[Tensor], batch: list[Tensor], ptrs: tuple[int, ...]) -> None:
-        self.static_batch = [t.clone() for t in batch]
-        static_inputs = [*state, *self.static_batch]
+    def _capture(
+        self, entry: _Capture, state: list[Tensor], batch: list[Tensor], ptrs: tuple[int, ...]
+    ) -> None:
+        if self.pool is None:
+            self.pool = self.pool_factory()
+        entry.static_batch = [t.clone() for t in batch]
+        static_inputs = [*state, *entry.static_batch]
         graph = self.graph_factory()
-        graph.capture(lambda: self.run(list(static_inputs)))
-        self.graph = graph
-        self.state_ptrs = ptrs
+        graph.capture(lambda: self.run(list(static_inputs)), self.pool)
+        entry.graph = graph
+        entry.state_ptrs = ptrs
         self.captures += 1
 
     def describe(self) -> dict[str, Any]:
-        return {"calls": self.calls, "captures": self.captures}
+        return {
+            "calls": self.calls,
+            "captures": self.captures,
+            "kept": len(self.entries),
+            "evictions": self.evictions,
+        }

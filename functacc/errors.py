@@ -5,6 +5,8 @@
   or devices, or any other error raised by the model or the loss while tracing — or the
   traced graph failed while running for these inputs. The message names the module and the
   source line where it can, what was expected and what came.
+- :class:`RetraceError` (a :class:`TraceError`): a new input signature would exceed the
+  step's trace budget (``max_traces``).
 - ``ValueError`` / ``TypeError``: an argument is invalid (an optimizer whose parameters are
   not the model's, an unsupported optimizer, a loss that is not a 0-dim floating tensor, a
   batch that does not split into ``grad_accum_steps`` micro-batches, ...).
@@ -15,7 +17,7 @@ before it.
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "argument_error"]
+__all__ = ["RetraceError", "TraceError", "argument_error"]
 
 
 class TraceError(RuntimeError):
@@ -33,6 +35,14 @@ class TraceError(RuntimeError):
         >>> step(torch.ones(1, 2), None)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         functacc.errors.TraceError: ...data-dependent...
+    """
+
+
+class RetraceError(TraceError):
+    """One more trace of the step would exceed ``compile_step(..., max_traces=...)``.
+
+    The message lists the recent signatures that caused traces and the fix (symbolic
+    sizes with ``dynamic=True``, or loader ``buckets=``); the call changed nothing.
     """
 
 

@@ -12,7 +12,8 @@ Two forms share the same mathematics (:mod:`functacc.step_fn`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,14 +21,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from .compile import (
-    Backend,
-    Compiled,
-    SignatureCache,
-    TensorSpec,
-    check_backend,
-    compile_graph,
-)
+from .cache import ProgramCache, SizeGuard, TraceRecord
+from .compile import Backend, Compiled, check_backend, compile_graph
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
 from .optim import GradientTransformation
@@ -37,6 +32,13 @@ from .parallel.comm import CommStats, comm_stats
 from .parallel.strategy import check_same_model, sync_from_rank0
 from .precision import resolve_precision
 from .remat import validate_remat
+from .signature import (
+    TensorSpec,
+    ambient_key,
+    batch_names,
+    family_key,
+    hashable_constant,
+)
 from .step_fn import LossFn, StepFunction, TrainState
 from .trace import describe_tensor, run_error, trace
 
@@ -54,6 +56,8 @@ class _Program:
     changed: list[bool] = field(default_factory=list)  # which state leaves the step rewrites
     names_with_grads: frozenset[str] = frozenset()
     stats: CommStats | None = None
+    guard: SizeGuard | None = None  # graphs with symbolic sizes: which sizes they accept
+    random: bool = False  # draws random numbers (dropout): a failed run restores the RNG
 
 
 _tensor_key = TensorSpec.of
@@ -85,6 +89,9 @@ class Step:
         precision: Any = None,
         remat: Collection[str] | None = None,
         cuda_graphs: bool | None = None,
+        dynamic: bool | None = None,
+        max_traces: int | None = 32,
+        cuda_graph_cache_size: int = 8,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -107,7 +114,7 @@ class Step:
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
         self._modules = list(model.modules())
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
-        self._cache = SignatureCache("the training step")
+        self._cache = ProgramCache("the training step", dynamic=dynamic, max_traces=max_traces)
         self._calls = 0
 
         self._link = (
@@ -126,6 +133,11 @@ class Step:
         self.precision = resolve_precision(precision)
         self._device = next((t.device for t in self._params.values()), torch.device("cpu"))
         self._cuda_graphs = check_cuda_graphs(cuda_graphs, self._device)
+        if not isinstance(cuda_graph_cache_size, int) or cuda_graph_cache_size < 1:
+            raise ValueError(
+                f"cuda_graph_cache_size must be an int >= 1; got {cuda_graph_cache_size!r}"
+            )
+        self._cuda_graph_cache_size = cuda_graph_cache_size
         self._fn = StepFunction(
             model,
             loss_fn,
@@ -144,6 +156,12 @@ class Step:
     def num_traces(self) -> int:
         """How many times the step has been traced (once per new input signature)."""
         return self._cache.num_traces
+
+    @property
+    def traces(self) -> list[TraceRecord]:
+        """Every trace so far: why it happened (what changed), which dimensions it made
+        symbolic, and its trace and compile time in seconds."""
+        return list(self._cache.records)
 
     @property
     def count(self) -> int:
@@ -175,21 +193,14 @@ class Step:
         With a ``loss_fn``: ``step(inputs, targets)``; without: ``step(*args, **kwargs)``
         calls ``model(*args, **kwargs)``. Returns the loss, a detached 0-dim tensor.
         """
-        self._check_call(args, kwargs)
-        self._refresh_live_state()
-        if self._link is not None:
-            self._link.sync_hyperparams(self._live.opt_state)
-        tensors, batch_key = self._flatten_batch(args, kwargs)
-        key = ("inplace", batch_key, self._state_key(self._calls))
-        program = self._cache.get(key)
-        if program is None:
-            program = self._build(key, self._live, args, kwargs, inplace=True, count=self._calls)
-            if self._cuda_graphs:
-                program.run = CudaGraphRunner(program.run, len(self._live_leaves))
+        program, tensors = self._stateful_program(args, kwargs)
+        rng = _rng_state(self._device) if program.random else None
         try:
             with torch.no_grad():
                 loss = program.run([*self._live_leaves, *tensors])[0]
         except Exception as exc:
+            if rng is not None:  # the graph may have drawn dropout masks before it failed
+                _set_rng_state(rng, self._device)
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
         self._calls += 1
         self._last_program = program
@@ -203,6 +214,36 @@ class Step:
             self._link.install(self._live.opt_state, program.names_with_grads)
             self._installed = True
         return loss
+
+    def warmup(self, batches: Iterable[Any], *, progress: bool = True) -> list[TraceRecord]:
+        """Trace and compile the step for each batch's signature before training.
+
+        Each batch is given as the step takes it: ``(inputs, targets)`` with a ``loss_fn``;
+        without one, a dict (``step(**batch)``), a tuple (``step(*batch)``) or a tensor.
+        Batches whose signature already has a graph cost nothing. Nothing runs: the model,
+        optimizer, RNG and step count are unchanged. Returns the new traces (with their
+        compile times); ``progress`` shows a tqdm bar.
+
+        Example:
+            >>> import torch, functacc
+            >>> model = torch.nn.Linear(4, 2)
+            >>> step = functacc.compile_step(model, torch.nn.MSELoss(),
+            ...     torch.optim.SGD(model.parameters(), lr=0.1), backend="eager", dynamic=False)
+            >>> shapes = [(torch.randn(n, 4), torch.randn(n, 2)) for n in (8, 16)]
+            >>> len(step.warmup(shapes, progress=False)), step.count
+            (2, 0)
+        """
+        from tqdm.auto import tqdm
+
+        before = self._cache.num_traces
+        bar = tqdm(list(batches), desc="functacc warm-up", unit="batch", disable=not progress)
+        for batch in bar:
+            args, kwargs = self._as_call(batch)
+            self._stateful_program(args, kwargs)
+            if self._cache.num_traces > before:
+                last = self._cache.records[-1]
+                bar.set_postfix_str(f"trace #{last.number}: {last.trace_s + last.compile_s:.1f} s")
+        return self._cache.records[before:]
 
     def init_state(self) -> TrainState:
         """A copy of the current training state (model, optimizer, step count) for
@@ -226,17 +267,17 @@ class Step:
         if self._link is not None:
             state = state._replace(opt_state=self._link.with_current_hyperparams(state.opt_state))
         leaves, spec = pytree.tree_flatten(state)
-        tensors, batch_key = self._flatten_batch(args, kwargs)
         state_key = (spec, tuple(_tensor_key(t) for t in leaves))
         count = int(state.count) if self._strategy.signature(0) != () else 0
-        key = ("pure", batch_key, self._state_key(count), ("state", state_key))
-        program = self._cache.get(key)
-        if program is None:
-            program = self._build(key, state, args, kwargs, inplace=False, count=count)
+        context = ("pure", self._state_key(count), ("state", state_key))
+        program, tensors = self._program(context, state, args, kwargs, inplace=False, count=count)
+        rng = _rng_state(self._device) if program.random else None
         try:
             with torch.no_grad():
                 outputs = program.run([*leaves, *tensors])
         except Exception as exc:
+            if rng is not None:
+                _set_rng_state(rng, self._device)
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
         self._last_program = program
         new = iter(outputs[1:])
@@ -339,17 +380,64 @@ class Step:
 
     def _state_key(self, count: int) -> tuple:
         # Cheap per-call checks of what changes the graph: train/eval mode, which parameters
-        # are trainable, dtypes/shapes of the model's tensors, optimizer structure.
+        # are trainable, dtypes/shapes of the model's tensors, optimizer structure, and the
+        # ambient state a trace bakes in (autocast, default dtype).
         return (
             ("train mode", tuple(m.training for m in self._modules)),
             ("requires_grad", tuple(p.requires_grad for p in self._params.values())),
             ("model tensors", tuple((t.dtype, t.shape) for t in self._model_tensors)),
             ("optimizer hyperparameters", self._hyper_key),
             ("parallel", self._strategy.signature(count)),
+            ("ambient", ambient_key(self._device.type)),
         )
+
+    # -- programs ----------------------------------------------------------------------
+    def _stateful_program(self, args: tuple, kwargs: dict) -> tuple[_Program, list[Tensor]]:
+        """The program for a call of the stateful step (traced and compiled if new)."""
+        self._check_call(args, kwargs)
+        self._refresh_live_state()
+        if self._link is not None:
+            self._link.sync_hyperparams(self._live.opt_state)
+        context = ("inplace", self._state_key(self._calls))
+        return self._program(context, self._live, args, kwargs, inplace=True, count=self._calls)
+
+    def _program(
+        self,
+        context: tuple,
+        state: TrainState,
+        args: tuple,
+        kwargs: dict,
+        *,
+        inplace: bool,
+        count: int,
+    ) -> tuple[_Program, list[Tensor]]:
+        tensors, batch_key = self._flatten_batch(args, kwargs)
+        key = (batch_key, context)
+        program = self._cache.get(key)
+        if program is not None:
+            return program, tensors
+        # Not compiled for exactly these shapes: a graph with symbolic sizes may take them.
+        family = ((("inputs", family_key(tensors)), *batch_key[1:]), context)
+        program = self._cache.find(family, tensors)
+        if program is None:
+            program = self._build(
+                key, family, state, args, kwargs, tensors, inplace=inplace, count=count
+            )
+            if inplace and self._cuda_graphs:
+                program.run = CudaGraphRunner(
+                    program.run, len(self._live_leaves), cache_size=self._cuda_graph_cache_size
+                )
+        return program, tensors
 
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            # Eager PyTorch cannot train here either: backward() fails without autograd.
+            raise RuntimeError(
+                "the training step was called with gradients disabled (inside torch.no_grad() "
+                "or torch.inference_mode()); a training step needs autograd, as loss.backward() "
+                "does in eager PyTorch. Call it outside that context."
+            )
         if self.loss_fn is not None and (len(args) != 2 or kwargs):
             raise TypeError(
                 "with a loss_fn the step is called as step(inputs, targets); got "
@@ -357,8 +445,23 @@ class Step:
                 "model inputs into a tuple or dict: step((x1, x2), targets)."
             )
 
+    def _as_call(self, batch: Any) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` for a batch as a training loop passes it to the step."""
+        if self.loss_fn is not None:
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(
+                    "with a loss_fn each warm-up batch is (inputs, targets), as the step is "
+                    f"called; got {type(batch).__name__}"
+                )
+            return tuple(batch), {}
+        if isinstance(batch, dict):
+            return (), dict(batch)
+        if isinstance(batch, (tuple, list)):
+            return tuple(batch), {}
+        return (batch,), {}
+
     def _flatten_batch(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], tuple]:
-        """The batch's tensors and its signature key."""
+        """The batch's tensors and its signature key (its first part: the tensor specs)."""
         if not kwargs and all(type(a) is Tensor for a in args):
             # The common step(inputs, targets): no pytree walk on the hot path.
             return list(args), (("inputs", tuple(map(_tensor_key, args))),)
@@ -368,7 +471,7 @@ class Step:
         key = (
             ("inputs", tuple(_tensor_key(t) for t in tensors)),
             ("structure", str(spec)),
-            ("constants", tuple(map(_hashable_constant, constants))),
+            ("constants", tuple(map(hashable_constant, constants))),
         )
         return tensors, key
 
@@ -387,14 +490,20 @@ class Step:
     def _build(
         self,
         key: tuple,
+        family: tuple,
         state: TrainState,
         args: tuple,
         kwargs: dict,
+        tensors: list[Tensor],
         *,
         inplace: bool,
         count: int,
     ) -> _Program:
-        reason = self._cache.reason(key)
+        names = batch_names(args, kwargs, with_targets=self.loss_fn is not None)
+        described = self._describe_batch(args, kwargs)
+        reason = self._cache.reason(key, family, names, tensors)
+        self._cache.check_budget(reason, described)
+        dynamic = self._cache.plan(family, tensors)
         signature = self._strategy.signature(count)
         state_leaves, state_spec = pytree.tree_flatten_with_path(state)
         state_tensors = [t for _, t in state_leaves]
@@ -438,19 +547,45 @@ class Step:
                 return (loss,)
             return (loss, *[new for new, c in zip(new_leaves, changed, strict=True) if c])
 
-        example = [*state_tensors, *[x for x in batch_leaves if isinstance(x, Tensor)]]
-        graph = trace(
-            flat_step, example, model=self.model, signature=self._describe_batch(args, kwargs)
+        example = [*state_tensors, *tensors]
+        started = time.perf_counter()
+        traced = trace(
+            flat_step,
+            example,
+            model=self.model,
+            signature=described,
+            dynamic=[*[()] * n_state, *dynamic] if any(dynamic) else None,
         )
-        run = compile_graph(graph, example, self.backend)
+        traced_at = time.perf_counter()
+        graph = traced.graph
+        run = compile_graph(graph, example, self.backend, fakes=traced.fakes)
+        guard = None
+        symbolic: dict[str, list[int]] = {}
+        if traced.fakes is not None:
+            guard = SizeGuard(traced.fakes[n_state:], dynamic, traced.guard)
+            fixed = {(i, d) for i, d, _ in guard.static}
+            for i, dims in enumerate(dynamic):
+                kept = sorted(d for d in dims if (i, d) not in fixed)
+                if kept:
+                    symbolic[names[i]] = kept
         program = _Program(
             run=run,
             graph=graph,
             changed=meta["changed"],
             names_with_grads=meta["names_with_grads"],
             stats=comm_stats(graph) if self._strategy.topology.world > 1 else None,
+            guard=guard,
+            random=_draws_random(graph),
         )
-        self._cache.put(key, program, reason=reason)
+        record = TraceRecord(
+            number=self._cache.num_traces + 1,
+            reason=reason,
+            signature=described,
+            dynamic=symbolic,
+            trace_s=traced_at - started,
+            compile_s=time.perf_counter() - traced_at,
+        )
+        self._cache.add(key, family, program, names=names, tensors=tensors, record=record)
         return program
 
 
@@ -460,12 +595,20 @@ def _nbytes(tree: Any) -> int:
     )
 
 
-def _hashable_constant(x: Any) -> Any:
-    try:
-        hash(x)
-    except TypeError:
-        return repr(x)
-    return (type(x), x)
+def _draws_random(graph: torch.fx.GraphModule) -> bool:
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(seeded in getattr(n.target, "tags", ()) for n in graph.graph.nodes)
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def compile_step(
@@ -480,6 +623,9 @@ def compile_step(
     precision: Any = None,
     remat: Collection[str] | None = None,
     cuda_graphs: bool | None = None,
+    dynamic: bool | None = None,
+    max_traces: int | None = 32,
+    cuda_graph_cache_size: int = 8,
 ) -> Step:
     """Compile the whole training step of ``model`` into one graph.
 
@@ -504,7 +650,19 @@ def compile_step(
         remat: class names of modules whose activations are recomputed in backward instead
             of stored (e.g. ``{"TransformerEncoderLayer"}``).
         cuda_graphs: capture the compiled step as a CUDA graph and replay it; ``None`` means
-            on for CUDA models, off elsewhere.
+            on for CUDA models, off elsewhere. With symbolic sizes, one capture per concrete
+            size.
+        dynamic: input sizes traced symbolically. ``None`` (automatic, as torch.compile):
+            the first call is static; a later call whose batch differs only in some sizes
+            retraces once with those dimensions symbolic, and that graph serves every later
+            size (guards checked per call). ``True``: every batch dimension symbolic from
+            the first call. ``False``: one static graph per distinct shape (fastest per step;
+            use it with a bucketing loader, ``DeviceLoader(..., buckets=...)``).
+        max_traces: the most traces the step may take; the one beyond raises
+            :class:`functacc.RetraceError` (``None``: no limit). From the third trace on,
+            each one logs a warning naming what changed.
+        cuda_graph_cache_size: CUDA graphs kept per compiled graph (one per concrete size),
+            least recently used evicted; they share one memory pool.
 
     Example:
         >>> import torch, functacc
@@ -526,4 +684,7 @@ def compile_step(
         precision=precision,
         remat=remat,
         cuda_graphs=cuda_graphs,
+        dynamic=dynamic,
+        max_traces=max_traces,
+        cuda_graph_cache_size=cuda_graph_cache_size,
     )

@@ -194,7 +194,7 @@ def split_micro_batches(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, 
         if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] % k:
             raise argument_error(
                 f"grad_accum_steps={k} splits every batch tensor into {k} micro-batches along "
-                f"dim 0, but batch{pytree.keystr(path)} has {leaf.shape[0]} rows. Use a batch "
+                f"dim 0, but batch{pytree.keystr(path)} has {int(leaf.shape[0])} rows. Use a batch "
                 f"size divisible by {k} (e.g. DataLoader(..., drop_last=True))."
             )
     micro = []

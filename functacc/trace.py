@@ -7,10 +7,12 @@ fail loudly instead of being silently baked into the graph.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import TraceError
 
-__all__ = ["describe_tensor", "run_error", "trace"]
+__all__ = ["Traced", "describe_tensor", "run_error", "trace"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUNCTACC_DIR = os.path.dirname(__file__)
@@ -93,34 +95,112 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return " ".join(parts) if parts else "(location unknown)"
 
 
+class Traced:
+    """A traced step graph and, when some input dimensions were symbolic, what it needs.
+
+    ``fakes`` are the fake example inputs the graph was traced with (their sizes are
+    symbols where dynamic), for Inductor's dynamic-shape compile; ``guard`` is the
+    condition, over the dynamic inputs, under which the graph is valid (``None``: none).
+    """
+
+    def __init__(self, graph: GraphModule, fakes: list[Tensor] | None, guard: str | None):
+        self.graph = graph
+        self.fakes = fakes
+        self.guard = guard
+
+
 def trace(
     fn: Callable[..., object],
     example_inputs: Sequence[Tensor],
     *,
     model: nn.Module,
     signature: str,
-) -> GraphModule:
+    dynamic: Sequence[Collection[int]] | None = None,
+) -> Traced:
     """Trace ``fn(*example_inputs)`` into a graph module with fake tensors.
+
+    ``dynamic`` (one collection of dimension indices per input) makes those dimensions
+    symbolic: the graph then serves every size that satisfies its guard. Sizes 0 and 1 are
+    specialised (the fakes say which dimensions stayed symbolic).
 
     Errors raised while tracing become :class:`TraceError` naming the module and source
     line; ``signature`` (a description of the inputs) goes into the message.
     """
     devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
+    detached = [t.detach() for t in example_inputs]
     try:
         # fork_rng: the first make_fx of a process draws from the global generator while it
         # initialises; a trace must leave the RNG exactly where it was.
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             # `_allow_non_fake_inputs`: tensors a module keeps as plain attributes (not
             # registered as buffers) are real; they become constants of the graph.
-            return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
-                *[t.detach() for t in example_inputs]
-            )
+            if dynamic is None or not any(dynamic):
+                graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*detached)
+                return Traced(graph, None, None)
+            fakes = _symbolic_fakes(detached, dynamic)
+            with _eager_dropout():
+                graph = make_fx(fn, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*fakes)
     except (TraceError, ValueError, TypeError) as exc:
         if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
             raise
         raise _translate(exc, model, signature) from exc
     except Exception as exc:
         raise _translate(exc, model, signature) from exc
+    shape_env = fakes[0].fake_mode.shape_env
+    dynamic_fakes = [f for f, dims in zip(fakes, dynamic, strict=True) if dims]
+    # Guards over the inputs with symbolic dimensions only (named t0, t1, ... in that
+    # order); the static dimensions are checked exactly by the caller.
+    return Traced(graph, fakes, shape_env.produce_guards_expression(dynamic_fakes))
+
+
+def _symbolic_fakes(inputs: Sequence[Tensor], dynamic: Sequence[Collection[int]]) -> list[Tensor]:
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    # No duck sizing: a batch of 8 sequences of length 8 must not tie the two dimensions
+    # together; equal sizes that the model relates are discovered as guards instead.
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
+    fakes = []
+    source_index = 0
+    for t, dims in zip(inputs, dynamic, strict=True):
+        if not dims:
+            fakes.append(mode.from_tensor(t, static_shapes=True))
+            continue
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())]
+        context = StatelessSymbolicContext(dynamic_sizes=sizes)
+        source = LocalSource(f"t{source_index}")  # the name the guard expression uses
+        source_index += 1
+        fakes.append(mode.from_tensor(t, source=source, symbolic_context=context))
+    return fakes
+
+
+@contextlib.contextmanager
+def _eager_dropout() -> Iterator[None]:
+    """Trace ``aten.dropout`` as eager PyTorch runs it.
+
+    Symbolic tracing turns on the Python dispatcher, under which ``aten.dropout`` takes
+    torch's Python decomposition (``native_dropout``). On CPU eager PyTorch runs the C++
+    composite instead (``bernoulli_`` on an empty tensor), which draws a different random
+    stream: the same seed would give different masks. Hiding the Python kernels for the
+    duration of the trace keeps the C++ composite, so symbolic and static graphs draw
+    exactly eager's masks.
+    """
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.dropout.default
+    keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
+    saved: dict[Any, Any] = {k: op.py_kernels.pop(k) for k in keys if k in op.py_kernels}
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        op.py_kernels.update(saved)
+        op._dispatch_cache.clear()
 
 
 def _translate(exc: BaseException, model: nn.Module, signature: str) -> TraceError:

@@ -4,6 +4,7 @@ CUDA (skipped here, with the reason, when no GPU is present)."""
 from __future__ import annotations
 
 import copy
+import typing
 
 import models
 import pytest
@@ -26,7 +27,7 @@ class RecordedGraph:
         self.fn = None
         self.outputs: list[torch.Tensor] = []
 
-    def capture(self, fn) -> None:
+    def capture(self, fn, pool) -> None:
         RecordedGraph.captures += 1
         self.fn = fn
 
@@ -59,7 +60,7 @@ def test_runner_copies_in_and_out() -> None:
         s.add_(x)
         return [s.sum().reshape(1)]
 
-    runner = cudagraph.CudaGraphRunner(run, 1, graph_factory=RecordedGraph)
+    runner = cudagraph.CudaGraphRunner(run, 1, graph_factory=RecordedGraph, pool_factory=object)
     first = runner([state, torch.ones(3)])  # warm-up: runs directly
     second = runner([state, torch.full((3,), 2.0)])  # capture, then replay
     batch = torch.full((3,), 3.0)
@@ -67,16 +68,17 @@ def test_runner_copies_in_and_out() -> None:
     assert [float(o) for o in (first[0], second[0], third[0])] == [3.0, 9.0, 18.0]
     assert runner.captures == 1
     # Replays read the static buffer, never the caller's tensor.
-    assert calls[-1] == runner.static_batch[0].data_ptr() != batch.data_ptr()
+    (entry,) = runner.entries.values()
+    assert calls[-1] == entry.static_batch[0].data_ptr() != batch.data_ptr()
     third[0].add_(100.0)  # the caller owns a copy
-    assert float(runner.graph.outputs[0]) == 18.0
+    assert float(entry.graph.outputs[0]) == 18.0
 
 
 def test_runner_recaptures_when_the_state_moves() -> None:
     def run(inputs):
         return [inputs[0] + inputs[1]]
 
-    runner = cudagraph.CudaGraphRunner(run, 1, graph_factory=RecordedGraph)
+    runner = cudagraph.CudaGraphRunner(run, 1, graph_factory=RecordedGraph, pool_factory=object)
     a = torch.zeros(2)
     for _ in range(3):
         runner([a, torch.ones(2)])
@@ -111,8 +113,66 @@ def test_step_with_graph_replay_matches_plain_step(monkeypatch) -> None:
         ref_loss = ref_step(x, y)
         assert torch.equal(loss, ref_loss)
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
-    program = next(iter(step._cache._entries.values()))
-    assert program.run.describe() == {"calls": 5, "captures": 1}
+    program = step._cache.programs()[0]
+    assert program.run.describe() == {"calls": 5, "captures": 1, "kept": 1, "evictions": 0}
+
+
+class PooledGraph(RecordedGraph):
+    pools: typing.ClassVar[list] = []
+
+    def capture(self, fn, pool) -> None:
+        PooledGraph.pools.append(pool)
+        super().capture(fn, pool)
+
+
+def test_one_capture_per_size_least_recently_used_evicted_one_pool() -> None:
+    # A graph with symbolic sizes serves many batch shapes; a CUDA graph only one.
+    def run(inputs):
+        return [inputs[0] + inputs[1].sum()]
+
+    PooledGraph.pools = []
+    runner = cudagraph.CudaGraphRunner(
+        run, 1, cache_size=2, graph_factory=PooledGraph, pool_factory=object, warmup_calls=0
+    )
+    state = torch.zeros(1)
+    for n in (2, 3, 2, 4, 3):  # 4 evicts 3 (2 was used more recently); 3 comes back
+        out = runner([state, torch.ones(n)])
+        assert float(out[0]) == n  # each replay read its own size's static buffer
+    assert list(runner.entries) == [(torch.Size([4]),), (torch.Size([3]),)]
+    assert runner.describe() == {"calls": 5, "captures": 4, "kept": 2, "evictions": 2}
+    assert len(PooledGraph.pools) == 4 and len({id(p) for p in PooledGraph.pools}) == 1
+
+
+def test_step_with_symbolic_sizes_captures_per_size(monkeypatch) -> None:
+    monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
+    monkeypatch.setattr(cudagraph, "_default_pool", object)
+    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda enabled, device: True)
+    torch.manual_seed(0)
+    model = models.mlp()
+    ref = copy.deepcopy(model)
+    make = functacc.compile_step
+    step = make(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        backend="eager",
+        cuda_graph_cache_size=2,
+    )
+    ref_step = make(
+        ref,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(ref.parameters(), lr=0.1),
+        backend="eager",
+        cuda_graphs=False,
+    )
+    for n in (8, 6, 6, 5, 5, 7, 7, 6, 6):
+        x, y = torch.randn(n, 16), torch.randint(0, 5, (n,))
+        assert torch.equal(step(x, y), ref_step(x, y))
+    assert step.num_traces == 2  # static 8, then one symbolic graph for every other size
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    symbolic = step._cache.programs()[-1].run.describe()
+    # Sizes 6, 5, 7, 6: warm-up then capture per size, two kept, 6 re-captured after eviction.
+    assert symbolic == {"calls": 8, "captures": 4, "kept": 2, "evictions": 2}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -1,0 +1,140 @@
+"""What makes one compiled graph of the step different from another: its signature.
+
+A call's signature has two parts:
+
+- **the batch**: each input tensor's shape, dtype, device and layout, the batch's structure
+  (tuple, dict, keys) and its Python constants;
+- **the context**: train/eval mode of every module, which parameters are trainable, the
+  model's dtypes and shapes, the optimizer's structure, the parallel strategy's phase, and
+  the ambient state that changes which ops a trace records (``torch.autocast``, the default
+  dtype).
+
+A graph traced with symbolic dimensions serves a *family*: every batch whose signature
+differs only in those sizes (:func:`family_key` erases sizes, keeps the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+__all__ = [
+    "TensorSpec",
+    "ambient_key",
+    "batch_names",
+    "describe_difference",
+    "family_key",
+    "size_changes",
+]
+
+
+class TensorSpec(NamedTuple):
+    """What a static graph assumes about one input tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), t.dtype, t.device, t.stride())
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.shape} {dtype} on {self.device} (stride {self.stride})"
+
+
+class LayoutSpec(NamedTuple):
+    """What a graph with symbolic sizes assumes about one input tensor: everything but
+    the sizes. Contiguous tensors (the rule for batches) have size-independent layout;
+    other layouts are kept exactly (their graphs stay static)."""
+
+    ndim: int
+    dtype: torch.dtype
+    device: torch.device
+    layout: str | tuple[int, ...]
+
+
+def family_key(tensors: Sequence[Tensor]) -> tuple[LayoutSpec, ...]:
+    """The batch tensors' signature with sizes erased."""
+    return tuple(
+        LayoutSpec(
+            t.dim(), t.dtype, t.device, "contiguous" if t.is_contiguous() else tuple(t.stride())
+        )
+        for t in tensors
+    )
+
+
+def ambient_key(device_type: str) -> tuple:
+    """The ambient state a trace bakes into the graph: autocast on the model's device and
+    on CPU (enabled, dtype), and the default dtype (``torch.zeros(n)`` in a forward)."""
+    autocast = tuple(
+        (d, torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else (d, None)
+        for d in dict.fromkeys(("cpu", device_type))
+    )
+    return (("autocast", autocast), ("default dtype", torch.get_default_dtype()))
+
+
+def batch_names(args: tuple, kwargs: dict, *, with_targets: bool) -> list[str]:
+    """A readable name for each tensor of a call's batch, in flattening order:
+    ``inputs['input_ids']`` and ``targets`` for ``step(inputs, targets)``, ``args[0]`` and
+    ``input_ids`` for ``step(*args, **kwargs)``."""
+    names = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(leaf, Tensor):
+            continue
+        top, rest = path[1], pytree.keystr(path[2:])
+        if path[0].idx == 0:  # positional
+            head = ("inputs", "targets")[top.idx] if with_targets else f"args[{top.idx}]"
+        else:
+            head = str(top.key)
+        names.append(head + rest)
+    return names
+
+
+def size_changes(
+    names: Sequence[str], old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]
+) -> list[str]:
+    """``["inputs['input_ids'] dim 1: 57 -> 91", ...]`` for every size that differs."""
+    out = []
+    for name, a, b in zip(names, old, new, strict=True):
+        out.extend(
+            f"{name} dim {d}: {x} -> {y}"
+            for d, (x, y) in enumerate(zip(a, b, strict=True))
+            if x != y
+        )
+    return out
+
+
+def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
+    """Where two signature keys first differ, e.g. ``inputs[0]: (8, 3) ... -> (5, 3) ...``.
+
+    Keys are nested plain tuples; ``(label, value)`` pairs name their part.
+    """
+    if type(old) is tuple and type(new) is tuple:
+        if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
+            return describe_difference(old[1], new[1], f"{path}{old[0]}")
+        if len(old) == len(new):
+            for i, (a, b) in enumerate(zip(old, new, strict=True)):
+                if a != b:
+                    inner = f"{path}[{i}]" if path and _is_sequence_of_specs(old) else path
+                    return describe_difference(a, b, inner)
+    where = f"{path}: " if path else ""
+    return f"{where}{old!r} -> {new!r}"
+
+
+def _is_sequence_of_specs(key: tuple) -> bool:
+    return all(isinstance(x, (TensorSpec, LayoutSpec)) for x in key)
+
+
+def hashable_constant(x: Any) -> Any:
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return (type(x), x)
