@@ -6,6 +6,9 @@ order and the functional optimizers reproduce torch.optim's rounding, so parity 
 reorders float32 arithmetic (and reduces in a different order), so its tolerance is
 rtol=1e-4, atol=1e-5 after 10 steps with learning rates small enough that training is not
 chaotic.
+
+The same table runs once more with symbolic batch sizes (``dynamic=True``, a different batch
+size every step): one graph serves every size, at the same tolerances.
 """
 
 from __future__ import annotations
@@ -29,10 +32,16 @@ FALLBACK_RANDOM = {"fallback_random": True}
 STEPS = 10
 
 
-def batches_for(kind: str, n: int = STEPS, batch: int = 8, dtype=torch.float32):
+# Divisible by the accumulation steps (4), micro-batches never of size 1 (specialised).
+VARYING = [8, 12, 16]
+
+
+def batches_for(kind: str, n: int = STEPS, batch: int | list[int] = 8, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     out = []
-    for _ in range(n):
+    sizes = batch if isinstance(batch, list) else [batch]
+    for i in range(n):
+        batch = sizes[i % len(sizes)]
         if kind == "vector":
             x = torch.randn(batch, 16, generator=g, dtype=dtype)
             out.append((x, torch.randint(0, 5, (batch,), generator=g)))
@@ -177,14 +186,17 @@ INDUCTOR_CASES = [
 ]
 
 
-def run_case(case: Case, backend: str, tolerance: dict) -> None:
+def run_case(case: Case, backend: str, tolerance: dict, *, dynamic: bool = False) -> None:
     torch.manual_seed(0)
     model = case.model().to(case.dtype)
     if case.prepare is not None:
         case.prepare(model)
     model, opt, ref, ref_opt = twin(model, OPTIMIZERS[case.opt])
     initial = [p.detach().clone() for p in model.parameters()]
-    batches = batches_for(case.data, n=case.steps, dtype=case.dtype)
+    sizes = VARYING if dynamic else 8
+    batches = batches_for(
+        case.data, n=max(case.steps, 3 if dynamic else 1), batch=sizes, dtype=case.dtype
+    )
     sched = case.scheduler(opt) if case.scheduler else None
     ref_sched = case.scheduler(ref_opt) if case.scheduler else None
 
@@ -195,6 +207,7 @@ def run_case(case: Case, backend: str, tolerance: dict) -> None:
         backend=backend,
         grad_accum_steps=case.grad_accum_steps,
         max_grad_norm=case.max_grad_norm,
+        dynamic=dynamic,
     )
     losses = functacc_train(step, batches, scheduler=sched)
     ref_losses = eager_train(
@@ -206,7 +219,11 @@ def run_case(case: Case, backend: str, tolerance: dict) -> None:
         max_grad_norm=case.max_grad_norm,
         scheduler=ref_sched,
     )
-    assert step.num_traces == 1
+    # Symbolic sizes: one graph, or two where eager itself switches kernels at a size (CPU
+    # convolutions pick another backend from batch 16 on: the trace guards `batch < 16`).
+    assert step.num_traces <= (2 if dynamic else 1)
+    if dynamic:
+        assert step.traces[0].dynamic  # the graph really was symbolic
     assert_same_training(model, opt, ref, ref_opt, losses, ref_losses, **tolerance)
     # The run must have trained: a parity test on a model that never moved proves nothing.
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True))
@@ -222,3 +239,16 @@ def test_parity_eager_backend(name: str) -> None:
 def test_parity_inductor(name: str) -> None:
     with torch._inductor.config.patch(FALLBACK_RANDOM):
         run_case(CASES[name], "inductor", CASES[name].inductor_tolerance)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_symbolic_sizes_eager_backend(name: str) -> None:
+    run_case(CASES[name], "eager", EXACT, dynamic=True)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("name", ["mlp-adamw", "cnn_bn-sgd_nesterov_wd"])
+def test_parity_symbolic_sizes_inductor(name: str) -> None:
+    # Inductor's size-generic kernels: same tolerances as its static kernels.
+    with torch._inductor.config.patch(FALLBACK_RANDOM):
+        run_case(CASES[name], "inductor", CASES[name].inductor_tolerance, dynamic=True)
