@@ -168,7 +168,8 @@ class ProgramCache:
                 names, entry.first_shapes, shapes
             )
             if changes:
-                return ", ".join(changes)
+                outside = " (outside the symbolic graph's guard)" if entry.symbolic else ""
+                return ", ".join(changes) + outside
             return "sizes outside the symbolic graph's guard " + ", ".join(
                 f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True)
             )

@@ -113,3 +113,52 @@ class WithBuffers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x * self.scale) + self.offset
+
+
+def gpt2(dropout: float = 0.1, layers: int = 2, dim: int = 32, vocab: int = 64) -> nn.Module:
+    """A small Hugging Face GPT-2 (random weights, no download); `wte` tied to `lm_head`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=dim,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=128,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def bert(dropout: float = 0.1, layers: int = 2, dim: int = 32, vocab: int = 64) -> nn.Module:
+    """A small Hugging Face BERT for masked language modelling (random weights)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=dim,
+        num_attention_heads=4,
+        intermediate_size=2 * dim,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        pad_token_id=0,
+    )
+    return BertForMaskedLM(config)
+
+
+def padded_text_batch(
+    lengths: list[int], vocab: int = 64, *, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """A batch as DataCollatorWithPadding makes it: right-padded to its longest sequence,
+    with an attention mask, and labels that ignore the padding (-100)."""
+    longest = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), longest), generator=generator)
+    mask = (torch.arange(longest) < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
