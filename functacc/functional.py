@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["ApplyFn", "call_module", "check_module_classes", "functionalize"]
+__all__ = [
+    "ApplyFn",
+    "call_module",
+    "check_module_classes",
+    "functionalize",
+    "swap_attributes",
+    "tensor_attributes",
+]
 
 ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]
 
@@ -72,3 +80,35 @@ def check_module_classes(model: nn.Module, classes: Collection[str], option: str
             f"module classes are: {', '.join(sorted(found))}"
         )
     return chosen
+
+
+Attribute = tuple[str, nn.Module, str]
+
+
+def tensor_attributes(model: nn.Module) -> list[Attribute]:
+    """Tensors a module keeps as plain attributes (neither parameters nor buffers), as
+    ``(qualified name, module, attribute)``.
+
+    Eager PyTorch reads them afresh in every forward, so an in-place change or a new tensor
+    assigned between steps takes effect; the compiled step therefore takes them as inputs
+    on every call rather than freezing them into the graph.
+    """
+    return [
+        (f"{prefix}.{attr}" if prefix else attr, module, attr)
+        for prefix, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, Tensor)
+    ]
+
+
+@contextlib.contextmanager
+def swap_attributes(attributes: Sequence[Attribute], values: Sequence[Tensor]) -> Iterator[None]:
+    """Let the modules' tensor attributes be ``values`` for the duration (tracing)."""
+    saved = [vars(module)[attr] for _, module, attr in attributes]
+    for (_, module, attr), value in zip(attributes, values, strict=True):
+        vars(module)[attr] = value
+    try:
+        yield
+    finally:
+        for (_, module, attr), value in zip(attributes, saved, strict=True):
+            vars(module)[attr] = value

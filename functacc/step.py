@@ -25,6 +25,7 @@ from .cache import ProgramCache, SizeGuard, TraceRecord
 from .compile import Backend, Compiled, check_backend, compile_graph
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
+from .functional import swap_attributes, tensor_attributes
 from .optim import GradientTransformation
 from .optim._torch import TorchOptimizerLink, _check_supported
 from .parallel import resolve_strategy
@@ -114,6 +115,7 @@ class Step:
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
         self._modules = list(model.modules())
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
+        self._attributes = tensor_attributes(model)
         self._cache = ProgramCache("the training step", dynamic=dynamic, max_traces=max_traces)
         self._calls = 0
 
@@ -411,23 +413,52 @@ class Step:
         inplace: bool,
         count: int,
     ) -> tuple[_Program, list[Tensor]]:
+        """The program for this call and its inputs after the state: the model's plain
+        tensor attributes (read now, as eager reads them in every forward), then the
+        batch's tensors."""
         tensors, batch_key = self._flatten_batch(args, kwargs)
+        attributes = self._attribute_values()
+        if attributes:
+            context = (*context, ("tensor attributes", tuple(map(_tensor_key, attributes))))
         key = (batch_key, context)
         program = self._cache.get(key)
-        if program is not None:
-            return program, tensors
-        # Not compiled for exactly these shapes: a graph with symbolic sizes may take them.
-        family = ((("inputs", family_key(tensors)), *batch_key[1:]), context)
-        program = self._cache.find(family, tensors)
         if program is None:
-            program = self._build(
-                key, family, state, args, kwargs, tensors, inplace=inplace, count=count
-            )
-            if inplace and self._cuda_graphs:
-                program.run = CudaGraphRunner(
-                    program.run, len(self._live_leaves), cache_size=self._cuda_graph_cache_size
+            # Not compiled for exactly these shapes: a graph with symbolic sizes may take them.
+            family = ((("inputs", family_key(tensors)), *batch_key[1:]), context)
+            program = self._cache.find(family, tensors)
+            if program is None:
+                program = self._build(
+                    key,
+                    family,
+                    state,
+                    args,
+                    kwargs,
+                    attributes,
+                    tensors,
+                    inplace=inplace,
+                    count=count,
                 )
-        return program, tensors
+                if inplace and self._cuda_graphs:
+                    # Attributes keep their addresses like the state (a new one re-captures).
+                    program.run = CudaGraphRunner(
+                        program.run,
+                        len(self._live_leaves) + len(attributes),
+                        cache_size=self._cuda_graph_cache_size,
+                    )
+        return program, [*attributes, *tensors]
+
+    def _attribute_values(self) -> list[Tensor]:
+        values = []
+        for name, module, attr in self._attributes:
+            value = getattr(module, attr, None)
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"the model's tensor attribute {name!r} is now {type(value).__name__}; the "
+                    "step reads it as a tensor input on every call. Keep it a tensor (or "
+                    "register it as a buffer) and rebuild the step if the model changed."
+                )
+            values.append(value)
+        return values
 
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
@@ -494,6 +525,7 @@ class Step:
         state: TrainState,
         args: tuple,
         kwargs: dict,
+        attributes: list[Tensor],
         tensors: list[Tensor],
         *,
         inplace: bool,
@@ -512,16 +544,18 @@ class Step:
         is_tensor = [isinstance(x, Tensor) for x in batch_leaves]
         constants = [x for x in batch_leaves if not isinstance(x, Tensor)]
         n_state = len(state_tensors)
+        n_fixed = n_state + len(attributes)  # inputs before the batch
         meta: dict[str, Any] = {}
 
         def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
             state_in = pytree.tree_unflatten(list(flat[:n_state]), state_spec)
-            tensors, consts = iter(flat[n_state:]), iter(constants)
+            tensors, consts = iter(flat[n_fixed:]), iter(constants)
             batch = [next(tensors) if t else next(consts) for t in is_tensor]
             call_args, call_kwargs = pytree.tree_unflatten(batch, batch_spec)
-            new_state, loss = self._fn(
-                state_in, call_args, call_kwargs, meta=meta, signature=signature
-            )
+            with swap_attributes(self._attributes, flat[n_state:n_fixed]):
+                new_state, loss = self._fn(
+                    state_in, call_args, call_kwargs, meta=meta, signature=signature
+                )
             new_leaves, new_spec = pytree.tree_flatten(new_state)
             if new_spec != state_spec:
                 raise argument_error(
@@ -547,14 +581,14 @@ class Step:
                 return (loss,)
             return (loss, *[new for new, c in zip(new_leaves, changed, strict=True) if c])
 
-        example = [*state_tensors, *tensors]
+        example = [*state_tensors, *attributes, *tensors]
         started = time.perf_counter()
         traced = trace(
             flat_step,
             example,
             model=self.model,
             signature=described,
-            dynamic=[*[()] * n_state, *dynamic] if any(dynamic) else None,
+            dynamic=[*[()] * n_fixed, *dynamic] if any(dynamic) else None,
         )
         traced_at = time.perf_counter()
         graph = traced.graph
@@ -562,7 +596,7 @@ class Step:
         guard = None
         symbolic: dict[str, list[int]] = {}
         if traced.fakes is not None:
-            guard = SizeGuard(traced.fakes[n_state:], dynamic, traced.guard)
+            guard = SizeGuard(traced.fakes[n_fixed:], dynamic, traced.guard)
             fixed = {(i, d) for i, d, _ in guard.static}
             for i, dims in enumerate(dynamic):
                 kept = sorted(d for d in dims if (i, d) not in fixed)

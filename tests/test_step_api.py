@@ -263,3 +263,51 @@ def test_signature_includes_dtype(dtype: torch.dtype) -> None:
     )
     step(torch.randn(3, 4, dtype=dtype), torch.randn(3, 2, dtype=dtype))
     assert model.weight.dtype == dtype
+
+
+class PlainAttribute(nn.Module):
+    """Keeps a tensor as a plain attribute (not a buffer), as much user code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.scale = torch.tensor([1.0, 2.0])
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_plain_tensor_attributes_are_read_every_call_like_eager(backend) -> None:
+    # Eager reads the attribute in every forward: an in-place change and a new tensor
+    # assigned between steps both take effect, with either backend.
+    torch.manual_seed(0)
+    model = PlainAttribute()
+    ref = copy.deepcopy(model)
+    step = functacc.compile_step(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend=backend
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    tol = 0.0 if backend == "eager" else 1e-6  # Inductor fuses the float32 arithmetic
+
+    def both_step():
+        loss = step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=tol, atol=tol)
+
+    both_step()
+    for m in (model, ref):
+        m.scale.mul_(3.0)  # in place
+    both_step()
+    for m in (model, ref):
+        m.scale = torch.tensor([-1.0, 0.5])  # a new tensor
+    both_step()
+    assert step.num_traces == 1
+    assert_close(model.state_dict(), ref.state_dict(), rtol=tol, atol=tol, what="model")
+    model.scale = None
+    with pytest.raises(TypeError, match=r"tensor attribute 'scale' is now NoneType"):
+        step(x, y)
