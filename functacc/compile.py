@@ -77,7 +77,7 @@ def compile_graph(
         fakes = [fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example_inputs]
     else:
         fake_mode = fakes[0].fake_mode
-        _views_to_reshapes(graph)
+    _views_to_reshapes(graph)
     with inductor_config.patch(options), tracing(TracingContext(fake_mode)):
         compiled = compile_fx(graph, list(fakes))
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
@@ -89,11 +89,11 @@ def _views_to_reshapes(gm: GraphModule) -> None:
 
     Inductor re-traces the graph with its own decompositions, whose outputs may have other
     strides than the kernels the trace saw (e.g. ``cat`` with an empty tensor, as a
-    key/value cache starts). With concrete sizes a view that became impossible is rare; with
-    symbolic sizes the view check cannot be decided and the compile fails. ``reshape`` is
-    the same value (a copy only where a view is impossible); a view that an in-place op
-    writes through must stay a view, so those are kept (Inductor's own post-grad pass
-    does this rewrite on graphs that are already functional).
+    key/value cache starts), so a view the trace recorded can become impossible and the
+    compile fails (measured: HF GPT-2 with 64-wide heads, static and symbolic sizes).
+    ``reshape`` is the same value (a copy only where a view is impossible); a view that an
+    in-place op writes through must stay a view, so those are kept (Inductor's own post-grad
+    pass does this rewrite once the graph is functional).
     """
 
     def chain(node: object) -> Iterator[torch.fx.Node]:

@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
         description="Train one workload with eager PyTorch, torch.compile and functacc, "
         "interleaved in one process, and compare throughput, compile time and memory.",
     )
-    p.add_argument("--model", choices=WORKLOADS, default="mlp")
+    p.add_argument("--model", choices=(*WORKLOADS, "gpt2"), default="mlp")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet models only")
     p.add_argument("--seq-len", type=int, default=None, help="transformer only")
@@ -64,6 +64,26 @@ def parser() -> argparse.ArgumentParser:
         "(comma-separated class names; without a value, the model's blocks)",
     )
     p.add_argument(
+        "--lengths",
+        metavar="MIN:MAX",
+        default=None,
+        help="varying sequence lengths (with --model gpt2): every batch padded to its own "
+        "longest sequence; compares eager, torch.compile and functacc with automatic dynamic "
+        "shapes and with loader buckets; --steps is the number of batches",
+    )
+    p.add_argument(
+        "--buckets",
+        metavar="L1,L2,...",
+        default=None,
+        help="with --lengths: bucket lengths for the bucketed run (default: 4 uniform buckets)",
+    )
+    p.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="with --lengths: keep the Inductor cache (default: a fresh one, so the whole-run "
+        "times include every compile)",
+    )
+    p.add_argument(
         "--nproc",
         type=int,
         default=1,
@@ -85,6 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .distributed import launch
 
         return launch(args, argv)
+    if args.lengths or args.model == "gpt2":
+        from . import shapes
+
+        if not args.lengths:
+            raise SystemExit("--model gpt2 is the varying-length benchmark: add --lengths MIN:MAX")
+        return shapes.main(args, "python -m functacc bench " + " ".join(argv))
     workload = build(
         args.model,
         batch_size=args.batch_size,
