@@ -75,7 +75,7 @@ class DeviceLoader:
       sampler draws anew each epoch, as in PyTorch). ``state_dict()`` /
       ``load_state_dict()`` record the epoch, the batch position and, in one process, the
       random states at the epoch's start, so a resumed run continues with the very next
-      batch.
+      batch (what persistent workers draw inside themselves is not replayed).
 
     Example:
         >>> import torch, functacc
