@@ -214,7 +214,10 @@ def bucketed_losses(model, backend: str, data: DataLoader) -> tuple[list[float],
     # buckets: one static graph per bucket
     step = functacc.compile_step(model, None, opt, backend=backend)
     losses, lengths = [], set()
-    for batch in functacc.DeviceLoader(data, buckets=BUCKETS, pad_values=DEFAULT_PAD_VALUES):
+    bucketed = functacc.DeviceLoader(
+        data, device="cpu", buckets=BUCKETS, pad_values=DEFAULT_PAD_VALUES
+    )
+    for batch in bucketed:
         lengths.add(batch["input_ids"].shape[-1])
         losses.append(float(step(**batch)))
     return losses, lengths, step.num_traces

@@ -247,7 +247,8 @@ def test_checkpoint_resume_with_a_custom_sampler_is_bit_exact(tmp_path) -> None:
             backend="eager",
         )
         sampler = SubsetRandomSampler(subset)
-        return model, step, functacc.DeviceLoader(DataLoader(data, batch_size=4, sampler=sampler))
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+        return model, step, functacc.DeviceLoader(loader, device="cpu")
 
     def epochs(loader):
         while True:
