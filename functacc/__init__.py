@@ -11,7 +11,7 @@ Example:
     >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
 """
 
-from . import optim, parallel
+from . import buckets, optim, parallel
 from .accelerate import accelerate
 from .checkpoint import load, load_model, save, save_model
 from .config import Config
@@ -38,6 +38,7 @@ __all__ = [
     "TrainState",
     "__version__",
     "accelerate",
+    "buckets",
     "compile_step",
     "functionalize",
     "init_distributed",

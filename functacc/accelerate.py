@@ -184,5 +184,10 @@ def accelerate(
         model.device = device  # Hugging Face models already have a .device property
     if dataloader is None:
         return model
-    loader = DeviceLoader(dataloader, device=device, prefetch=config.dataloader.prefetch)
+    loader = DeviceLoader(
+        dataloader,
+        device=device,
+        prefetch=config.dataloader.prefetch,
+        **config.dataloader.bucket_options(),
+    )
     return model, loader

@@ -39,6 +39,11 @@ __all__ = ["CheckpointError", "load", "load_model", "save", "save_model"]
 _PER_PARAM_STATES = (AdamState, SGDState)
 
 
+# The random states a one-process DeviceLoader records; absent from checkpoints written
+# under torchrun (whose loaders draw from a shared seed).
+_OPTIONAL_LOADER_KEYS = ("loader.rng", "loader.base_seed")
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -75,9 +80,9 @@ class _Layout:
             for i, s in enumerate(torch.cuda.get_rng_state_all()):
                 self._per_rank(f"rng.cuda{i}", s)
         if loader is not None:
-            position = loader.state_dict()
-            self.entries["loader.epoch"] = torch.tensor(position["epoch"])
-            self.entries["loader.batch_index"] = torch.tensor(position["batch_index"])
+            # The position, and in one process the random states the epoch was drawn from.
+            for key, value in loader.state_dict().items():
+                self.entries[f"loader.{key}"] = torch.as_tensor(value)
 
     # -- building ----------------------------------------------------------------------
     def _plain(self, key: str, t: Tensor) -> None:
@@ -184,6 +189,8 @@ class _Layout:
         stored = metadata.state_dict_metadata
         targets = {}
         for key, value in self.entries.items():
+            if key in _OPTIONAL_LOADER_KEYS and key not in stored:
+                continue  # written under torchrun: DeviceLoader.load_state_dict warns
             if key in self.per_rank and key not in stored:
                 # Written by fewer ranks: step-transform state (the loss scale) is the same
                 # on every rank, so rank 0's serves; this rank keeps its own RNG state.
@@ -379,10 +386,7 @@ def _restore_host_state(
         )
     if loader is not None:
         loader.load_state_dict(
-            {
-                "epoch": int(targets["loader.epoch"]),
-                "batch_index": int(targets["loader.batch_index"]),
-            }
+            {k[len("loader.") :]: v for k, v in targets.items() if k.startswith("loader.")}
         )
     step._calls = int(step.state.count)
     step._after_load()

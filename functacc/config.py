@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
+
+from .buckets import make_padder
 
 __all__ = [
     "ComputeConfig",
@@ -95,11 +97,51 @@ class DistConfig(_Section):
 
 @dataclass(kw_only=True)
 class DataLoaderConfig(_Section):
-    """The data loader wrapper."""
+    """The data loader wrapper (:class:`functacc.DeviceLoader`). ``buckets``,
+    ``max_length``, ``num_buckets`` and ``pad_value_dict`` are TorchAcc's, with its
+    defaults; see :mod:`functacc.buckets`."""
 
     _path = "dataloader"
     prefetch: int = 2
     """Batches loaded and moved to the device ahead of use."""
+    buckets: list[int] | None = None
+    """Sequence lengths to pad the last dimension of the ``pad_value_dict`` keys up to (the
+    smallest that holds each batch); ``max_length`` and ``num_buckets`` are then ignored."""
+    max_length: int | None = None
+    """Without ``buckets``: build ``num_buckets`` buckets up to this length. ``None`` (and
+    no ``buckets``): no bucketing."""
+    num_buckets: int | None = None
+    """How many buckets ``max_length`` builds; ``None`` means 8 (TorchAcc's default)."""
+    pad_value_dict: dict[str, float] | None = None
+    """Key -> pad value; ``None`` means ``{'input_ids': 0, 'attention_mask': 0,
+    'labels': -100}``. Keys not listed are left alone."""
+    bucket_spacing: Literal["uniform", "geometric"] = "uniform"
+    """How ``max_length`` builds buckets: uniform (TorchAcc's) or in a constant ratio (a
+    functacc addition)."""
+    truncation: bool = False
+    """Cut a batch longer than the largest bucket to it instead of raising (a functacc
+    addition)."""
+
+    def bucket_options(self) -> dict[str, Any]:
+        """The bucketing arguments of :class:`functacc.DeviceLoader`."""
+        return {
+            "buckets": self.buckets,
+            "max_length": self.max_length,
+            "num_buckets": self.num_buckets,
+            "pad_values": self.pad_value_dict,
+            "bucket_spacing": self.bucket_spacing,
+            "truncation": self.truncation,
+        }
+
+
+_BUCKET_FIELDS = {
+    "buckets": "dataloader.buckets",
+    "max_length": "dataloader.max_length",
+    "num_buckets": "dataloader.num_buckets",
+    "pad_values": "dataloader.pad_value_dict",
+    "bucket_spacing": "dataloader.bucket_spacing",
+    "truncation": "dataloader.truncation",
+}
 
 
 @dataclass(kw_only=True)
@@ -155,10 +197,10 @@ class Config(_Section):
             self.dist.fsdp.wrap_layer_cls, (set, frozenset, list, tuple)
         ):
             raise ValueError("dist.fsdp.wrap_layer_cls must be a set of class names")
-        if not isinstance(self.dataloader.prefetch, int) or self.dataloader.prefetch < 0:
-            raise ValueError(
-                f"dataloader.prefetch must be an int >= 0; got {self.dataloader.prefetch!r}"
-            )
+        loader = self.dataloader
+        if not isinstance(loader.prefetch, int) or loader.prefetch < 0:
+            raise ValueError(f"dataloader.prefetch must be an int >= 0; got {loader.prefetch!r}")
+        make_padder(**loader.bucket_options(), names=_BUCKET_FIELDS)
 
     def dp_size(self, world_size: int) -> int:
         return self.dist.dp.size or world_size // self.dist.fsdp.size

@@ -5,15 +5,33 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Any
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch import Tensor
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
+from .buckets import make_padder
 from .parallel.mesh import rank, world_size
+from .sampling import (
+    EpochPlan,
+    RandomStates,
+    draw_own,
+    draw_shared,
+    find_generators,
+    sharding_source,
+    shared_length,
+)
 
 __all__ = ["DeviceLoader"]
 
@@ -29,18 +47,35 @@ def _default_device() -> torch.device:
 class DeviceLoader:
     """Wrap a ``DataLoader`` so that each rank gets its own batches, on its device.
 
-    - **Sharding** (``shard=True``): a map-style ``DataLoader`` is rebuilt with a
-      ``DistributedSampler``: disjoint per-rank slices, reshuffled every epoch from a shared
-      ``seed`` (if the original shuffled) — also in a single process, where it makes the
-      order of every epoch reproducible. Other loaders are split batch by batch.
-    - **Even batches**: every rank yields the same number of batches (ranks that disagree
-      deadlock at the next collective). The sampler pads by repeating a few samples, as
-      ``DistributedSampler`` does; a loader of unknown length stops at the shortest rank.
+    - **The user's sampler is kept** — a ``SubsetRandomSampler``'s subset, a
+      ``WeightedRandomSampler``'s weights, a custom ``batch_sampler``'s batches.
+    - **One process** (``seed=None``, the default): the batches are exactly those of
+      iterating the ``DataLoader`` itself, drawn from its ``generator`` (or the global RNG,
+      as PyTorch does), which advances as it would.
+    - **Under torchrun** (``shard=True``): every rank draws the same epoch order from a
+      shared seed (``seed + epoch``; ``seed=None`` means 0) and keeps its own slice, padded
+      by repeating a few samples as ``DistributedSampler`` does, so every rank gets the same
+      number of batches (ranks that disagree deadlock at the next collective). A plain
+      ``RandomSampler`` or ``SequentialSampler`` becomes a ``DistributedSampler``; a
+      ``DistributedSampler`` of the user's is kept as it is; another sampler is drawn with
+      its random sources (the global torch RNG and the ``torch.Generator`` objects the
+      sampler, batch sampler and DataLoader hold) seeded, then sharded — the ranks check
+      they drew the same order, and a sampler that cannot be sharded (no ``__len__``, or
+      randomness from Python's ``random`` or NumPy) is a clear error. An iterable dataset
+      is split batch by batch and stops at the shortest rank.
+    - **seed=int in one process**: each epoch is drawn from ``seed + epoch`` as under
+      torchrun, so it is the union of what the ranks of a sharded run with that seed see.
     - **Device placement**: batches are moved to ``device`` (pinned memory and
       ``non_blocking`` copies on CUDA), ``prefetch`` batches ahead on a background thread.
-    - **Epochs**: each ``iter()`` is a new epoch; ``set_epoch(n)`` sets it explicitly.
-      ``state_dict()`` / ``load_state_dict()`` record the epoch and the batch position, so a
-      resumed run continues with the very next batch.
+    - **Buckets** (``buckets=`` or ``max_length=``): the last dimension of the keys in
+      ``pad_values`` is padded up to the smallest bucket that holds it, on the host before
+      the copy, so a compiled step sees a few shapes; see :mod:`functacc.buckets`.
+    - **Epochs**: each ``iter()`` is a new epoch; ``set_epoch(n)`` sets it explicitly (it
+      picks the shuffle of a shared-seed order; in one process with ``seed=None`` the
+      sampler draws anew each epoch, as in PyTorch). ``state_dict()`` /
+      ``load_state_dict()`` record the epoch, the batch position and, in one process, the
+      random states at the epoch's start, so a resumed run continues with the very next
+      batch (what persistent workers draw inside themselves is not replayed).
 
     Example:
         >>> import torch, functacc
@@ -58,35 +93,86 @@ class DeviceLoader:
         shard: bool = True,
         even_batches: bool = True,
         prefetch: int = 2,
-        seed: int = 0,
+        seed: int | None = None,
+        buckets: list[int] | None = None,
+        max_length: int | None = None,
+        num_buckets: int | None = None,
+        pad_values: Mapping[str | int, float] | None = None,
+        bucket_spacing: Literal["uniform", "geometric"] = "uniform",
+        truncation: bool = False,
     ):
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0; got {prefetch}")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0; got {prefetch!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an int or None; got {seed!r}")
         self.device = torch.device(device) if device is not None else _default_device()
+        self.padder = make_padder(
+            buckets=buckets,
+            max_length=max_length,
+            num_buckets=num_buckets,
+            pad_values=pad_values,
+            bucket_spacing=bucket_spacing,
+            truncation=truncation,
+            pin_memory=self.device.type == "cuda",
+        )
         self.world, self.rank = world_size(), rank()
         self.shard = shard
         self.even_batches = even_batches
         self.prefetch = prefetch
+        self.seed = seed
         self.epoch = 0
         self._epoch_set = False
         self._skip = 0  # batches to skip on the next iteration (resume)
         self._position = 0
-        self.loader = self._rebuild(loader, seed) if self.shard else loader
-        # No sampler to rebuild (iterable dataset, custom batch sampler): split by batch.
-        self._split = self.shard and self.world > 1 and self.loader is loader
-        # A group of its own for the end-of-data agreement (a collective call: every rank
+        self._source = loader
+        self._split = False  # split batch by batch (an iterable dataset under torchrun)
+        self._plan: EpochPlan | None = None  # the user's sampler, drawn by this loader
+        self._generators: list[torch.Generator] = []
+        self._own: RandomStates | None = None  # one process, seed=None: PyTorch's draws
+        self._epoch_rng: Tensor | None = None  # random states at this epoch's start
+        self._epoch_base_seed = True  # whether that start drew the workers' base seed
+        self._resume: tuple[Tensor, bool] | None = None  # (states, base seed drawn)
+        self._inner_iterated = False
+        # Shared-seed modes: the workers' base seed comes from seed + epoch, never from the
+        # global RNG (which keeps dropout's stream the same whether a run was resumed or
+        # not), and a resumed epoch seeds its workers as the interrupted one did.
+        self._worker_seeds = torch.Generator()
+        self.loader = self._prepare(loader) if shard else loader
+        self._epoch_samplers = _samplers_with_epoch(loader, self.loader)
+        # A group of its own for the ranks' agreements (a collective call: every rank
         # creates its loader at the same point).
-        self._agree_group = dist.new_group(backend="gloo") if self._split else None
+        shared_plan = self._plan is not None and self._own is None
+        needs_group = self.world > 1 and (self._split or shared_plan)
+        self._agree_group = dist.new_group(backend="gloo") if needs_group else None
 
-    def _rebuild(self, loader: Iterable, seed: int) -> Iterable:
-        if not isinstance(loader, DataLoader) or loader.batch_size is None:
-            return loader  # an iterable dataset or a custom batch sampler: split by batch
-        if isinstance(loader.sampler, DistributedSampler):
+    # -- how the loader is driven --------------------------------------------------------
+    def _prepare(self, loader: Iterable) -> Iterable:
+        if not isinstance(loader, DataLoader):
             return loader
-        try:
-            len(loader.dataset)
-        except TypeError:
+        if isinstance(loader.dataset, IterableDataset):
+            self._split = self.world > 1
             return loader
+        source, _ = sharding_source(loader)
+        if any(
+            isinstance(s, DistributedSampler)
+            for s in (loader.sampler, source, getattr(source, "sampler", None))
+        ):
+            return loader  # the user shards: kept as it is
+        shared = self.world > 1 or self.seed is not None
+        if shared and _plain_order(loader):
+            return self._with_distributed_sampler(loader)
+        self._generators = find_generators(loader)
+        if shared:
+            self._plan = EpochPlan(lambda: shared_length(loader, self.world))
+            generator = self._worker_seeds
+        else:
+            self._own = RandomStates(self._generators)
+            self._plan = EpochPlan(lambda: len(_index_sampler(loader)))
+            generator = loader.generator  # the workers' base seed, drawn as PyTorch does
+        return _loader_like(loader, self._plan, generator, self.device)
+
+    def _with_distributed_sampler(self, loader: DataLoader) -> DataLoader:
+        seed = self.seed or 0
         sampler = DistributedSampler(
             loader.dataset,
             num_replicas=self.world,
@@ -99,37 +185,62 @@ class DeviceLoader:
             loader.dataset,
             batch_size=loader.batch_size,
             sampler=sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory or self.device.type == "cuda",
             drop_last=loader.drop_last,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            persistent_workers=loader.persistent_workers,
-            prefetch_factor=loader.prefetch_factor,
-            # Its own generator: starting an epoch then never draws from the global RNG
-            # (a DataLoader draws its workers' base seed), which keeps dropout's stream the
-            # same whether a run was resumed or not.
-            generator=torch.Generator().manual_seed(seed),
+            generator=self._worker_seeds,
+            **_loading_options(loader, self.device),
         )
 
     # -- epochs and resumption ---------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s shuffle for the next iteration (as ``DistributedSampler``)."""
-        self.epoch = epoch
+        """Make the next iteration epoch ``epoch`` (as ``DistributedSampler``): its shuffle
+        under a shared seed. A position restored by ``load_state_dict`` for this very
+        epoch is kept (the resumed epoch continues); for another epoch it is dropped."""
+        if not (epoch == self.epoch and (self._skip or self._resume is not None)):
+            self.epoch = epoch
+            self._skip = self._position = 0
+            self._resume = None
         self._epoch_set = True
 
-    def state_dict(self) -> dict[str, int]:
-        """The position: the current epoch and how many of its batches were consumed."""
-        return {"epoch": self.epoch, "batch_index": self._position}
+    def state_dict(self) -> dict[str, Any]:
+        """The position: ``epoch`` and ``batch_index``, the batches of it consumed. In one
+        process with ``seed=None`` also ``rng``, the random states the epoch was drawn
+        from (the current ones while it has not begun), and ``base_seed``, whether that
+        draw began with the workers' base seed (with persistent workers, only the first)."""
+        state: dict[str, Any] = {"epoch": self.epoch, "batch_index": self._position}
+        if self._own is not None:
+            if self._resume is not None:
+                rng, drew = self._resume
+            elif self._position and self._epoch_rng is not None:
+                rng, drew = self._epoch_rng, self._epoch_base_seed
+            else:
+                rng, drew = self._own.get(), self._draws_base_seed()
+            state["rng"] = rng.clone()
+            state["base_seed"] = int(drew)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``: the next iteration resumes that epoch at that batch."""
-        self.epoch = int(state["epoch"])
-        self._skip = int(state["batch_index"])
+        epoch, index = int(state["epoch"]), int(state["batch_index"])
+        if epoch < 0 or index < 0:
+            raise ValueError(f"epoch and batch_index must be >= 0; got {epoch}, {index}")
+        resume = None
+        if self._own is not None:
+            if "rng" in state:
+                resume = (self._own.check(state["rng"]), bool(int(state.get("base_seed", 1))))
+            else:
+                warnings.warn(
+                    "the loader state has no 'rng' (saved by another version, or under "
+                    "torchrun): the resumed epoch is drawn from the current random state "
+                    "and may differ from the interrupted run's",
+                    stacklevel=2,
+                )
+        self.epoch, self._skip, self._position = epoch, index, index
+        self._resume = resume
         self._epoch_set = True
 
     def __len__(self) -> int:
+        if self._plan is not None:
+            return len(self._plan)
         n = len(self.loader)  # type: ignore[arg-type]
         return n // self.world if self._split else n
 
@@ -138,13 +249,21 @@ class DeviceLoader:
         if not self._epoch_set and self._position:
             self.epoch += 1  # a new pass over the data is a new epoch
         self._epoch_set = False
-        self._position = 0
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
-        batches = self._batches()
         skip, self._skip = self._skip, 0
-        for _ in range(skip):
+        for sampler in self._epoch_samplers:
+            sampler.set_epoch(self.epoch)
+        self._worker_seeds.manual_seed((self.seed or 0) + self.epoch)
+        data_skip = skip
+        if self._plan is not None:
+            # Without workers, skip indices: nothing is loaded. With workers, load and drop,
+            # so each worker's random stream (augmentations) advances as it did.
+            index_skip = skip if self._source.num_workers == 0 else 0  # type: ignore[attr-defined]
+            batches = self._start_plan(index_skip, resumed=skip > 0)
+            data_skip = skip - index_skip
+        else:
+            batches = self._batches()
+        self._position = skip - data_skip
+        for _ in range(data_skip):
             next(batches, None)
             self._position += 1
         source = self._prefetched(batches) if self.prefetch else map(self._to_device, batches)
@@ -152,11 +271,69 @@ class DeviceLoader:
             self._position += 1
             yield batch
 
+    def _draws_base_seed(self) -> bool:
+        """Whether the next epoch's start draws the workers' base seed (as PyTorch: every
+        epoch, or only the first with persistent workers)."""
+        return not (self._source.persistent_workers and self._inner_iterated)  # type: ignore[attr-defined]
+
+    def _start_plan(self, skip: int, *, resumed: bool) -> Iterator[Any]:
+        """Start the epoch of the DataLoader fed by the plan; every random draw happens
+        here, in the caller's thread."""
+        assert self._plan is not None
+        if self._own is None:
+            items = draw_shared(
+                self._source,  # type: ignore[arg-type]
+                self._generators,
+                seed=(self.seed or 0) + self.epoch,
+                world=self.world,
+                rank=self.rank,
+                group=self._agree_group,
+            )
+            self._plan.start(lambda: iter(items), skip)
+            return iter(self.loader)
+        own, loader = self._own, self._source
+        current = torch.default_generator.get_state()
+        fresh = self._draws_base_seed()
+        drew = fresh
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            states, drew = resume
+            # A begun epoch is drawn again from its start. One saved before it began goes
+            # on from the saved states, except the global RNG: the caller restores that
+            # (functacc.load does), and the caller may have drawn from it since.
+            own.set(states, include_global=resumed)
+        start = own.get()
+        self._epoch_rng, self._epoch_base_seed = start, drew
+
+        def draw() -> Iterator[Any]:
+            # The DataLoader has just drawn its workers' base seed (or not, with persistent
+            # workers): match what the interrupted run did before the sampler drew.
+            if fresh and not drew:
+                own.set(start)
+            elif drew and not fresh:
+                torch.empty((), dtype=torch.int64).random_(generator=loader.generator)  # type: ignore[attr-defined]
+            return draw_own(_index_sampler(loader))  # type: ignore[arg-type]
+
+        epoch = self._plan.start(draw, skip)
+        try:
+            batches = iter(self.loader)  # the workers' base seed, as PyTorch draws it
+            self._inner_iterated = True
+            epoch.ensure_drawn()  # then the sampler's draw
+        finally:
+            if resume is not None and resumed:
+                # The global RNG goes back to where the caller had it (functacc.load put it
+                # where the interrupted run was when it saved, after this epoch's draw).
+                torch.default_generator.set_state(current)
+        return batches
+
     def _batches(self) -> Iterator[Any]:
+        batches = iter(self.loader)  # here, not on the prefetch thread: it may draw a seed
         if not self._split:
-            yield from self.loader
-            return
-        mine = (b for i, b in enumerate(self.loader) if i % self.world == self.rank)
+            return batches
+        return self._split_batches(batches)
+
+    def _split_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        mine = (b for i, b in enumerate(batches) if i % self.world == self.rank)
         try:
             limit: int | None = len(self)
         except TypeError:
@@ -183,6 +360,8 @@ class DeviceLoader:
         return self._agree_group
 
     def _to_device(self, batch: Any) -> Any:
+        if self.padder is not None:
+            batch = self.padder(batch)
         non_blocking = self.device.type == "cuda"
         return pytree.tree_map(
             lambda x: (
@@ -223,6 +402,69 @@ class DeviceLoader:
                     q.get_nowait()
                 except queue.Empty:
                     thread.join(timeout=0.01)
+
+
+def _index_sampler(loader: DataLoader) -> Any:
+    """What the DataLoader draws indices from: its batch sampler, or its sampler when it
+    does not batch (``batch_size=None``)."""
+    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+
+
+def _plain_order(loader: DataLoader) -> bool:
+    """A DataLoader-made batch sampler over a plain shuffle or sequence, which a
+    ``DistributedSampler`` reproduces (with its shared seed)."""
+    source, rebatch = sharding_source(loader)
+    if not rebatch or source is not loader.sampler or loader.batch_size is None:
+        return False
+    if type(source) is SequentialSampler:
+        return True
+    # Sampling with replacement, or a num_samples of its own, is not a permutation.
+    return type(source) is RandomSampler and not source.replacement and source._num_samples is None
+
+
+def _loading_options(loader: DataLoader, device: torch.device) -> dict[str, Any]:
+    """How the user's DataLoader loads (workers, collation, pinning), to load the same way."""
+    return {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory or device.type == "cuda",
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+        "in_order": loader.in_order,
+    }
+
+
+def _loader_like(
+    loader: DataLoader, plan: EpochPlan, generator: torch.Generator | None, device: torch.device
+) -> DataLoader:
+    """The user's DataLoader with its indices coming from ``plan``."""
+    options = _loading_options(loader, device)
+    if loader.batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=plan, generator=generator, **options)
+    return DataLoader(loader.dataset, batch_size=None, sampler=plan, generator=generator, **options)
+
+
+def _samplers_with_epoch(*loaders: Any) -> list[Any]:
+    """The samplers to tell each epoch (``set_epoch``), each once."""
+    found: list[Any] = []
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for obj in (
+            getattr(loader, "sampler", None),
+            batch_sampler,
+            getattr(batch_sampler, "sampler", None),
+        ):
+            if (
+                obj is not None
+                and callable(getattr(obj, "set_epoch", None))
+                and all(obj is not f for f in found)
+            ):
+                found.append(obj)
+    return found
 
 
 def _agree_all_have_batch(has_batch: bool, group: Any) -> bool:

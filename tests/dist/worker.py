@@ -432,5 +432,58 @@ SCENARIOS.update(
 )
 
 
+def scenario_samplers(out: dict) -> None:
+    """The user's samplers sharded over the ranks (tests/test_data.py)."""
+    import loader_cases
+
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+
+    def gather(value):
+        every = [None] * world
+        dist.all_gather_object(every, value)
+        return every
+
+    out["epochs"], out["len"], out["resumed"] = {}, {}, {}
+    for case, make in loader_cases.CASES.items():
+        loader = functacc.DeviceLoader(make())
+        epochs = [[loader_cases.content(b) for b in loader] for _ in range(2)]
+        out["epochs"][case] = gather(epochs)
+        out["len"][case] = gather(len(loader))
+        # Resume: epoch 0, one batch of epoch 1, then a fresh loader takes over.
+        first = functacc.DeviceLoader(make())
+        list(first)
+        it = iter(first)
+        next(it)
+        state = first.state_dict()
+        rest = [loader_cases.content(b) for b in it] + [
+            loader_cases.content(b) for b in first
+        ]
+        second = functacc.DeviceLoader(make())
+        second.load_state_dict(state)
+        again = [loader_cases.content(b) for b in second] + [
+            loader_cases.content(b) for b in second
+        ]
+        out["resumed"][case] = all(gather(again == rest))
+    errors = {}
+    data = loader_cases.numbers()
+    for name, sampler in {
+        "python_random": loader_cases.PythonRandomSampler(20, seed=rank),
+        "no_len": loader_cases.Endless(),
+    }.items():
+        loader = functacc.DeviceLoader(
+            torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+        )
+        try:
+            list(loader)
+            errors[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            errors[name] = str(exc)
+    out["errors"] = gather(errors)
+
+
+SCENARIOS["samplers"] = scenario_samplers
+
+
 if __name__ == "__main__":
     main()
