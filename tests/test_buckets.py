@@ -212,7 +212,7 @@ def eager_losses(model: torch.nn.Module, batches) -> list[float]:
 def bucketed_losses(model, backend: str, data: DataLoader) -> tuple[list[float], set, int]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # buckets: one static graph per bucket
-    step = functacc.compile_step(model, None, opt, backend=backend)
+    step = functacc.compile_step(model, None, opt, backend=backend, dynamic=False)
     losses, lengths = [], set()
     bucketed = functacc.DeviceLoader(
         data, device="cpu", buckets=BUCKETS, pad_values=DEFAULT_PAD_VALUES

@@ -98,14 +98,6 @@ def bucketed(batches: Sequence[dict[str, Tensor]], buckets: Sequence[int]) -> li
     """The same batches as a ``DeviceLoader(buckets=...)`` pads them."""
     from ..data import DeviceLoader
 
-    if "buckets" not in DeviceLoader.__init__.__code__.co_varnames:  # TEMP until merge
-        out = []
-        for b in batches:
-            n = b["input_ids"].shape[1]
-            to = min(x for x in buckets if x >= n)
-            pads = {"input_ids": 0, "attention_mask": 0, "labels": -100}
-            out.append({k: nn.functional.pad(v, (0, to - n), value=pads[k]) for k, v in b.items()})
-        return out
     loader = DeviceLoader(
         list(batches),
         device="cpu",
