@@ -45,12 +45,28 @@ def compile_graph(
     dynamic-shape graph was traced with (Inductor then compiles size-generic kernels).
     """
     from .parallel.schedule import issue_collectives_early
+    from .split import remove_marker, split_at_optimizer
 
     # Collectives are traced after the whole backward; start each gradient reduction as soon
     # as its gradients exist, so it overlaps the rest of backward (on every rank alike).
     issue_collectives_early(gm)
+    split = split_at_optimizer(gm) if backend == "inductor" else None
+    remove_marker(gm)
     if backend == "eager":
         return lambda args: gm(*args)
+    if split is not None:
+        gradients = _inductor(split.gradients, example_inputs, fakes)
+        update_examples = [
+            *split.update_examples,
+            *(example_inputs[i] for i in split.update_inputs),
+        ]
+        return split.runner(gradients, _inductor(split.update, update_examples, None))
+    return _inductor(gm, example_inputs, fakes)
+
+
+def _inductor(
+    gm: GraphModule, example_inputs: Sequence[Tensor], fakes: Sequence[Tensor] | None
+) -> Compiled:
     from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx

@@ -23,6 +23,7 @@ from .optim._transform import step_params
 from .parallel.strategy import Strategy
 from .precision import Precision
 from .remat import rematerialize
+from .split import mark_optimizer_inputs
 from .trace import describe_tensor
 
 __all__ = ["LossFn", "StepFunction", "TrainState"]
@@ -116,6 +117,14 @@ class StepFunction:
             norm = strategy.global_norm(named_grads)
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             named_grads = {n: g.mul(coef.to(g.device)) for n, g in named_grads.items()}
+        # Where the update starts: Inductor compiles it as a graph of its own, the same for
+        # every batch shape (functacc.split).
+        marked = mark_optimizer_inputs(
+            [*named_grads.values(), *([found_inf] if found_inf is not None else [])]
+        )
+        named_grads = dict(zip(named_grads, marked[: len(named_grads)], strict=True))
+        if found_inf is not None:
+            found_inf = marked[-1]
         opt_params = strategy.optimizer_params(params)
         updated, opt_state = step_params(self.transform, named_grads, state.opt_state, opt_params)
         updated = {n: updated[n] for n in named_grads if n in updated}

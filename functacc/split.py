@@ -1,0 +1,202 @@
+"""Compile the optimizer update apart from forward and backward, once for every shape.
+
+The traced step is one graph, but Inductor compiles it as two: *gradients* (forward, loss,
+backward, gradient collectives, clipping) and *update* (the optimizer and every write to
+the state). The update sees only tensors shaped like the parameters, so it is the same graph
+whatever the batch's shape: rebuilt with canonical node names, it hits Inductor's graph
+cache on every retrace (a new bucket, a symbolic retrace, a second process), and a retrace
+compiles only forward and backward, as ``torch.compile`` recompiles only the model.
+
+The step function marks the boundary with :func:`mark_optimizer_inputs` (the gradients as
+the optimizer will read them); :func:`split_at_optimizer` cuts the graph there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.fx import Graph, GraphModule, Node
+
+__all__ = ["Split", "mark_optimizer_inputs", "split_at_optimizer"]
+
+
+@torch.library.custom_op("functacc::optimizer_inputs", mutates_args=())
+def _optimizer_inputs(tensors: list[Tensor]) -> list[Tensor]:
+    # Only ever traced: the split removes it (and so does the eager backend).
+    return [t.clone() for t in tensors]
+
+
+@_optimizer_inputs.register_fake
+def _(tensors: list[Tensor]) -> list[Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
+MARKER = torch.ops.functacc.optimizer_inputs.default
+
+
+def mark_optimizer_inputs(tensors: list[Tensor]) -> list[Tensor]:
+    """Mark where the update starts: ``tensors`` are everything it takes from backward.
+    Outside a trace this is the identity."""
+    if not tensors or not _tracing():
+        return tensors
+    return list(_optimizer_inputs(tensors))
+
+
+def _tracing() -> bool:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
+def remove_marker(gm: GraphModule) -> None:
+    """Let the marked tensors flow straight through (one graph, no split)."""
+    for node in list(gm.graph.find_nodes(op="call_function", target=MARKER)):
+        for user in list(node.users):
+            user.replace_all_uses_with(node.args[0][user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+@dataclass
+class Split:
+    """The two graphs and how to wire them: ``gradients`` takes the step's inputs and
+    returns the values ``update`` needs (``carried``) and the step's outputs it computes;
+    ``update`` takes ``carried`` then the step inputs listed in ``inputs``."""
+
+    gradients: GraphModule
+    update: GraphModule
+    update_inputs: list[int]  # indices of step inputs the update reads
+    update_examples: list[Tensor]  # example tensors for the carried values
+    outputs: list[tuple[str, int]]  # for each step output: ("gradients" | "update", index)
+
+    def runner(self, gradients: Callable, update: Callable) -> Callable[[list[Tensor]], list]:
+        """Run the two compiled graphs as the step: ``run(inputs) -> outputs``."""
+        n_carried = len(self.update_examples)
+
+        def run(args: list[Tensor]) -> list[Tensor]:
+            picked = [args[i] for i in self.update_inputs]
+            first = gradients(args)
+            second = update([*first[:n_carried], *picked])
+            parts = {"gradients": first[n_carried:], "update": second}
+            return [parts[where][i] for where, i in self.outputs]
+
+        return run
+
+
+def split_at_optimizer(gm: GraphModule) -> Split | None:
+    """Cut ``gm`` at its optimizer marker; ``None`` if it has none or the update would need
+    a value whose size is symbolic (then the graph is compiled whole)."""
+    markers = list(gm.graph.find_nodes(op="call_function", target=MARKER))
+    if len(markers) != 1:
+        return None
+    marker = markers[0]
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    results = list(nodes[-1].args[0])
+    # The marker's outputs (getitems) stand for its inputs; the marker itself goes.
+    marked = {user: marker.args[0][user.args[1]] for user in marker.users}
+
+    def resolve(value: Node) -> Node:
+        return marked.get(value, value)
+
+    downstream = _descendants(list(marked))
+    # The gradients graph computes what the update takes and every output that does not
+    # depend on the update; everything else (the update, the state writes) is the update.
+    roots = [*marker.args[0], *(r for r in results if isinstance(r, Node) and r not in downstream)]
+    in_gradients = _ancestors(roots)
+    update_nodes = [
+        n
+        for n in nodes
+        if n.op == "call_function" and n not in in_gradients and n is not marker and n not in marked
+    ]
+    update_set = set(update_nodes)
+    read = {resolve(a) for n in update_nodes for a in n.all_input_nodes}
+    carried = [n for n in nodes if n.op == "call_function" and n in in_gradients and n in read]
+    update_reads = [p for p in placeholders if p in read]
+    if not all(_static(n) for n in (*carried, *update_reads)):
+        return None
+
+    # The update graph, rebuilt with canonical names: the same optimizer gives the same
+    # code whatever the batch's shape, so Inductor's cache recognises it.
+    update = Graph()
+    env: dict[Node, Node] = {}
+    for i, n in enumerate(carried):
+        env[n] = update.placeholder(f"carried_{i}")
+    for p in update_reads:
+        env[p] = update.placeholder(f"input_{placeholders.index(p)}")
+    for n in nodes:
+        if n.op == "get_attr" and n in read:  # constants: the new module keeps them
+            env[n] = update.get_attr(n.target)
+    for n in update_nodes:
+        args = torch.fx.map_arg(n.args, lambda a: env[resolve(a)])
+        kwargs = torch.fx.map_arg(n.kwargs, lambda a: env[resolve(a)])
+        env[n] = update.create_node(n.op, n.target, args, kwargs)
+        env[n].meta = dict(n.meta)
+    from_update = [isinstance(r, Node) and resolve(r) in update_set for r in results]
+    update.output(tuple(env[resolve(r)] for r, u in zip(results, from_update, strict=True) if u))
+
+    # The gradients graph: the original without the update, handing over what it needs.
+    gradients = Graph()
+    copies: dict[Node, Node] = {}
+    gradients.graph_copy(gm.graph, copies)
+    kept = [r for r, u in zip(results, from_update, strict=True) if not u]
+    gradients.output(
+        tuple(copies[n] for n in carried)
+        + tuple(copies[resolve(r)] if isinstance(r, Node) else r for r in kept)
+    )
+    for n in reversed(nodes):
+        if n in update_set or n in marked or n is marker:
+            gradients.erase_node(copies[n])
+
+    outputs, counts = [], {"gradients": 0, "update": 0}
+    for u in from_update:
+        where = "update" if u else "gradients"
+        outputs.append((where, counts[where]))
+        counts[where] += 1
+    return Split(
+        gradients=GraphModule(gm, gradients),
+        update=GraphModule(gm, update),
+        update_inputs=[placeholders.index(p) for p in update_reads],
+        update_examples=[_example(n) for n in carried],
+        outputs=outputs,
+    )
+
+
+def _descendants(start: Sequence[Node]) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(start)
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "output":
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+    return seen
+
+
+def _ancestors(roots: Sequence[Node]) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _static(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, Tensor) and all(isinstance(s, int) for s in value.shape)
+
+
+def _example(node: Node) -> Tensor:
+    value = node.meta["val"]
+    return torch.empty_strided(
+        tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=value.device
+    )
