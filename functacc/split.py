@@ -13,6 +13,7 @@ the optimizer will read them); :func:`split_at_optimizer` cuts the graph there.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -90,10 +91,13 @@ class Split:
 def split_at_optimizer(gm: GraphModule) -> Split | None:
     """Cut ``gm`` at its optimizer marker; ``None`` if it has none or the update would need
     a value whose size is symbolic (then the graph is compiled whole)."""
-    markers = list(gm.graph.find_nodes(op="call_function", target=MARKER))
-    if len(markers) != 1:
+    if len(gm.graph.find_nodes(op="call_function", target=MARKER)) != 1:
         return None
-    marker = markers[0]
+    # Without dead values (an unused gradient of the first layer's input, say), so that
+    # everything not needed for the gradients really is the update. Inductor drops them too.
+    gm = copy.deepcopy(gm)
+    gm.graph.eliminate_dead_code()
+    marker = gm.graph.find_nodes(op="call_function", target=MARKER)[0]
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     results = list(nodes[-1].args[0])

@@ -465,3 +465,69 @@ def test_views_become_reshapes_unless_written_through() -> None:
     x, y = torch.randn(2, 3), torch.randn(2, 3)
     expected = f(x.clone(), y.clone())
     assert all(torch.equal(a, b) for a, b in zip(gm(x, y), expected, strict=True))
+
+
+# -- the update graph, compiled once for every shape ----------------------------------------
+@pytest.mark.parametrize("precision", [None, "fp16"])
+def test_split_graphs_compute_the_whole_graph(precision) -> None:
+    # The gradients graph then the update graph give exactly what the whole graph gives
+    # (run op by op; fp16 carries the overflow flag across the boundary too).
+    from functacc.split import MARKER, remove_marker, split_at_optimizer
+
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager", precision=precision
+    )
+    seen = {}
+    real_compile = functacc.step.compile_graph
+
+    def keep(gm, example, backend, **kw):  # the traced graph, marker included
+        seen["gm"] = copy.deepcopy(gm)
+        seen["example"] = [t.clone() for t in example]
+        return real_compile(gm, example, backend, **kw)
+
+    functacc.step.compile_graph = keep
+    try:
+        step(torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+    finally:
+        functacc.step.compile_graph = real_compile
+    gm, example = seen["gm"], seen["example"]
+    assert len(gm.graph.find_nodes(op="call_function", target=MARKER)) == 1
+    split = split_at_optimizer(gm)
+    assert split is not None
+    targets = {str(n.target) for n in split.update.graph.nodes}
+    assert "aten.copy_.default" in targets  # every state write is in the update
+    assert not any("convolution" in t for t in targets)  # no forward/backward there
+
+    def run_whole(inputs):
+        whole = copy.deepcopy(gm)
+        remove_marker(whole)
+        return whole(*inputs)
+
+    first = [t.clone() for t in example]
+    second = [t.clone() for t in example]
+    torch.manual_seed(7)
+    expected = run_whole(first)
+    torch.manual_seed(7)
+    got = split.runner(lambda a: split.gradients(*a), lambda a: split.update(*a))(second)
+    assert_close(list(got), list(expected), **EXACT, what="outputs")
+    assert_close(second, first, **EXACT, what="state written")
+
+
+@pytest.mark.inductor
+def test_retrace_reuses_the_compiled_update(tmp_path, monkeypatch) -> None:
+    # A new shape recompiles forward and backward only: the update graph is identical and
+    # comes from Inductor's cache (an empty cache directory, so the hit is this test's).
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    _, _, step = pool_step(False)
+    step.backend = "inductor"
+    counters.clear()
+    for x, y in token_batches([5, 7]):
+        step(x, y)
+    assert step.num_traces == 2
+    assert counters["inductor"]["fxgraph_cache_miss"] == 3  # gradients x 2, update once
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1  # the second trace's update
