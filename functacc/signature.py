@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 __all__ = [
+    "ModelWatch",
     "TensorSpec",
     "ambient_key",
     "batch_names",
@@ -58,6 +59,42 @@ class LayoutSpec(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     layout: str | tuple[int, ...]
+
+
+class ModelWatch:
+    """Which parameters are trainable and the dtypes of the model's tensors, as a signature
+    part that is cheap to re-check on every call.
+
+    Reading ``requires_grad`` and ``dtype`` from Python costs about 80 ns per tensor (40 us
+    on ResNet-50's 320 tensors). Dynamo's C++ tensor check (``TensorGuards``, sizes left
+    unchecked) verifies both for all of them in one call; only when it fails is the key
+    rebuilt. Without that private API, the key is rebuilt from Python on every call.
+    """
+
+    def __init__(self, params: dict[str, Tensor], tensors: Sequence[Tensor]):
+        self.params = list(params.values())
+        self.tensors = list(tensors)
+        self._guards: Any = None
+        self._key: tuple = ()
+
+    def key(self) -> tuple:
+        if self._guards is not None and self._guards.check(*self.tensors):
+            return self._key
+        self._key = (
+            ("requires_grad", tuple(p.requires_grad for p in self.params)),
+            ("model dtypes", tuple(t.dtype for t in self.tensors)),
+        )
+        self._guards = _tensor_guards(self.tensors)
+        return self._key
+
+
+def _tensor_guards(tensors: Sequence[Tensor]) -> Any:
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:  # a torch without Dynamo's C++ guards: re-read in Python each call
+        return None
+    dynamic = [[None] * t.dim() for t in tensors]  # sizes and strides: not checked here
+    return TensorGuards(*tensors, dynamic_dims_sizes=dynamic, dynamic_dims_strides=dynamic)
 
 
 def family_key(tensors: Sequence[Tensor]) -> tuple[LayoutSpec, ...]:

@@ -12,6 +12,7 @@ Two forms share the same mathematics (:mod:`functacc.step_fn`):
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from .parallel.strategy import check_same_model, sync_from_rank0
 from .precision import resolve_precision
 from .remat import validate_remat
 from .signature import (
+    ModelWatch,
     TensorSpec,
     ambient_key,
     batch_names,
@@ -62,6 +64,7 @@ class _Program:
 
 
 _tensor_key = TensorSpec.of
+_TRAINING = operator.attrgetter("training")
 
 
 class Step:
@@ -115,6 +118,9 @@ class Step:
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
         self._modules = list(model.modules())
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
+        self._model_watch = ModelWatch(self._params, self._model_tensors)
+        self._last_key: tuple | None = None
+        self._last_key_program: _Program | None = None
         self._attributes = tensor_attributes(model)
         self._cache = ProgramCache("the training step", dynamic=dynamic, max_traces=max_traces)
         self._calls = 0
@@ -381,13 +387,15 @@ class Step:
             self._hyper_key = hyper_key
 
     def _state_key(self, count: int) -> tuple:
-        # Cheap per-call checks of what changes the graph: train/eval mode, which parameters
-        # are trainable, dtypes/shapes of the model's tensors, optimizer structure, and the
-        # ambient state a trace bakes in (autocast, default dtype).
+        # Per-call checks of what changes the graph, each a C-level map over the model:
+        # train/eval mode, which parameters are trainable, the dtypes of the model's tensors,
+        # then the optimizer structure and the ambient state a trace bakes in (autocast,
+        # default dtype). Sizes and strides of the graph's inputs are not re-read here: the
+        # compiled graph asserts them on every call (Inductor's wrapper; the eager backend's
+        # ops reject other sizes), and the live state keeps them.
         return (
-            ("train mode", tuple(m.training for m in self._modules)),
-            ("requires_grad", tuple(p.requires_grad for p in self._params.values())),
-            ("model tensors", tuple((t.dtype, t.shape) for t in self._model_tensors)),
+            ("train mode", tuple(map(_TRAINING, self._modules))),
+            *self._model_watch.key(),
             ("optimizer hyperparameters", self._hyper_key),
             ("parallel", self._strategy.signature(count)),
             ("ambient", ambient_key(self._device.type)),
@@ -421,6 +429,8 @@ class Step:
         if attributes:
             context = (*context, ("tensor attributes", tuple(map(_tensor_key, attributes))))
         key = (batch_key, context)
+        if key == self._last_key:  # the common case: compared, not hashed
+            return self._last_key_program, [*attributes, *tensors]
         program = self._cache.get(key)
         if program is None:
             # Not compiled for exactly these shapes: a graph with symbolic sizes may take them.
@@ -445,6 +455,8 @@ class Step:
                         len(self._live_leaves) + len(attributes),
                         cache_size=self._cuda_graph_cache_size,
                     )
+        if program.guard is None:
+            self._last_key, self._last_key_program = key, program
         return program, [*attributes, *tensors]
 
     def _attribute_values(self) -> list[Tensor]:

@@ -311,3 +311,35 @@ def test_plain_tensor_attributes_are_read_every_call_like_eager(backend) -> None
     model.scale = None
     with pytest.raises(TypeError, match=r"tensor attribute 'scale' is now NoneType"):
         step(x, y)
+
+
+def test_freezing_and_dtype_changes_between_steps_are_followed_like_eager() -> None:
+    # The per-call check is a C-level guard over the model's tensors; it must notice
+    # requires_grad flips and in-place dtype changes (model.double()) as eager does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    g = torch.Generator().manual_seed(3)
+    for i in range(6):
+        dtype = torch.float64 if i >= 4 else torch.float32
+        x, y = torch.randn(5, 4, generator=g, dtype=dtype), torch.randn(5, 2, generator=g)
+        if i == 2:
+            for m in (model, ref):
+                m[0].weight.requires_grad_(False)
+        if i == 3:
+            for m in (model, ref):
+                m[0].weight.requires_grad_(True)
+        if i == 4:
+            model.double(), ref.double()
+        y = y.to(dtype)
+        loss = step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach()), i
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    assert step.num_traces == 3  # frozen, unfrozen (the first graph again), float64
