@@ -5,13 +5,20 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-__all__ = ["Backend", "Compiled", "SignatureCache", "TensorSpec", "compile_graph"]
+__all__ = [
+    "Backend",
+    "Compiled",
+    "SignatureCache",
+    "TensorSpec",
+    "check_inductor_options",
+    "compile_graph",
+]
 
 log = logging.getLogger("functacc")
 
@@ -35,6 +42,7 @@ def compile_graph(
     backend: Backend,
     *,
     fakes: Sequence[Tensor] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Compiled:
     """Compile ``gm`` with ``backend``; the result takes one list of tensors.
 
@@ -43,6 +51,7 @@ def compile_graph(
     C++/OpenMP (CPU) or Triton (CUDA) kernels; its FX graph cache makes a second process
     with the same graph skip code generation. ``fakes``: the symbolic fake inputs a
     dynamic-shape graph was traced with (Inductor then compiles size-generic kernels).
+    ``options``: ``torch._inductor.config`` settings that override functacc's defaults.
     """
     from .parallel.schedule import issue_collectives_early
     from .split import remove_marker, split_at_optimizer
@@ -55,17 +64,42 @@ def compile_graph(
     if backend == "eager":
         return lambda args: gm(*args)
     if split is not None:
-        gradients = _inductor(split.gradients, example_inputs, fakes)
+        gradients = _inductor(split.gradients, example_inputs, fakes, options)
         update_examples = [
             *split.update_examples,
             *(example_inputs[i] for i in split.update_inputs),
         ]
-        return split.runner(gradients, _inductor(split.update, update_examples, None))
-    return _inductor(gm, example_inputs, fakes)
+        update = _inductor(split.update, update_examples, None, options)
+        return split.runner(gradients, update)
+    return _inductor(gm, example_inputs, fakes, options)
+
+
+def check_inductor_options(options: dict[str, Any] | None, backend: str) -> dict[str, Any]:
+    """Validate ``inductor_options`` up front (a typo must not surface minutes later, in
+    the first compile)."""
+    if not options:
+        return {}
+    if backend != "inductor":
+        raise ValueError(
+            f"inductor_options={options!r} was given with backend={backend!r}; they apply "
+            "only to backend='inductor'"
+        )
+    from torch._inductor import config as inductor_config
+
+    unknown = sorted(k for k in options if not hasattr(inductor_config, k.split(".")[0]))
+    if unknown:
+        raise ValueError(
+            f"unknown inductor_options {unknown}: each key must be a torch._inductor.config "
+            "setting, e.g. {'cpp_wrapper': True} or {'max_autotune': True}"
+        )
+    return dict(options)
 
 
 def _inductor(
-    gm: GraphModule, example_inputs: Sequence[Tensor], fakes: Sequence[Tensor] | None
+    gm: GraphModule,
+    example_inputs: Sequence[Tensor],
+    fakes: Sequence[Tensor] | None,
+    user_options: dict[str, Any] | None = None,
 ) -> Compiled:
     from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
@@ -80,6 +114,7 @@ def _inductor(
         # them back and forth every call: measured here on ResNet-18 (2-core CPU, batch 32)
         # 138 ms/step with it, 58 ms without (eager: 77 ms).
         options["layout_optimization"] = False
+    options.update(user_options or {})
     # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
     # traced graph stays valid for inspection.
     graph = copy.deepcopy(gm)

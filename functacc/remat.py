@@ -65,10 +65,26 @@ def _with_replay(forward: Callable) -> Callable:
     return run
 
 
-def validate_remat(model: nn.Module, classes: Collection[str] | None) -> frozenset[str]:
+def validate_remat(
+    model: nn.Module, classes: Collection[str] | None, backend: str = "eager"
+) -> frozenset[str]:
     if not classes:
         return frozenset()
-    return frozenset(check_module_classes(model, classes, "remat"))
+    checked = frozenset(check_module_classes(model, classes, "remat"))
+    if backend == "inductor":
+        # Measured on a deep MLP (tests/test_remat.py): from the second step on, the
+        # gradients of the recomputed blocks differ from eager's by about 1e-3 relative
+        # (SGD, no dropout), and peak memory is higher, not lower. The compiled graph alone,
+        # run on the same state, matches eager; the cause is not found yet. Until it is,
+        # refuse rather than train on different gradients.
+        raise NotImplementedError(
+            f"remat={sorted(classes)} with backend='inductor' is not supported in this "
+            "version: its gradients differ from eager PyTorch's from the second step on "
+            "(a known bug under investigation) and it does not lower memory. Use "
+            "backend='eager' with remat (bit-identical to eager, lower memory), or drop "
+            "remat to compile with Inductor."
+        )
+    return checked
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from .cache import ProgramCache, SizeGuard, TraceRecord
-from .compile import Backend, Compiled, check_backend, compile_graph
+from .compile import Backend, Compiled, check_backend, check_inductor_options, compile_graph
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
 from .functional import swap_attributes, tensor_attributes
@@ -87,6 +87,7 @@ class Step:
         opt: torch.optim.Optimizer | GradientTransformation,
         *,
         backend: Backend = "inductor",
+        inductor_options: dict[str, Any] | None = None,
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         parallel: Any = None,
@@ -113,6 +114,7 @@ class Step:
         self.model = model
         self.loss_fn = loss_fn
         self.backend = backend
+        self.inductor_options = check_inductor_options(inductor_options, backend)
         self.grad_accum_steps = grad_accum_steps
         self._params: dict[str, Tensor] = dict(model.named_parameters())
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
@@ -154,7 +156,7 @@ class Step:
             grad_accum_steps,
             max_grad_norm,
             self.precision,
-            validate_remat(model, remat),
+            validate_remat(model, remat, backend),
         )
         self._set_live_state(self._initial_state(opt))
         self._installed = False
@@ -604,7 +606,9 @@ class Step:
         )
         traced_at = time.perf_counter()
         graph = traced.graph
-        run = compile_graph(graph, example, self.backend, fakes=traced.fakes)
+        run = compile_graph(
+            graph, example, self.backend, fakes=traced.fakes, options=self.inductor_options
+        )
         guard = None
         symbolic: dict[str, list[int]] = {}
         if traced.fakes is not None:
@@ -663,6 +667,7 @@ def compile_step(
     opt: torch.optim.Optimizer | GradientTransformation,
     *,
     backend: Backend = "inductor",
+    inductor_options: dict[str, Any] | None = None,
     grad_accum_steps: int = 1,
     max_grad_norm: float | None = None,
     parallel: Any = None,
@@ -685,6 +690,9 @@ def compile_step(
             param groups and their options honoured; its state and ``param_groups`` stay
             live), or a :class:`functacc.optim.GradientTransformation`.
         backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph as is).
+        inductor_options: ``torch._inductor.config`` settings for this step's compiles,
+            as ``torch.compile(options=...)`` takes them, e.g. ``{"cpp_wrapper": True}``;
+            they override functacc's defaults.
         grad_accum_steps: split each batch into this many micro-batches inside the graph,
             sum their gradients (of ``loss / k``), update once.
         max_grad_norm: clip the global gradient norm, as ``clip_grad_norm_``.
@@ -724,6 +732,7 @@ def compile_step(
         loss_fn,
         opt,
         backend=backend,
+        inductor_options=inductor_options,
         grad_accum_steps=grad_accum_steps,
         max_grad_norm=max_grad_norm,
         parallel=parallel,

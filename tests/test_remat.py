@@ -53,6 +53,15 @@ def test_remat_same_result_and_less_memory() -> None:
     assert remat_peak <= 0.7 * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
 
 
+def test_remat_with_inductor_is_refused_with_a_clear_error() -> None:
+    # Under Inductor the recomputed blocks' gradients differed from eager's (about 1e-3
+    # relative from the second step) and memory went up: refused until fixed.
+    model = deep_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match=r"remat=\['Block'\] with backend='inductor'"):
+        functacc.compile_step(model, nn.CrossEntropyLoss(), opt, remat={"Block"})
+
+
 def test_remat_unknown_class() -> None:
     model = deep_mlp()
     with pytest.raises(ValueError, match=r"remat names \['Bottleneck'\].*Block, Dropout"):

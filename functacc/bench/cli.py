@@ -64,6 +64,13 @@ def parser() -> argparse.ArgumentParser:
         "(comma-separated class names; without a value, the model's blocks)",
     )
     p.add_argument(
+        "--inductor-variants",
+        metavar="OPT[,OPT]",
+        default=None,
+        help="also run functacc with each of these boolean torch._inductor.config settings "
+        "turned on, one variant each (e.g. cpp_wrapper,max_autotune,freezing)",
+    )
+    p.add_argument(
         "--lengths",
         metavar="MIN:MAX",
         default=None,
@@ -130,7 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         classes = (
             REMAT_DEFAULTS[args.model] if args.remat == "default" else set(args.remat.split(","))
         )
-        factories.append(lambda: competitors.functacc_variant(workload, "remat", remat=classes))
+        # remat is refused with Inductor (functacc.remat says why): the FX backend shows
+        # its memory saving, not a speed.
+        factories.append(
+            lambda: competitors.functacc_variant(
+                workload, "remat (FX eager backend)", remat=classes, backend="eager"
+            )
+        )
+    variants = [o.strip() for o in (args.inductor_variants or "").split(",") if o.strip()]
+    for option in variants:
+        factories.append(
+            lambda o=option: competitors.functacc_variant(workload, o, inductor_options={o: True})
+        )
     results = runner.run(
         factories,
         batch_size=workload.inputs.shape[0],
@@ -140,7 +158,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds=args.rounds,
         progress=not args.no_progress,
     )
+    from .roofline import matmul_peak_flops, step_flops
+
+    device = torch.device(args.device)
+    peak = matmul_peak_flops(device)
+    flops = step_flops(workload.model, workload.inputs, workload.targets, workload.loss_fn)
+    steps_per_s = {r.name: r.samples_per_s / workload.inputs.shape[0] for r in results}
+    for r in results:
+        r.peak_fraction = flops * steps_per_s[r.name] / peak
     print(f"{workload.description}; {report.machine()}")
+    print(
+        f"fp32 matmul peak measured now: {peak / 1e9:.0f} GFLOP/s; one step: "
+        f"{flops / 1e6:.0f} MFLOP (forward + backward)"
+    )
     print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
     print(report.table(results))
     if args.json:
@@ -149,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "workload": workload.description,
                 "machine": report.machine(),
+                "fp32_matmul_peak_flops": peak,
+                "step_flops": flops,
                 "command": "python -m functacc bench "
                 + " ".join(sys.argv[1:] if argv is None else argv),
                 "results": [r.as_dict() for r in results],

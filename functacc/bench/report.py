@@ -28,15 +28,19 @@ def table(
     base = by_name.get(baseline)
     other = by_name.get(rival)
     lines = [
-        f"| | samples/s | vs {baseline} | vs {rival} | first step (s) | peak memory (MiB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| | samples/s | vs {baseline} | vs {rival} | of fp32 peak | first step (s) "
+        "| trace + compile (s) | host µs/step | peak memory (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         vs_base = f"{r.samples_per_s / base.samples_per_s:.2f}x" if base else "-"
         vs_other = f"{r.samples_per_s / other.samples_per_s:.2f}x" if other else "-"
+        peak = f"{r.peak_fraction:.0%}" if r.peak_fraction is not None else "-"
+        compiled = " + ".join(f"{t:.1f}+{c:.1f}" for t, c in r.compile_s) if r.compile_s else "-"
+        host = f"{r.host_overhead_us:.0f}" if r.host_overhead_us is not None else "-"
         lines.append(
-            f"| {r.name} | {r.samples_per_s:.1f} | {vs_base} | {vs_other} | "
-            f"{r.first_step_s:.1f} | {r.peak_memory_bytes / 2**20:.1f} |"
+            f"| {r.name} | {r.samples_per_s:.1f} | {vs_base} | {vs_other} | {peak} | "
+            f"{r.first_step_s:.1f} | {compiled} | {host} | {r.peak_memory_bytes / 2**20:.1f} |"
         )
     return "\n".join(lines)
 

@@ -24,6 +24,10 @@ class Result:
     round_samples_per_s: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     final_loss: float = float("nan")
+    # functacc only: (trace s, compile s) per graph, and the per-call work outside the graph
+    compile_s: list[tuple[float, float]] = field(default_factory=list)
+    host_overhead_us: float | None = None
+    peak_fraction: float | None = None  # of the machine's measured fp32 matmul peak
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -80,6 +84,10 @@ def run(
     for competitor, result in zip(competitors, results, strict=True):
         result.samples_per_s = statistics.median(result.round_samples_per_s)
         result.peak_memory_bytes = peak_memory(competitor.step, device=device)
+        if hasattr(competitor, "compile_times"):
+            result.compile_s = competitor.compile_times()
+        if hasattr(competitor, "host_overhead_s") and device.type == "cpu":
+            result.host_overhead_us = competitor.host_overhead_s() * 1e6
         bar.update(1)
     bar.close()
     return results
