@@ -180,7 +180,9 @@ TINY = [
 
 
 def run_example(args: list[str], torchrun: bool = False) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1")
+    # As a user runs them: torch.compile on (accelerate's default), nothing switched off.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("TORCH_COMPILE_DISABLE", None)
     cmd = [sys.executable]
     if torchrun:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
