@@ -104,7 +104,7 @@ def _data_parallel(model: nn.Module, device: torch.device, compile_model: bool) 
 
 def _fully_shard(
     model: nn.Module, config: Config, device: torch.device, dtype: torch.dtype | None
-) -> None:
+) -> list[nn.Module]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -120,10 +120,32 @@ def _fully_shard(
         else (MixedPrecisionPolicy())
     )
     wrap = check_module_classes(model, config.dist.fsdp.wrap_layer_cls, "dist.fsdp.wrap_layer_cls")
-    for module in model.modules():
-        if type(module).__name__ in wrap:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
+    units = [module for module in model.modules() if type(module).__name__ in wrap]
+    for module in units:
+        fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    return units
+
+
+def _compile_sharded(model: nn.Module, units: list[nn.Module], device: torch.device) -> None:
+    """``torch.compile`` a model whose wrap units are FSDP2 ``fully_shard`` units.
+
+    Dynamo does not trace FSDP2's hooks: it breaks the graph at every unit, so each unit's
+    ``forward`` becomes a frame of its own. Units of one class share that code, and when
+    they differ in width (ResNet-50's Bottlenecks: 64 to 2048 channels) the second width
+    makes Dynamo's automatic dynamic shapes recompile the frame with symbolic channel
+    sizes, whose backward Inductor (torch 2.14, CPU) fails to generate ("InductorError:
+    TypeError: Cannot convert expression to float"). Static shapes give every distinct
+    unit its own specialised graph instead, the code that whole-model compilation would
+    produce; the recompile limit must then hold one entry per distinct unit, twice over
+    for a last, smaller batch.
+    """
+    shapes = {
+        (type(unit), tuple(tuple(p.shape) for p in unit.parameters(recurse=True))) for unit in units
+    }
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(shapes))
+    model.compile(dynamic=False, options=_compile_options(device))
 
 
 def _compile_options(device: torch.device) -> dict[str, Any]:
@@ -170,9 +192,9 @@ def accelerate(
     if config.memory.gc:
         _checkpoint_modules(model, set(config.memory.gc_cls or ()))
     if world > 1 and config.dist.fsdp.size > 1:
-        _fully_shard(model, config, device, dtype)
+        units = _fully_shard(model, config, device, dtype)
         if config.compute.compile:
-            model.compile(options=_compile_options(device))
+            _compile_sharded(model, units, device)
     else:
         if dtype is not None:
             _autocast_forward(model, dtype, device)

@@ -256,6 +256,11 @@ class _Layout:
         return fallback
 
 
+def _last_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
 def _short(names: list[str], limit: int = 8) -> str:
     if not names:
         return "none"
@@ -299,9 +304,11 @@ def save(
     """Write everything needed to continue ``step`` bit for bit to the directory ``path``.
 
     Every rank calls it; each writes its own shards (no gather to rank 0). The checkpoint is
-    written to ``path + ".partial"`` and renamed when complete, so ``path`` is either a
-    whole checkpoint or absent. ``loader`` adds the DeviceLoader's position; ``states``
-    adds objects with JSON-able ``state_dict()`` (an LR scheduler).
+    written to ``path + ".partial"`` and swapped into place when complete: a crash at any
+    point leaves ``path`` a whole checkpoint, the previous or the new one (where the file
+    system cannot swap directories atomically, for a moment the previous one is only at
+    ``path + ".old"``, which :func:`load` then reads). ``loader`` adds the DeviceLoader's
+    position; ``states`` adds objects with JSON-able ``state_dict()`` (an LR scheduler).
 
     Example:
         >>> import functacc  # doctest: +SKIP
@@ -315,18 +322,83 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)
     _barrier()
     writer = dcp.FileSystemWriter(partial)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(layout.entries, storage_writer=writer, no_dist=not _distributed())
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(layout.entries, storage_writer=writer, no_dist=not _distributed())
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise CheckpointError(
+            f"checkpoint {path!r} could not be written to {partial!r}: {_last_line(exc)}; "
+            f"the previous checkpoint at {path!r}, if any, is untouched"
+        ) from exc
     if rank() == 0:
         with open(os.path.join(partial, "states.json"), "w") as f:
             json.dump(extra_states, f)
     _barrier()
     if rank() == 0:
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(partial, path)
+        _install(partial, path)
     _barrier()
+
+
+def _backup(path: str) -> str:
+    return path + ".old"
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the directories ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the system or file system cannot."""
+    import ctypes
+    import errno
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:  # glibc older than 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a!r} and {b!r}: {os.strerror(err)}")
+
+
+def _install(partial: str, path: str) -> None:
+    """Put the complete checkpoint ``partial`` at ``path`` so that a crash at any instant
+    leaves a complete checkpoint, old or new, to load.
+
+    Where the old one can be swapped with the new one atomically, ``path`` always holds a
+    complete checkpoint. Elsewhere the old one is first renamed to ``path + ".old"``, the
+    new one renamed into place, then the old one deleted: between the two renames ``path``
+    is absent and :func:`load` reads the backup. Deleting the previous checkpoint only ever
+    happens once its successor is complete at ``path``."""
+    backup = _backup(path)
+    if os.path.isdir(path):
+        if _exchange(partial, path):
+            shutil.rmtree(partial)  # now the old checkpoint
+            shutil.rmtree(backup, ignore_errors=True)
+            return
+        shutil.rmtree(backup, ignore_errors=True)  # path is complete: an older backup is not needed
+        os.replace(path, backup)
+    os.replace(partial, path)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def _readable(path: str) -> str:
+    """``path``, or its backup when a save was interrupted between the renames of
+    :func:`_install` (``path`` absent, the previous checkpoint complete under the backup)."""
+    backup = _backup(path)
+    if not os.path.exists(path) and os.path.isfile(os.path.join(backup, ".metadata")):
+        warnings.warn(
+            f"no checkpoint at {path!r}, but the previous one is complete at {backup!r} (a "
+            "save over it was interrupted); loading that",
+            stacklevel=3,
+        )
+        return backup
+    return path
 
 
 def load(
@@ -342,7 +414,7 @@ def load(
     is unpickled beyond the metadata's own classes; tensors load with ``weights_only``.
     Raises :class:`CheckpointError` naming what is missing, damaged or different.
     """
-    path = os.fspath(path)
+    path = _readable(os.fspath(path))
     metadata = read_metadata(path)
     layout = _Layout(step, loader)
     targets = layout.load_targets(metadata, path)

@@ -119,6 +119,88 @@ def test_missing_checkpoint(tmp_path) -> None:
         functacc.load(step, tmp_path / "empty")
 
 
+def params_of(step) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in step.state.params.items()}
+
+
+def overwrite_fails(tmp_path, monkeypatch, break_save) -> tuple[Path, dict]:
+    """Save a checkpoint, train a step, save over it with ``break_save`` making that save
+    fail; return the path and the parameters of the first checkpoint."""
+    _, step = small_step()
+    path = tmp_path / "ckpt"
+    functacc.save(step, path)
+    old = params_of(step)
+    step(torch.randn(4, 16), torch.randint(0, 5, (4,)))
+    assert not all(torch.equal(old[k], v) for k, v in params_of(step).items())
+    with monkeypatch.context() as m:
+        break_save(m, path)
+        with pytest.raises((OSError, CheckpointError), match=r"injected|File exists"):
+            functacc.save(step, path)
+    return path, old
+
+
+def load_params(path, **kwargs) -> dict[str, torch.Tensor]:
+    _, fresh = small_step()
+    functacc.load(fresh, path, **kwargs)
+    return params_of(fresh)
+
+
+def test_failed_atomic_swap_keeps_the_old_checkpoint(tmp_path, monkeypatch) -> None:
+    def break_exchange(m, path):
+        def exchange(a, b):
+            raise OSError("injected failure of the swap")
+
+        m.setattr(functacc.checkpoint, "_exchange", exchange, raising=False)
+
+    path, old = overwrite_fails(tmp_path, monkeypatch, break_exchange)
+    assert_close(load_params(path), old, rtol=0, atol=0, what="the old checkpoint")
+
+
+def test_crash_between_renames_keeps_the_old_checkpoint_loadable(tmp_path, monkeypatch) -> None:
+    # A file system without an atomic directory swap: old -> backup, then new -> path; the
+    # second rename fails (a crash there). The old checkpoint must still load.
+    real_replace = os.replace
+
+    def break_rename(m, path):
+        def replace(src, dst):
+            if os.fspath(dst) == os.fspath(path):
+                raise OSError("injected failure installing the new checkpoint")
+            real_replace(src, dst)
+
+        m.setattr(functacc.checkpoint, "_exchange", lambda a, b: False, raising=False)
+        m.setattr(os, "replace", replace)
+
+    path, old = overwrite_fails(tmp_path, monkeypatch, break_rename)
+    with pytest.warns(UserWarning, match="a save over it was interrupted"):
+        assert_close(load_params(path), old, rtol=0, atol=0, what="the old checkpoint")
+    # The next save completes and leaves no backup behind.
+    _, step = small_step(hidden=32)
+    step(torch.randn(4, 16), torch.randint(0, 5, (4,)))
+    functacc.save(step, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert_close(load_params(path), params_of(step), rtol=0, atol=0, what="the new checkpoint")
+
+
+def test_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch) -> None:
+    # A real failure inside torch.distributed.checkpoint's writer: a file stands where it
+    # must create its directory.
+    def block_directory(m, path):
+        Path(f"{path}.partial").write_text("in the way")
+
+    path, old = overwrite_fails(tmp_path, monkeypatch, block_directory)
+    assert_close(load_params(path), old, rtol=0, atol=0, what="the old checkpoint")
+
+
+def test_save_over_a_checkpoint_replaces_it(tmp_path) -> None:
+    _, step = small_step()
+    path = tmp_path / "ckpt"
+    functacc.save(step, path)
+    step(torch.randn(4, 16), torch.randint(0, 5, (4,)))
+    functacc.save(step, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert_close(load_params(path), params_of(step), rtol=0, atol=0, what="the new checkpoint")
+
+
 def test_truncated_shard(saved) -> None:
     data = next(saved.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])

@@ -2,9 +2,11 @@
 
 Launches N ranks with torchrun; each rank trains the same workload with functacc's strategy
 and with PyTorch's own engine for the same job — ``DistributedDataParallel`` for data
-parallelism, FSDP2 ``fully_shard`` for sharding — interleaved round by round. Rank 0 prints
-global samples/s, the largest per-rank peak memory and the bytes each rank communicates per
-step.
+parallelism, FSDP2 ``fully_shard`` for sharding, each eager and under ``torch.compile`` —
+interleaved round by round. FSDP2 shards the same units as functacc's ZeRO-3 (the modules of
+the workload's wrap classes, the rest as the root unit). Rank 0 prints global samples/s,
+the ratio to each PyTorch engine, the largest per-rank peak memory and the bytes each rank
+communicates per step.
 """
 
 from __future__ import annotations
@@ -111,11 +113,17 @@ def _functacc(workload: Any, parallel: str, wrap: set[str]) -> _Competitor:
     return _Competitor(f"functacc {parallel}", run, sent)
 
 
-def _ddp(workload: Any) -> _Competitor:
+def _ddp(workload: Any, compiled: bool) -> _Competitor:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(copy.deepcopy(workload.model))
-    opt = workload.make_opt(model)
+    model = copy.deepcopy(workload.model)
+    if compiled:
+        # The module inside DDP, not DDP: Dynamo skips DDP's forward, then the frames of
+        # torch.nn's own modules (the MLP's Sequential), and would compile nothing; inside
+        # DDP's forward its DDPOptimizer splits the graph at the gradient buckets.
+        model.compile(options=_compile_options(workload))
+    ddp = DistributedDataParallel(model)
+    opt = workload.make_opt(ddp)
     counted = {"bytes": 0, "steps": 0}
 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -125,11 +133,11 @@ def _ddp(workload: Any) -> _Competitor:
         return allreduce_hook(state, bucket)
 
     hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]}
-    model.register_comm_hook(None, hook)
+    ddp.register_comm_hook(None, hook)
 
     def run() -> Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = workload.loss_fn(model(workload.inputs), workload.targets)
+        loss = workload.loss_fn(ddp(workload.inputs), workload.targets)
         loss.backward()
         opt.step()
         counted["steps"] += 1
@@ -138,38 +146,68 @@ def _ddp(workload: Any) -> _Competitor:
     def sent() -> float:
         return counted["bytes"] / max(counted["steps"], 1)
 
-    return _Competitor("torch DDP", run, sent)
+    return _Competitor("torch.compile DDP" if compiled else "torch DDP", run, sent)
 
 
-def _fsdp2(workload: Any, wrap: set[str], reshard: bool) -> _Competitor:
+def _compile_options(workload: Any) -> dict[str, Any]:
+    from ..accelerate import _compile_options as options
+
+    return options(workload.inputs.device)
+
+
+def _compile_units(units: list[torch.nn.Module], workload: Any) -> None:
+    """``torch.compile`` the ``forward`` of each FSDP2 unit, so that FSDP2's hooks (all-gather
+    before, reduce-scatter after) run eagerly around a compiled body, as with torchtitan's
+    per-block compilation. Compiling the whole sharded model instead compiles nothing on
+    the MLP: Dynamo breaks the graph at FSDP2's hooks and skips the frames of ``torch.nn``'s
+    own modules (its ``Linear`` units, its ``Sequential`` root). The root's own layers stay
+    eager.
+
+    Units of one class share their compiled code; static shapes give each distinct width
+    its own graph (automatic dynamic shapes fail in Inductor's backward on ResNet-50's
+    Bottlenecks, see ``functacc.accelerate``), and the recompile limit must hold them."""
+    shapes = {(type(u), tuple(tuple(q.shape) for q in u.parameters())) for u in units}
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(shapes))
+    for unit in units:
+        unit.forward = torch.compile(
+            unit.forward, dynamic=False, options=_compile_options(workload)
+        )
+
+
+def _fsdp2(workload: Any, wrap: set[str], reshard: bool, compiled: bool) -> _Competitor:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = copy.deepcopy(workload.model)
     mesh = init_device_mesh(workload.inputs.device.type, (dist.get_world_size(),))
-    for module in model.modules():
-        if type(module).__name__ in wrap:
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    units = [module for module in model.modules() if type(module).__name__ in wrap]
+    for module in units:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if compiled:
+        _compile_units(units, workload)
     opt = workload.make_opt(model)
-    counter = _CollectiveBytes()
-    counted = {"bytes": 0, "steps": 0}
 
     def run() -> Tensor:
-        before = counter.bytes
-        with counter:
-            opt.zero_grad(set_to_none=True)
-            loss = workload.loss_fn(model(workload.inputs), workload.targets)
-            loss.backward()
-            opt.step()
-        counted["bytes"] += counter.bytes - before
-        counted["steps"] += 1
+        opt.zero_grad(set_to_none=True)
+        loss = workload.loss_fn(model(workload.inputs), workload.targets)
+        loss.backward()
+        opt.step()
         return loss.detach()
 
     def sent() -> float:
-        return counted["bytes"] / max(counted["steps"], 1)
+        # One step of its own, counted by a dispatch mode: outside the timed rounds, whose
+        # every op it would slow down (and under which Dynamo runs frames eagerly; FSDP2's
+        # collectives are the same either way).
+        counter = _CollectiveBytes()
+        with counter:
+            run()
+        return float(counter.bytes)
 
-    name = "torch FSDP2" + ("" if reshard else " (no reshard)")
+    name = ("torch.compile FSDP2" if compiled else "torch FSDP2") + (
+        "" if reshard else " (no reshard)"
+    )
     return _Competitor(name, run, sent)
 
 
@@ -199,10 +237,12 @@ def worker(argv: Sequence[str] | None = None) -> int:
     )
     wrap = WRAP[args.model]
     factories: list[Callable[[], _Competitor]] = [lambda: _functacc(workload, args.parallel, wrap)]
-    if args.parallel == "dp":
-        factories.append(lambda: _ddp(workload))
-    else:
-        factories.append(lambda: _fsdp2(workload, wrap, reshard=args.parallel == "zero3"))
+    reshard = args.parallel == "zero3"
+    for compiled in (False, True):  # PyTorch's engine eager, then under torch.compile
+        if args.parallel == "dp":
+            factories.append(lambda c=compiled: _ddp(workload, c))
+        else:
+            factories.append(lambda c=compiled: _fsdp2(workload, wrap, reshard, c))
     competitors, first = [], []
     for make in factories:
         dist.barrier()
@@ -231,20 +271,23 @@ def worker(argv: Sequence[str] | None = None) -> int:
         peak = torch.tensor(float(peak_memory(competitor.step, device=args.device)))
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peaks.append(float(peak))
+    sent = [competitor.bytes_per_step() for competitor in competitors]
     if rank == 0:
         print(f"{workload.description}, per-rank batch; {world} ranks (gloo); {machine()}")
         print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
+        eager, compiled = (statistics.median(r) for r in rates[1:3])
         print(
-            "| | samples/s (all ranks) | ratio | first step (s) | peak memory per rank (MiB) "
-            "| payload bytes per rank per step |"
+            f"| | samples/s (all ranks) | vs {competitors[1].name} | vs {competitors[2].name} "
+            "| first step (s) | peak memory per rank (MiB) | payload bytes per rank per step |"
         )
-        print("|---|---:|---:|---:|---:|---:|")
-        base = statistics.median(rates[1])
-        for competitor, rate, t0, peak in zip(competitors, rates, first, peaks, strict=True):
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for competitor, rate, t0, peak, nbytes in zip(
+            competitors, rates, first, peaks, sent, strict=True
+        ):
             median = statistics.median(rate)
             print(
-                f"| {competitor.name} | {median:.1f} | {median / base:.2f}x | {t0:.1f} | "
-                f"{peak / 2**20:.1f} | {competitor.bytes_per_step():,.0f} |"
+                f"| {competitor.name} | {median:.1f} | {median / eager:.2f}x | "
+                f"{median / compiled:.2f}x | {t0:.1f} | {peak / 2**20:.1f} | {nbytes:,.0f} |"
             )
     dist.barrier()
     dist.destroy_process_group()
