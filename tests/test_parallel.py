@@ -280,3 +280,27 @@ def test_parallel_without_process_group_is_an_error(monkeypatch) -> None:
             torch.optim.SGD(model.parameters(), lr=0.1),
             parallel=functacc.parallel.ZeRO(3),
         )
+
+
+# -- issue "Trust" ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def buffers3(workdir) -> dict:
+    return run_torchrun(workdir, "buffers3", 3)
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero2"])
+def test_buffers_on_three_ranks_sync_only_what_the_step_writes(buffers3, layout) -> None:
+    # A buffer the forward only reads keeps its exact bits on every rank (it used to be
+    # averaged as x/3 + x/3 + x/3, which drifts); BatchNorm's running statistics are the
+    # sum over the 3 ranks divided by 3, the same bits on every rank, and equal to 3 eager
+    # replicas doing that in one process up to reduction order (gloo's ring sums in another
+    # order than the reference's a + b + c).
+    result, reference = buffers3[layout], buffers3["reference"]
+    ranks = result["ranks"]
+    for rank_state in ranks:
+        assert torch.equal(rank_state["scale"], result["initial_scale"])
+        for key in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+            assert torch.equal(rank_state[key], ranks[0][key]), key
+    assert_close(ranks[0], reference, **REDUCTION, what=f"{layout} on 3 ranks")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..optim import global_norm
-from .comm import average_floating, bucketed_all_reduce
+from .comm import average_written, bucketed_all_reduce
 from .mesh import Topology
 
 __all__ = ["Replicated", "Strategy", "check_same_model", "sync_from_rank0"]
@@ -116,9 +116,10 @@ class Strategy:
 class Replicated(Strategy):
     """Data parallelism: whole parameters on every rank, gradients averaged by all-reduce.
 
-    Floating-point buffers (BatchNorm running statistics) are averaged over the ranks at the
-    end of every step, so every rank holds the same model; for running means that is exactly
-    the statistic of the global batch.
+    The floating-point buffers the step writes (BatchNorm running statistics) are averaged
+    over the ranks at the end of every step (summed, then divided by the world size), so every
+    rank holds the same model; for running means that is the statistic of the global batch.
+    Buffers the step only reads are left alone.
     """
 
     name = "data parallel"
@@ -164,7 +165,7 @@ class Replicated(Strategy):
         return reduced, extra
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        return average_floating(
+        return average_written(
             buffers, self.group, world=self.topology.world, bucket_bytes=self.bucket_bytes
         )
 

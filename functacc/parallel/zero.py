@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from ..functional import check_module_classes
-from .comm import all_gather, all_reduce, average_floating, reduce_scatter
+from .comm import all_gather, all_reduce, average_written, reduce_scatter
 from .mesh import Topology
 from .strategy import Strategy
 
@@ -332,7 +332,7 @@ class Sharded(Strategy):
         return out, extra
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        return average_floating(
+        return average_written(
             buffers, dist.group.WORLD, world=self.topology.world, bucket_bytes=self.bucket_bytes
         )
 

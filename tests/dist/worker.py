@@ -485,5 +485,75 @@ def scenario_samplers(out: dict) -> None:
 SCENARIOS["samplers"] = scenario_samplers
 
 
+# -- issue "Trust": each behaves like eager PyTorch / one-process data parallelism -----------
+
+
+class ScaledBN(nn.Module):
+    """Linear -> BatchNorm1d -> times a float buffer the forward only reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 5)
+        self.register_buffer("scale", torch.randn(8))
+
+    def forward(self, x):
+        return self.head(self.bn(self.fc(x)) * self.scale)
+
+
+def _buffer_replicas(world: int, steps: int):
+    """The reference: ``world`` eager replicas in this process, gradients averaged
+    (summed, then divided) and BatchNorm running statistics summed, then divided by the
+    world size after every step."""
+    torch.manual_seed(0)
+    replicas = [ScaledBN() for _ in range(world)]
+    for r in replicas[1:]:
+        r.load_state_dict(replicas[0].state_dict())
+    opts = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in replicas]
+    for x, y in batches("vector", world, n=steps):
+        for r, (m, opt) in enumerate(zip(replicas, opts, strict=True)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x.chunk(world)[r]), y.chunk(world)[r]).backward()
+        with torch.no_grad():
+            for ps in zip(*(m.parameters() for m in replicas), strict=True):
+                mean = sum(p.grad for p in ps) / world
+                for p in ps:
+                    p.grad = mean.clone()
+        for opt in opts:
+            opt.step()
+        with torch.no_grad():
+            for name in ("running_mean", "running_var"):
+                mean = sum(getattr(m.bn, name) for m in replicas) / world
+                for m in replicas:
+                    getattr(m.bn, name).copy_(mean)
+    return copy.deepcopy(replicas[0].state_dict())
+
+
+def scenario_buffers3(out: dict) -> None:
+    """Buffers under data parallelism and ZeRO on 3 ranks (not a power of two)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = 4
+    out["reference"] = _buffer_replicas(world, steps)
+    for name, parallel in (("dp", DataParallel()), ("zero2", ZeRO(2))):
+        torch.manual_seed(0)
+        model = ScaledBN()
+        initial = model.scale.clone()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
+        )
+        for x, y in batches("vector", world, n=steps):
+            step(x.chunk(world)[rank], y.chunk(world)[rank])
+        step.sync_model()
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, state)
+        out[name] = {"initial_scale": initial, "ranks": gathered}
+
+
+SCENARIOS["buffers3"] = scenario_buffers3
+
+
 if __name__ == "__main__":
     main()
