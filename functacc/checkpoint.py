@@ -423,9 +423,12 @@ def save_model(model_or_step: Any, path: str | os.PathLike) -> None:
 
     model, step = _model_and_step(model_or_step)
     if step is not None:
+        synced = step._strategy.model_synced
         step.sync_model()
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     tensors = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()}
+    if step is not None and not synced:  # ZeRO-3: the model goes back to its placeholders
+        step._strategy.release_model_params(step._params)
     if rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = os.fspath(path) + ".partial"
@@ -458,6 +461,7 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path!r} is not a readable safetensors file: {exc}") from exc
     if step is not None:
+        synced = step._strategy.model_synced
         step.sync_model()
     expected = model.state_dict()
     missing = sorted(k for k in expected if k not in loaded and not _tied(model, k, loaded))
@@ -476,6 +480,8 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
     model.load_state_dict(loaded, strict=False)
     if step is not None:
         step._load_full_params()
+        if not synced:  # ZeRO-3: the model goes back to its placeholders
+            step._strategy.release_model_params(step._params)
 
 
 def _tied(model: torch.nn.Module, key: str, loaded: Mapping[str, Tensor]) -> bool:

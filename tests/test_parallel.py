@@ -304,3 +304,17 @@ def test_buffers_on_three_ranks_sync_only_what_the_step_writes(buffers3, layout)
         for key in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
             assert torch.equal(rank_state[key], ranks[0][key]), key
     assert_close(ranks[0], reference, **REDUCTION, what=f"{layout} on 3 ranks")
+
+
+def test_zero3_sync_model_neither_retraces_nor_keeps_full_weights(workdir) -> None:
+    # After sync_model() the model holds the full weights; the next step goes back to the
+    # empty placeholders ZeRO-3 keeps in the model (no storage: numel 0, 0 storage bytes)
+    # without a new trace, and save_model() puts them back right after writing. Training
+    # is unaffected: bit for bit data parallelism's result (2 ranks, same arithmetic).
+    result = run_torchrun(workdir, "zero3_sync", 2, timeout=300)
+    assert result["placeholders_before"] and result["synced_full"]
+    assert result["traces_after_sync"] == result["traces_before"] == 1
+    assert result["placeholders_after_sync"]
+    assert result["placeholders_after_save"]
+    assert result["traces_after_save"] == 1
+    assert_close(result["state"], result["dp_state"], rtol=0, atol=0, what="ZeRO-3 vs DP")

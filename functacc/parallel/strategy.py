@@ -51,6 +51,15 @@ class Strategy:
                 if model_params[name] is not value:
                     model_params[name].data = value.detach().clone()
 
+    @property
+    def model_synced(self) -> bool:
+        """Whether the model's parameters hold the full values (after ``sync_model``)."""
+        return True
+
+    def release_model_params(self, model_params: Mapping[str, Tensor]) -> None:
+        """Drop the model's full copies made by :meth:`write_model_params` where the state
+        holds shards (ZeRO-3), before the next step runs."""
+
     def load_full_params(self, model_params: Mapping[str, Tensor], live: dict) -> None:
         """Copy full parameters (the model's) into the live state where it differs."""
         with torch.no_grad():

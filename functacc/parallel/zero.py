@@ -146,6 +146,7 @@ class Sharded(Strategy):
             else ""
         )
         self.model = model
+        self._model_full = True  # until live_params() empties the model (ZeRO-3)
         self.bucket_bytes = config.bucket_mb * 2**20
         params = dict(model.named_parameters())
         if groups is None:  # a GradientTransformation: every trainable parameter
@@ -208,10 +209,33 @@ class Sharded(Strategy):
                 for n in unit.names:
                     # The model keeps no full copy under ZeRO-3: sync_model() restores it.
                     params[n].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
+        self._model_full = False
         return live
 
+    @property
+    def model_synced(self) -> bool:
+        return self.stage < 3 or self._model_full
+
+    def write_model_params(self, params: Mapping[str, Tensor], model_params: dict) -> None:
+        super().write_model_params(params, model_params)
+        self._model_full = True
+
+    def release_model_params(self, model_params: Mapping[str, Tensor]) -> None:
+        if self.stage < 3 or not self._model_full:
+            return
+        # Back to the empty placeholders live_params() left: the step's graph never reads
+        # the model's own tensors (the gathered views replace them), and the full copies
+        # would otherwise stay resident for the rest of training.
+        for name in self.sharded_names:
+            unit = self.unit_of[name]
+            model_params[name].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
+        self._model_full = False
+
     def state_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return self.live_params({n: p.detach().clone() for n, p in params.items()})
+        model_full = self._model_full  # copies are emptied, not the model
+        live = self.live_params({n: p.detach().clone() for n, p in params.items()})
+        self._model_full = model_full
+        return live
 
     def full_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self.stage < 3:

@@ -555,5 +555,57 @@ def scenario_buffers3(out: dict) -> None:
 SCENARIOS["buffers3"] = scenario_buffers3
 
 
+def _placeholders(model: nn.Module) -> bool:
+    """Whether every parameter is ZeRO-3's empty placeholder (no storage behind it)."""
+    return all(
+        p.numel() == 0 and p.untyped_storage().nbytes() == 0 for p in model.parameters()
+    )
+
+
+def scenario_zero3_sync(out: dict) -> None:
+    """ZeRO-3: sync_model() and save_model() between steps neither retrace nor leave the
+    full weights in the model once training goes on."""
+    import tempfile
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches("vector", world, n=6)
+    torch.manual_seed(0)
+    model = models.mlp()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager",
+        parallel=ZeRO(3, wrap_layer_cls={"Linear"}),
+    )
+    for x, y in data[:3]:
+        step(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["placeholders_before"] = _placeholders(model)
+    step.sync_model()
+    out["synced_full"] = all(p.shape == shapes[n] for n, p in model.named_parameters())
+    out["traces_before"] = step.num_traces
+    x, y = data[3]
+    step(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["traces_after_sync"] = step.num_traces
+    out["placeholders_after_sync"] = _placeholders(model)
+    path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    functacc.save_model(step, path)
+    out["placeholders_after_save"] = _placeholders(model)
+    for x, y in data[4:]:
+        step(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["traces_after_save"] = step.num_traces
+    step.sync_model()
+    out["state"] = copy.deepcopy(model.state_dict())
+    torch.manual_seed(0)
+    reference = models.mlp()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.05)
+    dp = functacc.compile_step(reference, nn.CrossEntropyLoss(), opt, backend="eager")
+    for x, y in data:
+        dp(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["dp_state"] = copy.deepcopy(reference.state_dict())
+
+
+SCENARIOS["zero3_sync"] = scenario_zero3_sync
+
+
 if __name__ == "__main__":
     main()
