@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,6 +153,14 @@ class Step:
         )
         self._set_live_state(self._initial_state(opt))
         self._installed = False
+        if self._link is not None and hasattr(self._strategy, "link_optimizer"):
+            # ZeRO: opt.state_dict() gathers the sharded state, load_state_dict() shards it.
+            ref = weakref.ref(self)
+            self._strategy.link_optimizer(
+                self._link,
+                lambda: ref()._live if ref() is not None else None,
+                lambda: ref()._fn.transform,
+            )
 
     # -- public ------------------------------------------------------------------------
     @property

@@ -318,3 +318,39 @@ def test_zero3_sync_model_neither_retraces_nor_keeps_full_weights(workdir) -> No
     assert result["placeholders_after_save"]
     assert result["traces_after_save"] == 1
     assert_close(result["state"], result["dp_state"], rtol=0, atol=0, what="ZeRO-3 vs DP")
+
+
+@pytest.fixture(scope="session")
+def unused(workdir) -> dict:
+    return run_torchrun(workdir, "unused", 2)
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero1", "zero2", "zero3"])
+def test_parameters_without_gradients_are_left_alone(unused, layout) -> None:
+    # torch.optim skips a parameter whose .grad is None: an unused Linear keeps its exact
+    # initial bits (no AdamW weight decay), and one frozen after 3 steps stops where it was,
+    # its step count included, while the rest of its ZeRO unit (here one unit: the whole
+    # model) trains. Against eager on the full batch at reduction-order tolerance.
+    result, eager = unused[layout], unused["eager"]
+    assert not isinstance(result, str), result
+    for key in ("unused.weight", "unused.bias"):
+        assert torch.equal(result["state"][key], eager["initial"][key]), key
+    assert_close(result["state"], eager["state"], **REDUCTION_ADAM, what=layout)
+    assert result["traces"] == 2  # freezing changes which gradients the graph computes
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3"])
+def test_zero_optimizer_state_dict_holds_the_full_state(unused, layout) -> None:
+    # opt.state_dict() under ZeRO (a collective call) gathers the full state (it was
+    # empty): exactly data parallelism's (2 ranks: the same arithmetic), with eager's
+    # structure (no entry for the unused parameter, step 3 for the one frozen after 3
+    # steps); opt.state itself keeps no full copy afterwards.
+    result, dp, eager = unused[layout], unused["dp"], unused["eager"]
+    assert not isinstance(result, str), result
+    assert result["opt_before"]["state"] == dp["opt_before"]["state"] == {}
+    assert_close(result["opt"], dp["opt"], rtol=0, atol=0, what=f"{layout} opt.state_dict()")
+    assert sorted(result["opt"]["state"]) == sorted(eager["opt"]["state"])
+    assert_close(result["opt"]["state"], eager["opt"]["state"], **REDUCTION_ADAM, what="eager")
+    assert result["opt_state_after"] == 0
+    # opt.load_state_dict() shards the loaded state into the step (read back: the same).
+    assert_close(result["reloaded"], dp["opt"], rtol=0, atol=0, what=f"{layout} reloaded")

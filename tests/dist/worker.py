@@ -607,5 +607,94 @@ def scenario_zero3_sync(out: dict) -> None:
 SCENARIOS["zero3_sync"] = scenario_zero3_sync
 
 
+class WithUnused(nn.Module):
+    """``unused`` never runs; ``late`` gets frozen half-way through training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.unused = nn.Linear(16, 16)
+        self.late = nn.Linear(32, 32)
+        self.fc2 = nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h + torch.relu(self.late(h)))
+
+
+UNUSED_STEPS, FREEZE_AT = 6, 3
+
+
+def _unused_opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _unused_eager(world: int) -> dict:
+    """Eager PyTorch, one process, the full batch: the reference."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    initial = copy.deepcopy(model.state_dict())
+    opt = _unused_opt(model)
+    for i, (x, y) in enumerate(batches("vector", world, n=UNUSED_STEPS)):
+        if i == FREEZE_AT:
+            model.late.requires_grad_(False)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {
+        "initial": initial,
+        "state": copy.deepcopy(model.state_dict()),
+        "opt": copy.deepcopy(opt.state_dict()),
+    }
+
+
+def _unused_run(parallel) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = WithUnused()
+    opt = _unused_opt(model)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
+    )
+    out = {"opt_before": copy.deepcopy(opt.state_dict())}
+    for i, (x, y) in enumerate(batches("vector", world, n=UNUSED_STEPS)):
+        if i == FREEZE_AT:
+            model.late.requires_grad_(False)
+        step(x.chunk(world)[rank], y.chunk(world)[rank])
+    step.sync_model()
+    out["state"] = copy.deepcopy(model.state_dict())
+    out["opt"] = copy.deepcopy(opt.state_dict())  # a collective call under ZeRO
+    out["opt_state_after"] = len(opt.state)  # ZeRO keeps no full copy in opt.state
+    out["traces"] = step.num_traces
+    return out
+
+
+def scenario_unused(out: dict) -> None:
+    """Parameters without gradients (never used; frozen after the step was built) under
+    data parallelism and ZeRO 1-3, against eager PyTorch on the full batch; and the
+    optimizer's state_dict()."""
+    out["eager"] = _unused_eager(dist.get_world_size())
+    out["dp"] = _unused_run(DataParallel())
+    for stage in (1, 2, 3):
+        try:
+            out[f"zero{stage}"] = _unused_run(ZeRO(stage))
+            out[f"zero{stage}"]["reloaded"] = _reload(ZeRO(stage), out["dp"]["opt"])
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[f"zero{stage}"] = f"{type(exc).__name__}: {exc}"
+
+
+def _reload(parallel, opt_state: dict) -> dict:
+    """opt.load_state_dict() into a ZeRO step, read back through opt.state_dict()."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    opt = _unused_opt(model)
+    functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel)
+    opt.load_state_dict(copy.deepcopy(opt_state))
+    return copy.deepcopy(opt.state_dict())
+
+
+SCENARIOS["unused"] = scenario_unused
+
+
 if __name__ == "__main__":
     main()
