@@ -354,3 +354,13 @@ def test_zero_optimizer_state_dict_holds_the_full_state(unused, layout) -> None:
     assert result["opt_state_after"] == 0
     # opt.load_state_dict() shards the loaded state into the step (read back: the same).
     assert_close(result["reloaded"], dp["opt"], rtol=0, atol=0, what=f"{layout} reloaded")
+
+
+def test_parameters_without_gradients_under_inductor(workdir) -> None:
+    # The same as above with Inductor's kernels: reduction-order tolerance against eager.
+    result = run_torchrun(workdir, "unused_inductor", 2)
+    zero, eager = result["zero3"], result["eager"]
+    for key in ("unused.weight", "unused.bias"):
+        assert torch.equal(zero["state"][key], eager["initial"][key]), key
+    assert_close(zero["state"], eager["state"], **REDUCTION_ADAM, what="ZeRO-3, Inductor")
+    assert sorted(zero["opt"]["state"]) == sorted(eager["opt"]["state"])

@@ -648,13 +648,13 @@ def _unused_eager(world: int) -> dict:
     }
 
 
-def _unused_run(parallel) -> dict:
+def _unused_run(parallel, backend: str = "eager") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = WithUnused()
     opt = _unused_opt(model)
     step = functacc.compile_step(
-        model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
+        model, nn.CrossEntropyLoss(), opt, backend=backend, parallel=parallel
     )
     out = {"opt_before": copy.deepcopy(opt.state_dict())}
     for i, (x, y) in enumerate(batches("vector", world, n=UNUSED_STEPS)):
@@ -694,6 +694,15 @@ def _reload(parallel, opt_state: dict) -> dict:
 
 
 SCENARIOS["unused"] = scenario_unused
+
+
+def scenario_unused_inductor(out: dict) -> None:
+    """ZeRO-3 under Inductor (empty segments included: the root unit spans the ranks)."""
+    out["eager"] = _unused_eager(dist.get_world_size())
+    out["zero3"] = _unused_run(ZeRO(3), backend="inductor")
+
+
+SCENARIOS["unused_inductor"] = scenario_unused_inductor
 
 
 if __name__ == "__main__":
