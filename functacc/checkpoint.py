@@ -66,7 +66,6 @@ class _Layout:
         self.entries: dict[str, Any] = {}
         self.per_rank: set[str] = set()
         self.fixups: list[tuple[Tensor, Tensor]] = []  # (loaded temp, live destination)
-        self.first_of_unit: set[str] = set()
         state = step.state
         self._params(state.params)
         for name, buf in state.buffers.items():
@@ -120,31 +119,34 @@ class _Layout:
     def _unit_slices(self, unit: FlatUnit, chunk: Tensor) -> dict[str, Any]:
         """The parts of each parameter of ``unit`` inside this rank's ``chunk``, as sharded
         tensors over the shard group (global shape: the parameter's element count)."""
+
+        return {
+            name: self._segment(name, chunk[seg.start : seg.stop])
+            for name, seg in self.strategy.segment_of.items()
+            if seg.unit is unit
+        }
+
+    def _segment(self, name: str, local: Tensor) -> Any:
+        """This rank's segment of parameter ``name`` (or of its optimizer state), as a
+        sharded tensor over the shard group (global shape: the parameter's element count)."""
         from torch.distributed._shard.sharded_tensor import (
             Shard,
             ShardMetadata,
             init_from_local_shards,
         )
 
-        topology = self.strategy.topology
-        lo = topology.shard_rank * unit.chunk
-        hi = lo + unit.chunk
-        out = {}
-        offset = 0
-        device = f"{chunk.device.type}" if chunk.device.type == "cpu" else str(chunk.device)
-        for name, numel in zip(unit.names, unit.numels, strict=True):
-            a, b = max(offset, lo), min(offset + numel, hi)
-            shards = []
-            if a < b:
-                meta = ShardMetadata([a - offset], [b - a], f"rank:{dist.get_rank()}/{device}")
-                shards.append(Shard(chunk[a - lo : b - lo], meta))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice
-                out[name] = init_from_local_shards(
-                    shards, [numel], process_group=topology.shard_group
-                )
-            offset += numel
-        return out
+        seg = self.strategy.segment_of[name]
+        numel = seg.unit.numels[seg.unit.names.index(name)]
+        device = local.device.type if local.device.type == "cpu" else str(local.device)
+        shards = []
+        if seg.numel:
+            meta = ShardMetadata([seg.offset], [seg.numel], f"rank:{dist.get_rank()}/{device}")
+            shards.append(Shard(local, meta))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice
+            return init_from_local_shards(
+                shards, [numel], process_group=self.strategy.topology.shard_group
+            )
 
     def _optimizer(self, node: Any, path: str) -> None:
         if isinstance(node, _PER_PARAM_STATES):
@@ -170,18 +172,12 @@ class _Layout:
                 self.entries[path] = node
 
     def _optimizer_tensor(self, path: str, key: str, t: Tensor) -> None:
-        if key not in self.units:
+        # Under ZeRO the optimizer holds each parameter's segment (scalars such as Adam's
+        # step whole, the same on every rank).
+        if self.sharded and key in self.strategy.sharded_names and t.dim() > 0:
+            self.entries[f"{path}.{key}"] = self._segment(key, t)
+        else:
             self._plain(f"{path}.{key}", t)
-            return
-        unit = self.units[key]
-        if t.dim() == 0:  # one scalar per unit (Adam's step): stands for each parameter
-            for i, name in enumerate(unit.names):
-                self.entries[f"{path}.{name}"] = t
-                if i == 0:
-                    self.first_of_unit.add(f"{path}.{name}")
-            return
-        for name, view in self._unit_slices(unit, t).items():
-            self.entries[f"{path}.{name}"] = view
 
     # -- loading -----------------------------------------------------------------------
     def load_targets(self, metadata: Any, path: str) -> dict[str, Any]:
@@ -198,12 +194,6 @@ class _Layout:
                 if ".extra." in key and fallback in stored:
                     targets[fallback] = value
                 continue
-            if key.startswith("optim.") and key not in self.first_of_unit:
-                scalar_dup = value.dim() == 0 and any(
-                    key.rsplit(".", 1)[0] == k.rsplit(".", 1)[0] for k in self.first_of_unit
-                )
-                if scalar_dup:
-                    continue
             targets[key] = value
         self._check(stored, targets, path)
         return targets
@@ -495,9 +485,12 @@ def save_model(model_or_step: Any, path: str | os.PathLike) -> None:
 
     model, step = _model_and_step(model_or_step)
     if step is not None:
+        synced = step._strategy.model_synced
         step.sync_model()
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     tensors = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()}
+    if step is not None and not synced:  # ZeRO-3: the model goes back to its placeholders
+        step._strategy.release_model_params(step._params)
     if rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = os.fspath(path) + ".partial"
@@ -530,6 +523,7 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path!r} is not a readable safetensors file: {exc}") from exc
     if step is not None:
+        synced = step._strategy.model_synced
         step.sync_model()
     expected = model.state_dict()
     missing = sorted(k for k in expected if k not in loaded and not _tied(model, k, loaded))
@@ -548,6 +542,8 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
     model.load_state_dict(loaded, strict=False)
     if step is not None:
         step._load_full_params()
+        if not synced:  # ZeRO-3: the model goes back to its placeholders
+            step._strategy.release_model_params(step._params)
 
 
 def _tied(model: torch.nn.Module, key: str, loaded: Mapping[str, Tensor]) -> bool:

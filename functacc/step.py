@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+import weakref
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +161,14 @@ class Step:
         )
         self._set_live_state(self._initial_state(opt))
         self._installed = False
+        if self._link is not None and hasattr(self._strategy, "link_optimizer"):
+            # ZeRO: opt.state_dict() gathers the sharded state, load_state_dict() shards it.
+            ref = weakref.ref(self)
+            self._strategy.link_optimizer(
+                self._link,
+                lambda: ref()._live if ref() is not None else None,
+                lambda: ref()._fn.transform,
+            )
 
     # -- public ------------------------------------------------------------------------
     @property
@@ -274,6 +283,7 @@ class Step:
                 f"{type(state).__name__}"
             )
         self._check_call(args, kwargs)
+        self._strategy.release_model_params(self._params)  # after sync_model (ZeRO-3)
         if self._link is not None:
             state = state._replace(opt_state=self._link.with_current_hyperparams(state.opt_state))
         leaves, spec = pytree.tree_flatten(state)
@@ -320,7 +330,9 @@ class Step:
 
     def sync_model(self) -> nn.Module:
         """Make ``model`` hold the full trained parameters on every rank (ZeRO-3 gathers
-        them; otherwise the model already holds them) and return it."""
+        them, a collective call; otherwise the model already holds them) and return it.
+        Under ZeRO-3 the next step drops these full copies again (the model's parameters
+        go back to empty placeholders) without retracing."""
         self._strategy.write_model_params(self._live.params, self._params)
         return self.model
 
@@ -407,6 +419,7 @@ class Step:
     def _stateful_program(self, args: tuple, kwargs: dict) -> tuple[_Program, list[Tensor]]:
         """The program for a call of the stateful step (traced and compiled if new)."""
         self._check_call(args, kwargs)
+        self._strategy.release_model_params(self._params)  # after sync_model (ZeRO-3)
         self._refresh_live_state()
         if self._link is not None:
             self._link.sync_hyperparams(self._live.opt_state)

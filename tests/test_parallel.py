@@ -280,3 +280,87 @@ def test_parallel_without_process_group_is_an_error(monkeypatch) -> None:
             torch.optim.SGD(model.parameters(), lr=0.1),
             parallel=functacc.parallel.ZeRO(3),
         )
+
+
+# -- issue "Trust" ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def buffers3(workdir) -> dict:
+    return run_torchrun(workdir, "buffers3", 3)
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero2"])
+def test_buffers_on_three_ranks_sync_only_what_the_step_writes(buffers3, layout) -> None:
+    # A buffer the forward only reads keeps its exact bits on every rank (it used to be
+    # averaged as x/3 + x/3 + x/3, which drifts); BatchNorm's running statistics are the
+    # sum over the 3 ranks divided by 3, the same bits on every rank, and equal to 3 eager
+    # replicas doing that in one process up to reduction order (gloo's ring sums in another
+    # order than the reference's a + b + c).
+    result, reference = buffers3[layout], buffers3["reference"]
+    ranks = result["ranks"]
+    for rank_state in ranks:
+        assert torch.equal(rank_state["scale"], result["initial_scale"])
+        for key in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+            assert torch.equal(rank_state[key], ranks[0][key]), key
+    assert_close(ranks[0], reference, **REDUCTION, what=f"{layout} on 3 ranks")
+
+
+def test_zero3_sync_model_neither_retraces_nor_keeps_full_weights(workdir) -> None:
+    # After sync_model() the model holds the full weights; the next step goes back to the
+    # empty placeholders ZeRO-3 keeps in the model (no storage: numel 0, 0 storage bytes)
+    # without a new trace, and save_model() puts them back right after writing. Training
+    # is unaffected: bit for bit data parallelism's result (2 ranks, same arithmetic).
+    result = run_torchrun(workdir, "zero3_sync", 2, timeout=300)
+    assert result["placeholders_before"] and result["synced_full"]
+    assert result["traces_after_sync"] == result["traces_before"] == 1
+    assert result["placeholders_after_sync"]
+    assert result["placeholders_after_save"]
+    assert result["traces_after_save"] == 1
+    assert_close(result["state"], result["dp_state"], rtol=0, atol=0, what="ZeRO-3 vs DP")
+
+
+@pytest.fixture(scope="session")
+def unused(workdir) -> dict:
+    return run_torchrun(workdir, "unused", 2)
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero1", "zero2", "zero3"])
+def test_parameters_without_gradients_are_left_alone(unused, layout) -> None:
+    # torch.optim skips a parameter whose .grad is None: an unused Linear keeps its exact
+    # initial bits (no AdamW weight decay), and one frozen after 3 steps stops where it was,
+    # its step count included, while the rest of its ZeRO unit (here one unit: the whole
+    # model) trains. Against eager on the full batch at reduction-order tolerance.
+    result, eager = unused[layout], unused["eager"]
+    assert not isinstance(result, str), result
+    for key in ("unused.weight", "unused.bias"):
+        assert torch.equal(result["state"][key], eager["initial"][key]), key
+    assert_close(result["state"], eager["state"], **REDUCTION_ADAM, what=layout)
+    assert result["traces"] == 2  # freezing changes which gradients the graph computes
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3"])
+def test_zero_optimizer_state_dict_holds_the_full_state(unused, layout) -> None:
+    # opt.state_dict() under ZeRO (a collective call) gathers the full state (it was
+    # empty): exactly data parallelism's (2 ranks: the same arithmetic), with eager's
+    # structure (no entry for the unused parameter, step 3 for the one frozen after 3
+    # steps); opt.state itself keeps no full copy afterwards.
+    result, dp, eager = unused[layout], unused["dp"], unused["eager"]
+    assert not isinstance(result, str), result
+    assert result["opt_before"]["state"] == dp["opt_before"]["state"] == {}
+    assert_close(result["opt"], dp["opt"], rtol=0, atol=0, what=f"{layout} opt.state_dict()")
+    assert sorted(result["opt"]["state"]) == sorted(eager["opt"]["state"])
+    assert_close(result["opt"]["state"], eager["opt"]["state"], **REDUCTION_ADAM, what="eager")
+    assert result["opt_state_after"] == 0
+    # opt.load_state_dict() shards the loaded state into the step (read back: the same).
+    assert_close(result["reloaded"], dp["opt"], rtol=0, atol=0, what=f"{layout} reloaded")
+
+
+def test_parameters_without_gradients_under_inductor(workdir) -> None:
+    # The same as above with Inductor's kernels: reduction-order tolerance against eager.
+    result = run_torchrun(workdir, "unused_inductor", 2)
+    zero, eager = result["zero3"], result["eager"]
+    for key in ("unused.weight", "unused.bias"):
+        assert torch.equal(zero["state"][key], eager["initial"][key]), key
+    assert_close(zero["state"], eager["state"], **REDUCTION_ADAM, what="ZeRO-3, Inductor")
+    assert sorted(zero["opt"]["state"]) == sorted(eager["opt"]["state"])

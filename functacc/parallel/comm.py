@@ -20,9 +20,11 @@ __all__ = [
     "CommStats",
     "all_gather",
     "all_reduce",
+    "average_written",
     "bucketed_all_reduce",
     "comm_stats",
     "reduce_scatter",
+    "written_tensors",
 ]
 
 Group = dist.ProcessGroup
@@ -106,16 +108,95 @@ def _reduce_bucket(
         pieces[name].append(piece)
 
 
-def average_floating(
+def average_written(
     tensors: Mapping[str, Tensor], group: Group, *, world: int, bucket_bytes: float
 ) -> dict[str, Tensor]:
-    """Average the floating-point tensors over ``group`` (BatchNorm statistics); others
-    (``num_batches_tracked``) are the same on every rank and stay as they are."""
-    floating = {n: t for n, t in tensors.items() if t.is_floating_point()}
+    """Average over ``group`` the floating-point tensors the traced step wrote (BatchNorm
+    running statistics): summed, then divided by ``world``, so every rank holds the same
+    correctly rounded mean whatever the world size. Tensors that were only read keep their
+    exact bits; integer ones (``num_batches_tracked``) are the same on every rank."""
+    written = written_tensors(tensors)
+    floating = {n: t for n, t in tensors.items() if t.is_floating_point() and n in written}
     if not floating:
         return dict(tensors)
-    averaged = bucketed_all_reduce(floating, group, scale=1.0 / world, bucket_bytes=bucket_bytes)
-    return {**tensors, **averaged}
+    summed = bucketed_all_reduce(floating, group, scale=1.0, bucket_bytes=bucket_bytes)
+    return {**tensors, **{n: t / world for n, t in summed.items()}}
+
+
+# Batch-norm kernels that update running_mean / running_var (arguments 3 and 4) in place
+# when training (argument 5) without declaring the write in their schema.
+_BATCH_NORMS = ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+
+
+def written_tensors(tensors: Mapping[str, Tensor]) -> set[str]:
+    """The names of ``tensors`` (new buffers of a step being traced by ``make_fx``) whose
+    value the step may have changed, read off the graph recorded so far.
+
+    A buffer reaches the model as a ``clone`` of its state tensor (once per micro-batch);
+    it is written if an op writes into that clone or into a view of it (an in-place op, a
+    ``copy_``, a batch norm's running statistics). Outside a trace, or for a tensor the
+    graph does not know, every tensor counts as written (safe: it is then averaged).
+
+    Example:
+        >>> import torch
+        >>> sorted(written_tensors({"a": torch.ones(2)}))  # not tracing: all written
+        ['a']
+    """
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return set(tensors)
+    out = set()
+    for name, t in tensors.items():
+        slot = get_proxy_slot(t, mode.tracer, None)
+        if slot is None or _chain_written(slot.proxy.node):
+            out.add(name)
+    return out
+
+
+def _chain_written(node: torch.fx.Node) -> bool:
+    aten = torch.ops.aten
+    while True:
+        if node.op == "placeholder":
+            return False  # the state's own tensor, unchanged
+        if node.target is not aten.clone.default:
+            # An in-place op rebinds the tensor to its own node; any other producer is
+            # unknown here, so the tensor counts as written.
+            return True
+        if writers(node):
+            return True
+        node = node.args[0]
+
+
+def writers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that write into the tensor of ``node`` (or into a view of it) in place,
+    including batch norms updating running statistics they do not declare as written; the
+    graph's data edges do not order these writes before later reads of ``node``."""
+    out = []
+    for user in node.users:
+        op = user.target
+        if not isinstance(op, torch._ops.OpOverload):
+            continue
+        schema = op._schema
+        written = False
+        for i, arg in enumerate(user.args):
+            if arg is not node:
+                continue
+            batch_norm = schema.name.split("::")[-1] in _BATCH_NORMS and i in (3, 4)
+            if batch_norm and len(user.args) > 5 and user.args[5]:
+                written = True
+            alias = schema.arguments[i].alias_info if i < len(schema.arguments) else None
+            written = written or (alias is not None and alias.is_write)
+        for key, arg in user.kwargs.items():
+            if arg is node:
+                alias = next((a.alias_info for a in schema.arguments if a.name == key), None)
+                written = written or (alias is not None and alias.is_write)
+        if written:
+            out.append(user)
+        elif any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            out.extend(writers(user))  # a view: writes into it write into node
+    return out
 
 
 _KINDS = {

@@ -6,8 +6,10 @@ all-reduce / reduce-scatter (with the pure ops that only build its input) to jus
 inputs are computed, and each ``wait_tensor`` to just before its result is used: the
 communication of the last layers' gradients runs while the first layers' gradients are still
 being computed, as DDP's bucketed hooks do. All-gathers (ZeRO-3 parameter gathers) are left
-where they are: moving them earlier would keep gathered weights alive longer. The pass only
-reorders; the arithmetic, and so the results, are unchanged.
+where they are: moving them earlier would keep gathered weights alive longer. A collective
+never moves above an in-place write into its inputs (a batch norm's running statistics are
+written without a data edge in the graph). The pass only reorders; the arithmetic, and so
+the results, are unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import itertools
 import operator
 
 from torch.fx import GraphModule, Node
+
+from .comm import writers
 
 _EARLY = {"all_reduce", "reduce_scatter_tensor"}
 
@@ -89,6 +93,16 @@ def issue_collectives_early(gm: GraphModule) -> int:
                 changed = True
     if not any(_is_collective(n) for n in nodes):
         return 0
+    # A moved node reads its inputs only after every earlier in-place write into them.
+    after: dict[Node, list[Node]] = {
+        n: [
+            w
+            for a in n.all_input_nodes
+            for w in writers(a)
+            if w is not n and position[w] < position[n]
+        ]
+        for n in prep
+    }
     order: list[Node] = []
     placed: set[Node] = set()
     pending = sorted(prep, key=position.get)
@@ -98,7 +112,7 @@ def issue_collectives_early(gm: GraphModule) -> int:
         """Place ``n`` after its inputs, pulling in (just in time) any not placed yet."""
         if n in placed:
             return
-        for a in n.all_input_nodes:
+        for a in [*n.all_input_nodes, *after.get(n, ())]:
             place(a)
         order.append(n)
         placed.add(n)
@@ -112,7 +126,7 @@ def issue_collectives_early(gm: GraphModule) -> int:
         while progress:
             progress = False
             for n in list(pending):
-                if all(available(a) for a in n.all_input_nodes):
+                if all(available(a) for a in [*n.all_input_nodes, *after[n]]):
                     place(n)
                     pending.remove(n)
                     progress = True

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..optim import global_norm
-from .comm import average_floating, bucketed_all_reduce
+from .comm import average_written, bucketed_all_reduce
 from .mesh import Topology
 
 __all__ = ["Replicated", "Strategy", "check_same_model", "sync_from_rank0"]
@@ -50,6 +50,15 @@ class Strategy:
             for name, value in self.full_params(params).items():
                 if model_params[name] is not value:
                     model_params[name].data = value.detach().clone()
+
+    @property
+    def model_synced(self) -> bool:
+        """Whether the model's parameters hold the full values (after ``sync_model``)."""
+        return True
+
+    def release_model_params(self, model_params: Mapping[str, Tensor]) -> None:
+        """Drop the model's full copies made by :meth:`write_model_params` where the state
+        holds shards (ZeRO-3), before the next step runs."""
 
     def load_full_params(self, model_params: Mapping[str, Tensor], live: dict) -> None:
         """Copy full parameters (the model's) into the live state where it differs."""
@@ -116,9 +125,10 @@ class Strategy:
 class Replicated(Strategy):
     """Data parallelism: whole parameters on every rank, gradients averaged by all-reduce.
 
-    Floating-point buffers (BatchNorm running statistics) are averaged over the ranks at the
-    end of every step, so every rank holds the same model; for running means that is exactly
-    the statistic of the global batch.
+    The floating-point buffers the step writes (BatchNorm running statistics) are averaged
+    over the ranks at the end of every step (summed, then divided by the world size), so every
+    rank holds the same model; for running means that is the statistic of the global batch.
+    Buffers the step only reads are left alone.
     """
 
     name = "data parallel"
@@ -164,7 +174,7 @@ class Replicated(Strategy):
         return reduced, extra
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        return average_floating(
+        return average_written(
             buffers, self.group, world=self.topology.world, bucket_bytes=self.bucket_bytes
         )
 

@@ -14,27 +14,34 @@ a shard group of n ranks owns the r-th of its n equal chunks.
 
 With ``shard_size`` < world size (hybrid), chunks are sharded within groups of
 ``shard_size`` ranks and the chunk gradients all-reduced across the groups.
+
+The optimizer works on *segments*: the part of each parameter inside this rank's chunk
+(possibly empty), keyed by the parameter's name, with the parameter's own step count. So a
+parameter that gets no gradient (unused in forward, or frozen with ``requires_grad_(False)``)
+is skipped exactly as ``torch.optim`` skips a ``.grad`` of ``None``: no weight decay, no
+moment update, no step count, while the rest of its unit trains.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from ..functional import check_module_classes
-from .comm import all_gather, all_reduce, average_floating, reduce_scatter
+from .comm import all_gather, all_reduce, average_written, reduce_scatter
 from .mesh import Topology
 from .strategy import Strategy
 
-__all__ = ["FlatUnit", "Sharded", "ZeRO"]
+__all__ = ["FlatUnit", "Segment", "Sharded", "ZeRO"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,37 @@ class FlatUnit:
         pieces = flat[: self.total].split(self.numels)
         return {n: p.view(s) for n, p, s in zip(self.names, pieces, self.shapes, strict=True)}
 
+    def segments(self, shard_rank: int) -> dict[str, Segment]:
+        """Where each parameter's part inside chunk ``shard_rank`` lies (possibly empty)."""
+        lo, hi = shard_rank * self.chunk, (shard_rank + 1) * self.chunk
+        out, offset = {}, 0
+        for name, numel in zip(self.names, self.numels, strict=True):
+            a = min(max(offset, lo), hi)
+            b = max(min(offset + numel, hi), a)
+            out[name] = Segment(self, a - lo, b - lo, a - offset if b > a else 0)
+            offset += numel
+        return out
+
+    def covered(self, shard_rank: int) -> int:
+        """Elements of chunk ``shard_rank`` that hold parameters (the rest is padding)."""
+        lo = shard_rank * self.chunk
+        return max(0, min(lo + self.chunk, self.total) - lo)
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """The part of one parameter inside this rank's chunk of its unit: chunk elements
+    ``[start, stop)``, which are the parameter's flat elements from ``offset``."""
+
+    unit: FlatUnit
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
 
 def _wrap_modules(model: nn.Module, classes: Collection[str] | None) -> list[str]:
     """Qualified names of the outermost modules whose class is in ``classes``."""
@@ -146,8 +184,10 @@ class Sharded(Strategy):
             else ""
         )
         self.model = model
+        self._model_full = True  # until live_params() empties the model (ZeRO-3)
         self.bucket_bytes = config.bucket_mb * 2**20
         params = dict(model.named_parameters())
+        self._param_objects = params
         if groups is None:  # a GradientTransformation: every trainable parameter
             groups = [[n for n, p in params.items() if p.requires_grad]]
         group_of = {n: i for i, g in enumerate(groups) for n in g}
@@ -155,8 +195,8 @@ class Sharded(Strategy):
         self.units: list[FlatUnit] = []
         by_key: dict[tuple, FlatUnit] = {}
         for name, p in params.items():
-            if not p.requires_grad or name not in group_of:
-                continue  # frozen or not optimised: stays whole on every rank
+            if name not in group_of:
+                continue  # not optimised: stays whole on every rank
             module = next((w for w in wraps if name.startswith(w + ".")), "")
             unit_key = (module, group_of[name], p.dtype, p.device)
             if unit_key not in by_key:
@@ -179,6 +219,10 @@ class Sharded(Strategy):
             by_key[unit_key].__post_init__()
         self.sharded_names = {n for u in self.units for n in u.names}
         self.unit_of = {n: u for u in self.units for n in u.names}
+        self.segment_of: dict[str, Segment] = {
+            n: seg for u in self.units for n, seg in u.segments(topology.shard_rank).items()
+        }
+        self._used: set[str] = set()  # ZeRO-3, while tracing: parameters that got gradients
         # Tied parameters: every other name under which a sharded parameter is reachable.
         canonical = {id(p): n for n, p in params.items()}
         self.aliases: dict[str, list[str]] = {}
@@ -208,10 +252,33 @@ class Sharded(Strategy):
                 for n in unit.names:
                     # The model keeps no full copy under ZeRO-3: sync_model() restores it.
                     params[n].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
+        self._model_full = False
         return live
 
+    @property
+    def model_synced(self) -> bool:
+        return self.stage < 3 or self._model_full
+
+    def write_model_params(self, params: Mapping[str, Tensor], model_params: dict) -> None:
+        super().write_model_params(params, model_params)
+        self._model_full = True
+
+    def release_model_params(self, model_params: Mapping[str, Tensor]) -> None:
+        if self.stage < 3 or not self._model_full:
+            return
+        # Back to the empty placeholders live_params() left: the step's graph never reads
+        # the model's own tensors (the gathered views replace them), and the full copies
+        # would otherwise stay resident for the rest of training.
+        for name in self.sharded_names:
+            unit = self.unit_of[name]
+            model_params[name].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
+        self._model_full = False
+
     def state_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return self.live_params({n: p.detach().clone() for n, p in params.items()})
+        model_full = self._model_full  # copies are emptied, not the model
+        live = self.live_params({n: p.detach().clone() for n, p in params.items()})
+        self._model_full = model_full
+        return live
 
     def full_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self.stage < 3:
@@ -228,7 +295,7 @@ class Sharded(Strategy):
         return out
 
     def optimizer_groups(self, groups: list[list[str]]) -> list[list[str]]:
-        return [[u.key for u in self.units if u.group == i] for i in range(len(groups))]
+        return [[n for n in g if n in self.sharded_names] for g in groups]
 
     def load_full_params(self, model_params: Mapping[str, Tensor], live: dict) -> None:
         if self.stage < 3:
@@ -239,35 +306,115 @@ class Sharded(Strategy):
                 live[unit.key].copy_(unit.my_chunk(flat, self.topology.shard_rank))
 
     def shard_optimizer_state(self, named_state: Any, transform: Any, opt_params: dict) -> Any:
-        """Flatten and shard a named optimizer state (torch's, when resuming) like the
-        parameters: per-parameter tensors are concatenated per unit, per-parameter scalars
-        (Adam's ``step``) taken from the unit's first parameter."""
+        """Shard a named optimizer state (torch's, when resuming) like the parameters: each
+        per-parameter tensor becomes its segment; per-parameter scalars (Adam's ``step``)
+        stay whole."""
         fresh = transform.init(opt_params)
         out = []
         for fresh_group, named_group in zip(fresh, named_state, strict=True):
             fields = {}
             for field_name in fresh_group._fields:
                 new, old = getattr(fresh_group, field_name), getattr(named_group, field_name)
-                if isinstance(new, dict) and any(u.key in new for u in self.units):
+                if isinstance(new, dict) and any(n in self.sharded_names for n in new):
                     fields[field_name] = {
-                        key: self._shard_of(self._unit(key), old, like) for key, like in new.items()
+                        name: self._segment_of(name, old[name], like) for name, like in new.items()
                     }
                 else:
                     fields[field_name] = old
             out.append(fresh_group._replace(**fields))
         return tuple(out)
 
-    def _unit(self, key: str) -> FlatUnit:
-        return next(u for u in self.units if u.key == key)
-
-    def _shard_of(self, unit: FlatUnit, named: Mapping[str, Tensor], like: Tensor) -> Tensor:
+    def _segment_of(self, name: str, full: Tensor, like: Tensor) -> Tensor:
         if like.dim() == 0:
-            return named[unit.names[0]].detach().clone().to(like)
-        flat = unit.flatten([named[n].detach() for n in unit.names])
-        return unit.my_chunk(flat, self.topology.shard_rank).clone()
+            return full.detach().clone().to(like)
+        seg = self.segment_of[name]
+        return full.detach().reshape(-1)[seg.offset : seg.offset + seg.numel].clone().to(like)
+
+    def full_optimizer_state(self, opt_state: Any) -> tuple:
+        """The named, full optimizer state (as data parallelism holds it) from this rank's
+        segments: each per-parameter tensor is all-gathered over the shard group, unit by
+        unit. A collective call: every rank of the shard group must make it."""
+        out = []
+        for group_state in opt_state:
+            fields = {}
+            for field_name in group_state._fields:
+                value = getattr(group_state, field_name)
+                if isinstance(value, dict) and any(n in self.sharded_names for n in value):
+                    fields[field_name] = self._gather_named(value)
+                else:
+                    fields[field_name] = value
+            out.append(group_state._replace(**fields))
+        return tuple(out)
+
+    def _gather_named(self, segments: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        full: dict[str, Tensor] = {}
+        for unit in self.units:
+            names = [n for n in unit.names if n in segments]
+            vectors = [n for n in names if segments[n].dim() > 0]
+            for n in names:
+                if segments[n].dim() == 0:
+                    full[n] = segments[n].detach().clone()
+            if not vectors:
+                continue
+            like = segments[vectors[0]]
+            rank_ = self.topology.shard_rank
+            pad = unit.chunk - unit.covered(rank_)
+            chunk = torch.cat(
+                [segments[n].detach().reshape(-1) for n in unit.names] + [like.new_zeros(pad)]
+            )
+            flat = chunk.new_empty(unit.chunk * unit.shard_size)
+            if self.topology.shard_group is None:
+                flat.copy_(chunk)
+            else:
+                dist.all_gather_into_tensor(flat, chunk, self.topology.shard_group)
+            full.update({n: t.clone() for n, t in unit.unflatten(flat).items() if n in vectors})
+        return full
+
+    def link_optimizer(self, link: Any, live: Callable[[], Any], transform: Callable) -> None:
+        """Make the ``torch.optim`` optimizer of ``link`` show the full state, as under data
+        parallelism: ``optimizer.state_dict()`` gathers it (a collective call: every rank
+        must make it) and ``optimizer.load_state_dict()`` shards what it loads into the
+        step's state. Between these calls ``optimizer.state`` stays empty (no full copy).
+        ``live()`` is the step's current TrainState (``None`` once the step is gone);
+        ``transform()`` its optimizer transformation."""
+        optimizer = link.optimizer
+
+        def before_state_dict(opt: Any) -> None:
+            state = live()
+            if state is None:
+                return
+            full = self.full_optimizer_state(state.opt_state)
+            link.install(full, _names_with_state(state.opt_state))
+
+        def after_state_dict(opt: Any, state_dict: dict) -> dict:
+            opt.state.clear()  # the returned dict keeps the gathered tensors
+            return state_dict
+
+        def after_load(opt: Any) -> None:
+            state = live()
+            if state is None:
+                return
+            like = dict(self._param_objects)
+            for name in self.sharded_names:  # ZeRO-3 holds empty placeholders in the model
+                unit = self.unit_of[name]
+                shape = unit.shapes[unit.names.index(name)]
+                like[name] = torch.empty(shape, dtype=unit.dtype, device=unit.device)
+            named = link.read_state(like, copy=True)
+            params = self.optimizer_params(state.params)
+            sharded = self.shard_optimizer_state(named, transform(), params)
+            with torch.no_grad():
+                leaves = pytree.tree_leaves(state.opt_state)
+                for old, new in zip(leaves, pytree.tree_leaves(sharded), strict=True):
+                    old.copy_(new)
+            opt.state.clear()
+
+        optimizer.register_state_dict_pre_hook(before_state_dict)
+        optimizer.register_state_dict_post_hook(after_state_dict)
+        optimizer.register_load_state_dict_post_hook(after_load)
 
     # -- inside the traced step ----------------------------------------------------------
     def differentiable(self, params: Mapping[str, Tensor], trainable: set[str]) -> list[str]:
+        self._used = set()  # a new trace starts: materialize() records what gets gradients
         if self.stage < 3:
             return [n for n in params if n in trainable]
         return [u.key for u in self.units] + [
@@ -290,12 +437,13 @@ class Sharded(Strategy):
             }
 
     def optimizer_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        if self.stage == 3:
-            return {u.key: params[u.key] for u in self.units}
-        return {
-            u.key: u.my_chunk(u.flatten([params[n] for n in u.names]), self.topology.shard_rank)
-            for u in self.units
-        }
+        out = {}
+        for name, seg in self.segment_of.items():
+            if self.stage == 3:
+                out[name] = params[seg.unit.key][seg.start : seg.stop]
+            else:
+                out[name] = params[name].reshape(-1)[seg.offset : seg.offset + seg.numel]
+        return out
 
     def reduce_gradients(
         self, grads: dict[str, Tensor], extra: dict[str, Any], signature: tuple
@@ -307,8 +455,10 @@ class Sharded(Strategy):
                 if unit.key not in grads:
                     continue
                 chunk = grads[unit.key]  # the gather's backward already reduce-scattered
+                with_grads = [n for n in unit.names if n in self._used]
             else:
                 present = [n for n in unit.names if n in grads]
+                with_grads = present
                 if not present:
                     continue
                 flat = (
@@ -328,11 +478,15 @@ class Sharded(Strategy):
                 chunk = chunk / world
             if topo.replicate_group is not None and self.stage != 1:
                 chunk = all_reduce(chunk, topo.replicate_group)
-            out[unit.key] = chunk
+            # Only the parameters that got a gradient are updated (torch.optim skips a
+            # .grad of None); the unit's chunk still travels whole.
+            for name in with_grads:
+                seg = self.segment_of[name]
+                out[name] = chunk[seg.start : seg.stop]
         return out, extra
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        return average_floating(
+        return average_written(
             buffers, dist.group.WORLD, world=self.topology.world, bucket_bytes=self.bucket_bytes
         )
 
@@ -350,17 +504,37 @@ class Sharded(Strategy):
     def new_params(
         self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
-        if self.stage == 3:
-            return {n: updated.get(n, p) for n, p in params.items()}
         new = dict(params)
+        old = self.optimizer_params(params)
+        shard_rank = self.topology.shard_rank
         for unit in self.units:
-            if unit.key not in updated:
+            if not any(n in updated for n in unit.names):
                 continue
-            flat = updated[unit.key]
+            pieces = [updated.get(n, old[n]) for n in unit.names]
+            pad = unit.chunk - unit.covered(shard_rank)
+            if pad:  # padding stays zero
+                pieces.append(pieces[0].new_zeros(pad))
+            chunk = torch.cat(pieces)
+            if self.stage == 3:
+                new[unit.key] = chunk
+                continue
+            flat = chunk
             if self.topology.shard_group is not None:
-                flat = all_gather(flat, self.topology.shard_group)
+                flat = all_gather(chunk, self.topology.shard_group)
             new.update(unit.unflatten(flat))
         return new
+
+
+def _names_with_state(opt_state: Any) -> set[str]:
+    """Parameters that have had a gradient (torch.optim creates their state then): Adam's
+    step count is positive, SGD's momentum buffer initialised."""
+    names = set()
+    for group in opt_state:
+        if hasattr(group, "step"):
+            names.update(n for n, t in group.step.items() if float(t) > 0)
+        elif hasattr(group, "initialized"):
+            names.update(n for n, t in group.initialized.items() if bool(t))
+    return names
 
 
 class _Gatherer:
@@ -390,8 +564,20 @@ class _Gatherer:
                 full = self.gather(unit, self.params[unit.key])
                 self.gathered[id(full)] = unit
                 for name, view in unit.unflatten(full).items():
+                    if not self.strategy._param_objects[name].requires_grad:
+                        view = view.detach()  # frozen: no gradient, as in eager
+                    elif view.requires_grad:
+                        # Which parameters get a gradient (torch.optim skips the others):
+                        # the hook runs while backward is traced, only for used views.
+                        view.register_hook(self._record(name))
                     for alias in (name, *self.strategy.aliases.get(name, ())):
                         self.accessor.swap_tensor(alias, view)
+
+        return hook
+
+    def _record(self, name: str):
+        def hook(grad: Tensor) -> None:
+            self.strategy._used.add(name)
 
         return hook
 

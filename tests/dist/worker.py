@@ -485,5 +485,225 @@ def scenario_samplers(out: dict) -> None:
 SCENARIOS["samplers"] = scenario_samplers
 
 
+# -- issue "Trust": each behaves like eager PyTorch / one-process data parallelism -----------
+
+
+class ScaledBN(nn.Module):
+    """Linear -> BatchNorm1d -> times a float buffer the forward only reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 5)
+        self.register_buffer("scale", torch.randn(8))
+
+    def forward(self, x):
+        return self.head(self.bn(self.fc(x)) * self.scale)
+
+
+def _buffer_replicas(world: int, steps: int):
+    """The reference: ``world`` eager replicas in this process, gradients averaged
+    (summed, then divided) and BatchNorm running statistics summed, then divided by the
+    world size after every step."""
+    torch.manual_seed(0)
+    replicas = [ScaledBN() for _ in range(world)]
+    for r in replicas[1:]:
+        r.load_state_dict(replicas[0].state_dict())
+    opts = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in replicas]
+    for x, y in batches("vector", world, n=steps):
+        for r, (m, opt) in enumerate(zip(replicas, opts, strict=True)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x.chunk(world)[r]), y.chunk(world)[r]).backward()
+        with torch.no_grad():
+            for ps in zip(*(m.parameters() for m in replicas), strict=True):
+                mean = sum(p.grad for p in ps) / world
+                for p in ps:
+                    p.grad = mean.clone()
+        for opt in opts:
+            opt.step()
+        with torch.no_grad():
+            for name in ("running_mean", "running_var"):
+                mean = sum(getattr(m.bn, name) for m in replicas) / world
+                for m in replicas:
+                    getattr(m.bn, name).copy_(mean)
+    return copy.deepcopy(replicas[0].state_dict())
+
+
+def scenario_buffers3(out: dict) -> None:
+    """Buffers under data parallelism and ZeRO on 3 ranks (not a power of two)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = 4
+    out["reference"] = _buffer_replicas(world, steps)
+    for name, parallel in (("dp", DataParallel()), ("zero2", ZeRO(2))):
+        torch.manual_seed(0)
+        model = ScaledBN()
+        initial = model.scale.clone()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
+        )
+        for x, y in batches("vector", world, n=steps):
+            step(x.chunk(world)[rank], y.chunk(world)[rank])
+        step.sync_model()
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, state)
+        out[name] = {"initial_scale": initial, "ranks": gathered}
+
+
+SCENARIOS["buffers3"] = scenario_buffers3
+
+
+def _placeholders(model: nn.Module) -> bool:
+    """Whether every parameter is ZeRO-3's empty placeholder (no storage behind it)."""
+    return all(
+        p.numel() == 0 and p.untyped_storage().nbytes() == 0 for p in model.parameters()
+    )
+
+
+def scenario_zero3_sync(out: dict) -> None:
+    """ZeRO-3: sync_model() and save_model() between steps neither retrace nor leave the
+    full weights in the model once training goes on."""
+    import tempfile
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches("vector", world, n=6)
+    torch.manual_seed(0)
+    model = models.mlp()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager",
+        parallel=ZeRO(3, wrap_layer_cls={"Linear"}),
+    )
+    for x, y in data[:3]:
+        step(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["placeholders_before"] = _placeholders(model)
+    step.sync_model()
+    out["synced_full"] = all(p.shape == shapes[n] for n, p in model.named_parameters())
+    out["traces_before"] = step.num_traces
+    x, y = data[3]
+    step(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["traces_after_sync"] = step.num_traces
+    out["placeholders_after_sync"] = _placeholders(model)
+    path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    functacc.save_model(step, path)
+    out["placeholders_after_save"] = _placeholders(model)
+    for x, y in data[4:]:
+        step(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["traces_after_save"] = step.num_traces
+    step.sync_model()
+    out["state"] = copy.deepcopy(model.state_dict())
+    torch.manual_seed(0)
+    reference = models.mlp()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.05)
+    dp = functacc.compile_step(reference, nn.CrossEntropyLoss(), opt, backend="eager")
+    for x, y in data:
+        dp(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["dp_state"] = copy.deepcopy(reference.state_dict())
+
+
+SCENARIOS["zero3_sync"] = scenario_zero3_sync
+
+
+class WithUnused(nn.Module):
+    """``unused`` never runs; ``late`` gets frozen half-way through training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.unused = nn.Linear(16, 16)
+        self.late = nn.Linear(32, 32)
+        self.fc2 = nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h + torch.relu(self.late(h)))
+
+
+UNUSED_STEPS, FREEZE_AT = 6, 3
+
+
+def _unused_opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _unused_eager(world: int) -> dict:
+    """Eager PyTorch, one process, the full batch: the reference."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    initial = copy.deepcopy(model.state_dict())
+    opt = _unused_opt(model)
+    for i, (x, y) in enumerate(batches("vector", world, n=UNUSED_STEPS)):
+        if i == FREEZE_AT:
+            model.late.requires_grad_(False)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {
+        "initial": initial,
+        "state": copy.deepcopy(model.state_dict()),
+        "opt": copy.deepcopy(opt.state_dict()),
+    }
+
+
+def _unused_run(parallel, backend: str = "eager") -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = WithUnused()
+    opt = _unused_opt(model)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend=backend, parallel=parallel
+    )
+    out = {"opt_before": copy.deepcopy(opt.state_dict())}
+    for i, (x, y) in enumerate(batches("vector", world, n=UNUSED_STEPS)):
+        if i == FREEZE_AT:
+            model.late.requires_grad_(False)
+        step(x.chunk(world)[rank], y.chunk(world)[rank])
+    step.sync_model()
+    out["state"] = copy.deepcopy(model.state_dict())
+    out["opt"] = copy.deepcopy(opt.state_dict())  # a collective call under ZeRO
+    out["opt_state_after"] = len(opt.state)  # ZeRO keeps no full copy in opt.state
+    out["traces"] = step.num_traces
+    return out
+
+
+def scenario_unused(out: dict) -> None:
+    """Parameters without gradients (never used; frozen after the step was built) under
+    data parallelism and ZeRO 1-3, against eager PyTorch on the full batch; and the
+    optimizer's state_dict()."""
+    out["eager"] = _unused_eager(dist.get_world_size())
+    out["dp"] = _unused_run(DataParallel())
+    for stage in (1, 2, 3):
+        try:
+            out[f"zero{stage}"] = _unused_run(ZeRO(stage))
+            out[f"zero{stage}"]["reloaded"] = _reload(ZeRO(stage), out["dp"]["opt"])
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[f"zero{stage}"] = f"{type(exc).__name__}: {exc}"
+
+
+def _reload(parallel, opt_state: dict) -> dict:
+    """opt.load_state_dict() into a ZeRO step, read back through opt.state_dict()."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    opt = _unused_opt(model)
+    functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel)
+    opt.load_state_dict(copy.deepcopy(opt_state))
+    return copy.deepcopy(opt.state_dict())
+
+
+SCENARIOS["unused"] = scenario_unused
+
+
+def scenario_unused_inductor(out: dict) -> None:
+    """ZeRO-3 under Inductor (empty segments included: the root unit spans the ranks)."""
+    out["eager"] = _unused_eager(dist.get_world_size())
+    out["zero3"] = _unused_run(ZeRO(3), backend="inductor")
+
+
+SCENARIOS["unused_inductor"] = scenario_unused_inductor
+
+
 if __name__ == "__main__":
     main()
