@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -48,16 +49,26 @@ class _RandomReplay(TorchDispatchMode):
         return value.clone()
 
 
-def _with_replay(forward: Callable) -> Callable:
+def _with_replay(module: nn.Module, forward: Callable) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         recorded: list = []
         calls = {"n": 0}
+        # The tensors the forward pass reads: inside the traced step these are the step's
+        # parameters, swapped in by functional_call. Backward runs after that swap has
+        # ended, so the recomputation swaps the same tensors in again; otherwise it would
+        # read the module's own nn.Parameters, which the trace bakes in as constants
+        # (Inductor compiled their values at the first step: stale gradients afterwards).
+        tensors = {
+            **dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False)),
+        }
 
         def body(*a: Any, **k: Any) -> Any:
             # The first call is the forward pass; the second, from backward, recomputes.
             replaying = calls["n"] > 0
             calls["n"] += 1
-            with _RandomReplay(recorded, replaying=replaying):
+            swap = _reparametrize_module(module, tensors) if replaying else contextlib.nullcontext()
+            with swap, _RandomReplay(recorded, replaying=replaying):
                 return forward(*a, **k)
 
         return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
@@ -65,26 +76,10 @@ def _with_replay(forward: Callable) -> Callable:
     return run
 
 
-def validate_remat(
-    model: nn.Module, classes: Collection[str] | None, backend: str = "eager"
-) -> frozenset[str]:
+def validate_remat(model: nn.Module, classes: Collection[str] | None) -> frozenset[str]:
     if not classes:
         return frozenset()
-    checked = frozenset(check_module_classes(model, classes, "remat"))
-    if backend == "inductor":
-        # Measured on a deep MLP (tests/test_remat.py): from the second step on, the
-        # gradients of the recomputed blocks differ from eager's by about 1e-3 relative
-        # (SGD, no dropout), and peak memory is higher, not lower. The compiled graph alone,
-        # run on the same state, matches eager; the cause is not found yet. Until it is,
-        # refuse rather than train on different gradients.
-        raise NotImplementedError(
-            f"remat={sorted(classes)} with backend='inductor' is not supported in this "
-            "version: its gradients differ from eager PyTorch's from the second step on "
-            "(a known bug under investigation) and it does not lower memory. Use "
-            "backend='eager' with remat (bit-identical to eager, lower memory), or drop "
-            "remat to compile with Inductor."
-        )
-    return checked
+    return frozenset(check_module_classes(model, classes, "remat"))
 
 
 @contextlib.contextmanager
@@ -101,7 +96,7 @@ def rematerialize(model: nn.Module, classes: Collection[str]) -> Iterator[None]:
         if any(name.startswith(p + ".") for p in prefixes):
             continue  # inside a module already recomputed as a whole
         prefixes.append(name)
-        module.forward = _with_replay(module.forward)  # an instance attribute shadows
+        module.forward = _with_replay(module, module.forward)  # an instance attribute shadows
         patched.append(module)
     try:
         yield

@@ -157,7 +157,7 @@ class Step:
             grad_accum_steps,
             max_grad_norm,
             self.precision,
-            validate_remat(model, remat, backend),
+            validate_remat(model, remat),
         )
         self._set_live_state(self._initial_state(opt))
         self._installed = False

@@ -137,13 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         classes = (
             REMAT_DEFAULTS[args.model] if args.remat == "default" else set(args.remat.split(","))
         )
-        # remat is refused with Inductor (functacc.remat says why): the FX backend shows
-        # its memory saving, not a speed.
-        factories.append(
-            lambda: competitors.functacc_variant(
-                workload, "remat (FX eager backend)", remat=classes, backend="eager"
-            )
-        )
+        factories.append(lambda: competitors.functacc_variant(workload, "remat", remat=classes))
     variants = [o.strip() for o in (args.inductor_variants or "").split(",") if o.strip()]
     for option in variants:
         factories.append(
