@@ -141,3 +141,20 @@ def assert_same_training(
 def twin(model: nn.Module, make_opt: Callable) -> tuple[nn.Module, Any, nn.Module, Any]:
     ref = copy.deepcopy(model)
     return model, make_opt(model), ref, make_opt(ref)
+
+
+class Snapshot:
+    """Everything a failed call must leave as it was: model, optimizer, step count, RNG."""
+
+    def __init__(self, model: nn.Module, opt: Any, step: Any):
+        self.model, self.opt, self.step = model, opt, step
+        self.model_state = copy.deepcopy(model.state_dict())
+        self.opt_state = copy.deepcopy(opt.state_dict())
+        self.count = step.count
+        self.rng = torch.get_rng_state()
+
+    def assert_unchanged(self) -> None:
+        assert_close(self.model.state_dict(), self.model_state, rtol=0, atol=0, what="model")
+        assert_close(self.opt.state_dict(), self.opt_state, rtol=0, atol=0, what="optimizer")
+        assert self.step.count == self.count
+        assert torch.equal(torch.get_rng_state(), self.rng)

@@ -13,7 +13,7 @@ import logging
 import models
 import pytest
 import torch
-from helpers import assert_close
+from helpers import Snapshot, assert_close
 from torch import nn
 
 import functacc
@@ -77,23 +77,6 @@ def step_losses(step, batches):
         torch.manual_seed(i)
         out.append(step(x, y) if step.loss_fn else step(**x))
     return out
-
-
-class Snapshot:
-    """Everything a failed call must leave as it was."""
-
-    def __init__(self, model, opt, step):
-        self.model, self.opt, self.step = model, opt, step
-        self.model_state = copy.deepcopy(model.state_dict())
-        self.opt_state = copy.deepcopy(opt.state_dict())
-        self.count = step.count
-        self.rng = torch.get_rng_state()
-
-    def assert_unchanged(self):
-        assert_close(self.model.state_dict(), self.model_state, **EXACT, what="model")
-        assert_close(self.opt.state_dict(), self.opt_state, **EXACT, what="optimizer")
-        assert self.step.count == self.count
-        assert torch.equal(torch.get_rng_state(), self.rng)
 
 
 # -- Hugging Face models, dynamic padding --------------------------------------------------

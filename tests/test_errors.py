@@ -8,7 +8,7 @@ import math
 import models
 import pytest
 import torch
-from helpers import assert_close
+from helpers import Snapshot, assert_close
 from torch import nn
 
 import functacc
@@ -52,21 +52,6 @@ def trained(kind="cnn", **kw):
 def batch(kind="cnn", n=8):
     x = torch.randn(n, 3, 16, 16) if kind == "cnn" else torch.randn(n, 16)
     return x, torch.randint(0, 5, (n,))
-
-
-class Snapshot:
-    def __init__(self, model, opt, step):
-        self.model, self.opt, self.step = model, opt, step
-        self.model_state = copy.deepcopy(model.state_dict())
-        self.opt_state = copy.deepcopy(opt.state_dict())
-        self.count = step.count
-        self.rng = torch.get_rng_state()
-
-    def assert_unchanged(self):
-        assert_close(self.model.state_dict(), self.model_state, rtol=0, atol=0, what="model")
-        assert_close(self.opt.state_dict(), self.opt_state, rtol=0, atol=0, what="optimizer")
-        assert self.step.count == self.count
-        assert torch.equal(torch.get_rng_state(), self.rng)
 
 
 def test_data_dependent_control_flow_names_module_and_line() -> None:

@@ -347,20 +347,8 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    scenario, path = sys.argv[1], sys.argv[2]
-    functacc.init_distributed()
-    out: dict = {}
-    try:
-        SCENARIOS[scenario](out)
-    except Exception:
-        traceback.print_exc()
-        raise
-    if dist.get_rank() == 0:
-        torch.save(out, path)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(__file__))
+    from worker import main
+
+    main(SCENARIOS)

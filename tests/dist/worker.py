@@ -295,12 +295,14 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
+def main(scenarios: dict | None = None) -> None:
+    """Run ``argv[1]`` of ``scenarios`` (default: this file's) on every rank; rank 0 saves
+    what it put in ``out`` to ``argv[2]``."""
     scenario, path = sys.argv[1], sys.argv[2]
     functacc.init_distributed()
     out: dict = {}
     try:
-        SCENARIOS[scenario](out)
+        (scenarios or SCENARIOS)[scenario](out)
     except Exception:
         traceback.print_exc()
         raise
