@@ -208,3 +208,15 @@ def test_nonfinite_inputs_update_everything_like_eager() -> None:
     assert step.count == 2
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
     assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=0, atol=0, what="optimizer")
+
+
+def test_inductor_options_are_checked_when_the_step_is_built() -> None:
+    # A typo must fail at once, not minutes later in the first compile.
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"unknown inductor_options \['cpp_wraper'\].*cpp_wrapper"):
+        functacc.compile_step(model, nn.MSELoss(), opt, inductor_options={"cpp_wraper": True})
+    with pytest.raises(ValueError, match=r"apply only to backend='inductor'"):
+        functacc.compile_step(
+            model, nn.MSELoss(), opt, backend="eager", inductor_options={"cpp_wrapper": True}
+        )
