@@ -104,18 +104,25 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
     # The marker's outputs (getitems) stand for its inputs; the marker itself goes.
     marked = {user: marker.args[0][user.args[1]] for user in marker.users}
 
-    def resolve(value: Node) -> Node:
-        return marked.get(value, value)
-
     downstream = _descendants(list(marked))
     # The gradients graph computes what the update takes and every output that does not
     # depend on the update; everything else (the update, the state writes) is the update.
     roots = [*marker.args[0], *(r for r in results if isinstance(r, Node) and r not in downstream)]
     in_gradients = _ancestors(roots)
+    same = _hoist_scalars(nodes, in_gradients, marked)  # duplicates -> the one kept
+
+    def resolve(value: Node) -> Node:
+        value = marked.get(value, value)
+        return same.get(value, value)
+
     update_nodes = [
         n
         for n in nodes
-        if n.op == "call_function" and n not in in_gradients and n is not marker and n not in marked
+        if n.op == "call_function"
+        and n not in in_gradients
+        and n not in same
+        and n is not marker
+        and n not in marked
     ]
     update_set = set(update_nodes)
     read = {resolve(a) for n in update_nodes for a in n.all_input_nodes}
@@ -152,8 +159,10 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
         tuple(copies[n] for n in carried)
         + tuple(copies[resolve(r)] if isinstance(r, Node) else r for r in kept)
     )
+    for duplicate, kept_node in same.items():  # hoisted scalars may read a duplicate
+        copies[duplicate].replace_all_uses_with(copies[kept_node])
     for n in reversed(nodes):
-        if n in update_set or n in marked or n is marker:
+        if n in update_set or n in same or n in marked or n is marker:
             gradients.erase_node(copies[n])
 
     outputs, counts = [], {"gradients": 0, "update": 0}
@@ -168,6 +177,84 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
         update_examples=[_example(n) for n in carried],
         outputs=outputs,
     )
+
+
+def _hoist_scalars(nodes: Sequence[Node], in_gradients: set[Node], marked: dict) -> dict:
+    """Move the update's scalar arithmetic (bias corrections, step sizes: 0-dim values that
+    need no gradient) into the gradients graph, in place in ``in_gradients``; returns the
+    duplicates it found (the same op on the same inputs) mapped to the node kept.
+
+    Inside one graph Inductor inlines such scalars into the pointwise kernels that use them,
+    so a ``pow(beta2, step)`` in double runs once per vector of every parameter: measured
+    here, the AdamW update of an 8 x 256 x 256 MLP took 1.8 ms, more than forward and
+    backward. Computed before the update graph, each becomes one load. Writes (``copy_``,
+    ``add_``), views and random ops stay where they are.
+    """
+    movable: set[Node] = set()
+    for n in nodes:
+        if n.op != "call_function" or n in in_gradients or not _pure_scalar(n):
+            continue
+        if any(a in marked for a in n.all_input_nodes):
+            continue  # a 0-dim parameter's gradient: the update reads it through the marker
+        if all(
+            a.op in ("placeholder", "get_attr") or a in in_gradients or a in movable
+            for a in n.all_input_nodes
+        ):
+            movable.add(n)
+    # Only what a kernel over whole tensors reads: a scalar written straight into 0-dim
+    # state (SGD's ``initialized`` flags) would only become one more output to allocate.
+    wanted = _ancestors(
+        [
+            a
+            for n in nodes
+            if n.op == "call_function"
+            and n not in movable
+            and n not in in_gradients
+            and not _is_scalar(n)
+            for a in n.all_input_nodes
+            if a in movable
+        ]
+    )
+    seen: dict[tuple, Node] = {}
+    same: dict[Node, Node] = {}
+    for n in nodes:
+        if n not in movable or n not in wanted:
+            continue
+        key = (
+            n.target,
+            repr(torch.fx.map_arg(n.args, lambda a: same.get(a, a))),
+            repr(torch.fx.map_arg(n.kwargs, lambda a: same.get(a, a))),
+        )
+        if key in seen:
+            same[n] = seen[key]
+            continue
+        seen[key] = n
+        in_gradients.add(n)
+    return same
+
+
+def _is_scalar(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, Tensor) and value.dim() == 0
+
+
+def _pure_scalar(node: Node) -> bool:
+    """A 0-dim value computed by an op that writes nothing, aliases nothing, draws nothing,
+    and that no later op writes into."""
+    schema = getattr(node.target, "_schema", None)
+    if not _is_scalar(node) or schema is None:
+        return False
+    if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        return False
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        return False
+    for user in node.users:
+        user_schema = getattr(user.target, "_schema", None)
+        if user_schema is not None and user_schema.is_mutable:
+            for arg, value in zip(user_schema.arguments, user.args, strict=False):
+                if value is node and arg.alias_info is not None and arg.alias_info.is_write:
+                    return False
+    return True
 
 
 def _descendants(start: Sequence[Node]) -> set[Node]:
