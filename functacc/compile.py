@@ -1,11 +1,11 @@
-"""Backends that turn a traced graph into a callable, and the per-signature cache."""
+"""Backends that turn a traced graph into a callable (the per-signature cache: ``cache.py``)."""
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -14,8 +14,6 @@ from torch.fx import GraphModule
 __all__ = [
     "Backend",
     "Compiled",
-    "SignatureCache",
-    "TensorSpec",
     "check_inductor_options",
     "compile_graph",
 ]
@@ -167,71 +165,3 @@ def _views_to_reshapes(gm: GraphModule) -> None:
         if not any(n in aliased_writes for n in chain(node)):
             node.target = torch.ops.aten.reshape.default
     gm.recompile()
-
-
-class SignatureCache:
-    """Compiled programs keyed by input signature, with the reason for every retrace.
-
-    Example:
-        >>> cache = SignatureCache("step")
-        >>> cache.reason(("a", 1))
-        'first call'
-    """
-
-    def __init__(self, what: str):
-        self.what = what
-        self._entries: dict[Hashable, object] = {}
-        self._last_key: Hashable | None = None
-        self.num_traces = 0
-
-    def get(self, key: Hashable) -> object | None:
-        return self._entries.get(key)
-
-    def reason(self, key: Hashable) -> str:
-        if self._last_key is None:
-            return "first call"
-        return describe_difference(self._last_key, key)
-
-    def put(self, key: Hashable, value: object, *, reason: str) -> None:
-        self.num_traces += 1
-        self._entries[key] = value
-        self._last_key = key
-        log.info("functacc: traced %s (trace #%d): %s", self.what, self.num_traces, reason)
-
-
-class TensorSpec(NamedTuple):
-    """What a compiled graph assumes about one input tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, t: Tensor) -> TensorSpec:
-        return cls(tuple(t.shape), t.dtype, t.device, t.stride())
-
-    def __repr__(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.shape} {dtype} on {self.device} (stride {self.stride})"
-
-
-def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
-    """Where two signature keys first differ, e.g. ``inputs[0]: (8, 3) ... -> (5, 3) ...``.
-
-    Keys are nested plain tuples; ``(label, value)`` pairs name their part.
-    """
-    if type(old) is tuple and type(new) is tuple:
-        if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
-            return describe_difference(old[1], new[1], f"{path}{old[0]}")
-        if len(old) == len(new):
-            for i, (a, b) in enumerate(zip(old, new, strict=True)):
-                if a != b:
-                    inner = f"{path}[{i}]" if path and _is_sequence_of_specs(old) else path
-                    return describe_difference(a, b, inner)
-    where = f"{path}: " if path else ""
-    return f"{where}{old!r} -> {new!r}"
-
-
-def _is_sequence_of_specs(key: tuple) -> bool:
-    return all(isinstance(x, TensorSpec) for x in key)

@@ -12,7 +12,6 @@ Two forms share the same mathematics (:mod:`functacc.step_fn`):
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import weakref
 from collections.abc import Collection, Iterable
@@ -36,9 +35,9 @@ from .parallel.strategy import check_same_model, sync_from_rank0
 from .precision import resolve_precision
 from .remat import validate_remat
 from .signature import (
+    AmbientWatch,
     ModelWatch,
     TensorSpec,
-    ambient_key,
     batch_names,
     family_key,
     hashable_constant,
@@ -65,7 +64,7 @@ class _Program:
 
 
 _tensor_key = TensorSpec.of
-_TRAINING = operator.attrgetter("training")
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class Step:
@@ -121,7 +120,9 @@ class Step:
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
         self._modules = list(model.modules())
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
-        self._model_watch = ModelWatch(self._params, self._model_tensors)
+        self._model_watch = ModelWatch(self._modules, self._params, self._model_tensors)
+        self._context_parts: tuple | None = None
+        self._context_key: tuple = ()
         self._last_key: tuple | None = None
         self._last_key_program: _Program | None = None
         self._attributes = tensor_attributes(model)
@@ -143,6 +144,7 @@ class Step:
             sync_from_rank0({**self._params, **self._buffers})
         self.precision = resolve_precision(precision)
         self._device = next((t.device for t in self._params.values()), torch.device("cpu"))
+        self._ambient = AmbientWatch(self._device.type)
         self._cuda_graphs = check_cuda_graphs(cuda_graphs, self._device)
         if not isinstance(cuda_graph_cache_size, int) or cuda_graph_cache_size < 1:
             raise ValueError(
@@ -214,13 +216,17 @@ class Step:
         """
         program, tensors = self._stateful_program(args, kwargs)
         rng = _rng_state(self._device) if program.random else None
+        # The graph writes into tensors that require grad: run it without autograd. Grad
+        # mode is on here (checked above); switching it directly costs a tenth of no_grad().
+        _set_grad_enabled(False)
         try:
-            with torch.no_grad():
-                loss = program.run([*self._live_leaves, *tensors])[0]
+            loss = program.run([*self._live_leaves, *tensors])[0]
         except Exception as exc:
             if rng is not None:  # the graph may have drawn dropout masks before it failed
                 _set_rng_state(rng, self._device)
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
+        finally:
+            _set_grad_enabled(True)
         self._calls += 1
         self._last_program = program
         if self._link is not None:
@@ -395,25 +401,39 @@ class Step:
             opt_state = self._link.read_state(self._params, copy=False)
             self._set_live_state(self._live._replace(opt_state=opt_state))
             self._installed = False
+        if not self._link.poll():
+            return  # param_groups as at the last call: nothing to re-read
         hyper_key = self._link.structure_key()
         if hyper_key != self._hyper_key:
             self._fn.transform = self._build_transform(self._link.optimizer)
             self._hyper_key = hyper_key
+        self._link.sync_hyperparams(self._live.opt_state)
 
     def _state_key(self, count: int) -> tuple:
-        # Per-call checks of what changes the graph, each a C-level map over the model:
-        # train/eval mode, which parameters are trainable, the dtypes of the model's tensors,
-        # then the optimizer structure and the ambient state a trace bakes in (autocast,
-        # default dtype). Sizes and strides of the graph's inputs are not re-read here: the
-        # compiled graph asserts them on every call (Inductor's wrapper; the eager backend's
-        # ops reject other sizes), and the live state keeps them.
-        return (
-            ("train mode", tuple(map(_TRAINING, self._modules))),
-            *self._model_watch.key(),
-            ("optimizer hyperparameters", self._hyper_key),
-            ("parallel", self._strategy.signature(count)),
-            ("ambient", ambient_key(self._device.type)),
+        # Per-call checks of what changes the graph: train/eval mode, which parameters are
+        # trainable, the dtypes of the model's tensors, the optimizer structure, the
+        # strategy's phase and the ambient state a trace bakes in (autocast, default dtype).
+        # Each watch returns the same object while its part is unchanged, so the common call
+        # compares a few identities and reuses the last key. Sizes and strides of the graph's
+        # inputs are not re-read here: the compiled graph asserts them on every call
+        # (Inductor's wrapper; the eager backend's ops reject other sizes), and the live
+        # state keeps them.
+        parts = (
+            self._model_watch.key(),
+            self._hyper_key,
+            self._strategy.signature(count),
+            self._ambient.key(),
         )
+        if parts != self._context_parts:
+            model, hyper, parallel, ambient = parts
+            self._context_parts = parts
+            self._context_key = (
+                *model,
+                ("optimizer hyperparameters", hyper),
+                ("parallel", parallel),
+                ("ambient", ambient),
+            )
+        return self._context_key
 
     # -- programs ----------------------------------------------------------------------
     def _stateful_program(self, args: tuple, kwargs: dict) -> tuple[_Program, list[Tensor]]:
@@ -421,8 +441,6 @@ class Step:
         self._check_call(args, kwargs)
         self._strategy.release_model_params(self._params)  # after sync_model (ZeRO-3)
         self._refresh_live_state()
-        if self._link is not None:
-            self._link.sync_hyperparams(self._live.opt_state)
         context = ("inplace", self._state_key(self._calls))
         return self._program(context, self._live, args, kwargs, inplace=True, count=self._calls)
 

@@ -55,6 +55,21 @@ def _check_supported(optimizer: Any) -> None:
             )
 
 
+# Every param_groups entry that the structure or the hyperparameter values are read from.
+_WATCHED = (
+    "lr",
+    "momentum",
+    "dampening",
+    "weight_decay",
+    "nesterov",
+    "maximize",
+    "betas",
+    "eps",
+    "amsgrad",
+    "decoupled_weight_decay",
+)
+
+
 def _structure(optimizer: torch.optim.Optimizer, group: Mapping) -> tuple:
     if isinstance(optimizer, torch.optim.SGD):
         return (
@@ -135,6 +150,23 @@ class TorchOptimizerLink:
                 self.params[names[id(p)]] = p
             self.groups.append(group_names)
         self._values: list[dict[str, float]] | None = None
+        self._raw: tuple | None = None
+        self._raw_has_tensors = False
+
+    def poll(self) -> bool:
+        """Whether ``param_groups`` may have changed since the last poll: a C-level read of
+        the entries, compared as they are (a scheduler writes new floats). Tensor entries
+        can change in place, so with any of them every poll says yes."""
+        raw = tuple(tuple(map(g.get, _WATCHED)) for g in self.optimizer.param_groups)
+        if not self._raw_has_tensors and raw == self._raw:
+            return False
+        self._raw = raw
+        self._raw_has_tensors = any(
+            isinstance(v, Tensor) or (type(v) is tuple and any(isinstance(b, Tensor) for b in v))
+            for group in raw
+            for v in group
+        )
+        return True
 
     # -- hyperparameters -------------------------------------------------------------
     def structure_key(self) -> tuple:
