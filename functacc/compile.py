@@ -52,11 +52,14 @@ def compile_graph(
     ``options``: ``torch._inductor.config`` settings that override functacc's defaults.
     """
     from .parallel.schedule import issue_collectives_early
+    from .remat import order_recomputation
     from .split import remove_marker, split_at_optimizer
 
     # Collectives are traced after the whole backward; start each gradient reduction as soon
     # as its gradients exist, so it overlaps the rest of backward (on every rank alike).
     issue_collectives_early(gm)
+    if backend == "inductor":
+        order_recomputation(gm)  # Inductor would pull recomputations into forward
     split = split_at_optimizer(gm) if backend == "inductor" else None
     remove_marker(gm)
     if backend == "eager":

@@ -33,7 +33,7 @@ from .parallel import resolve_strategy
 from .parallel.comm import CommStats, comm_stats
 from .parallel.strategy import check_same_model, sync_from_rank0
 from .precision import resolve_precision
-from .remat import validate_remat
+from .remat import POLICIES, RematPolicy, save_matmuls, validate_remat
 from .signature import (
     AmbientWatch,
     ModelWatch,
@@ -93,6 +93,7 @@ class Step:
         parallel: Any = None,
         precision: Any = None,
         remat: Collection[str] | None = None,
+        remat_policy: RematPolicy = "full",
         cuda_graphs: bool | None = None,
         dynamic: bool | None = None,
         max_traces: int | None = 32,
@@ -161,6 +162,13 @@ class Step:
             self.precision,
             validate_remat(model, remat),
         )
+        if remat_policy not in POLICIES:
+            raise ValueError(
+                f"remat_policy must be one of {POLICIES}; got {remat_policy!r}. 'full' "
+                "recomputes the whole module in backward (least memory); 'save_matmuls' keeps "
+                "the matmul and convolution results and recomputes the rest (less compute)."
+            )
+        self.remat_policy = remat_policy
         self._set_live_state(self._initial_state(opt))
         self._installed = False
         if self._link is not None and hasattr(self._strategy, "link_optimizer"):
@@ -637,6 +645,8 @@ class Step:
         )
         traced_at = time.perf_counter()
         graph = traced.graph
+        if self.remat_policy == "save_matmuls":
+            save_matmuls(graph)
         run = compile_graph(
             graph, example, self.backend, fakes=traced.fakes, options=self.inductor_options
         )
@@ -704,6 +714,7 @@ def compile_step(
     parallel: Any = None,
     precision: Any = None,
     remat: Collection[str] | None = None,
+    remat_policy: RematPolicy = "full",
     cuda_graphs: bool | None = None,
     dynamic: bool | None = None,
     max_traces: int | None = 32,
@@ -734,6 +745,10 @@ def compile_step(
             weights and optimizer state.
         remat: class names of modules whose activations are recomputed in backward instead
             of stored (e.g. ``{"TransformerEncoderLayer"}``).
+        remat_policy: what those modules recompute: ``"full"`` (default) their whole forward,
+            as ``torch.utils.checkpoint``; ``"save_matmuls"`` keeps their matmul and
+            convolution results from forward and recomputes only the cheap ops in between
+            (more memory than ``"full"``, less compute).
         cuda_graphs: capture the compiled step as a CUDA graph and replay it; ``None`` means
             on for CUDA models, off elsewhere. With symbolic sizes, one capture per concrete
             size.
@@ -769,6 +784,7 @@ def compile_step(
         parallel=parallel,
         precision=precision,
         remat=remat,
+        remat_policy=remat_policy,
         cuda_graphs=cuda_graphs,
         dynamic=dynamic,
         max_traces=max_traces,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers import assert_close
@@ -9,6 +11,7 @@ from torch import nn
 
 import functacc
 from functacc.memory import peak_memory
+from functacc.remat import _MATMULS, POLICIES, RECOMPUTE
 
 
 class Block(nn.Module):
@@ -29,28 +32,98 @@ def deep_mlp() -> nn.Module:
     return nn.Sequential(*[Block(128) for _ in range(8)], nn.Linear(128, 10))
 
 
-def run(remat, steps: int = 3, backend: str = "eager"):
-    model = deep_mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend=backend, remat=remat)
+class TokenModel(nn.Module):
+    """Pre-norm nn.TransformerEncoderLayers (attention, GELU, dropout), mean-pooled."""
+
+    def __init__(self, dim: int = 64, layers: int = 3, dropout: float = 0.1):
+        super().__init__()
+        self.embed = nn.Embedding(100, dim)
+        layer = nn.TransformerEncoderLayer(
+            dim, 4, 4 * dim, dropout, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+
+def run(remat, steps: int = 3, backend: str = "eager", policy: str = "full", model=None):
+    torch.manual_seed(0)
+    model = deep_mlp() if model is None else model()
+    # eps=1e-6: attention's key bias has a zero gradient up to rounding, which Adam with
+    # the default eps scales up to ~1e-2 of the learning rate (any reordering shows).
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend=backend, remat=remat, remat_policy=policy
+    )
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(512, 128, generator=g), torch.randint(0, 10, (512,), generator=g)
+    if isinstance(model, TokenModel):
+        x = torch.randint(0, 100, (16, 32), generator=g)
+    else:
+        x = torch.randn(512, 128, generator=g)
+    y = torch.randint(0, 10, (x.shape[0],), generator=g)
     losses = []
     for i in range(steps):
         torch.manual_seed(i)
         losses.append(step(x, y))
     torch.manual_seed(steps)
     peak = peak_memory(lambda: step(x, y))
-    return model, losses, peak
+    return model, losses, peak, step
 
 
 def test_remat_same_result_and_less_memory() -> None:
-    model, losses, peak = run(None)
-    remat_model, remat_losses, remat_peak = run({"Block"})
-    # Recomputation replays dropout's draws, so the step is identical, bit for bit.
-    assert_close(remat_losses, losses, rtol=0, atol=0, what="losses")
-    assert_close(remat_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="params")
-    assert remat_peak <= 0.7 * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
+    model, losses, peak, _ = run(None)
+    results = {policy: run({"Block"}, policy=policy) for policy in POLICIES}
+    for policy, (remat_model, remat_losses, _, _) in results.items():
+        # Recomputation replays dropout's draws and saving a matmul keeps the very value
+        # it would recompute, so the step is identical, bit for bit.
+        assert_close(remat_losses, losses, rtol=0, atol=0, what=f"{policy} losses")
+        assert_close(
+            remat_model.state_dict(), model.state_dict(), rtol=0, atol=0, what=f"{policy} params"
+        )
+    full, saved = results["full"][2], results["save_matmuls"][2]
+    assert full <= 0.7 * peak, f"{full / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
+    # save_matmuls keeps each block's two matmul results: between the two.
+    assert full < saved <= 0.8 * peak, [x / 2**20 for x in (full, saved, peak)]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_remat_of_attention_layers_is_exact(dropout) -> None:
+    # Without dropout, attention runs as one fused op that returns several tensors and is
+    # tagged as random (it takes a dropout probability): the replay records all of them.
+    make = functools.partial(TokenModel, dropout=dropout, dim=32, layers=2)
+    model, losses, _, _ = run(None, model=make)
+    for policy in POLICIES:
+        remat_model, remat_losses, _, _ = run(
+            {"TransformerEncoderLayer"}, model=make, policy=policy
+        )
+        assert_close(remat_losses, losses, rtol=0, atol=0, what=f"{policy} losses")
+        assert_close(
+            remat_model.state_dict(), model.state_dict(), rtol=0, atol=0, what=f"{policy} params"
+        )
+
+
+def test_save_matmuls_recomputes_no_matmul() -> None:
+    def recomputed_matmuls(policy: str) -> int:
+        step = run({"Block"}, steps=1, policy=policy)[3]
+        graph = step._last_program.graph.graph
+        return sum(1 for n in graph.nodes if RECOMPUTE in n.meta and n.target in _MATMULS)
+
+    assert recomputed_matmuls("full") == 16  # up and down, in each of the 8 blocks
+    assert recomputed_matmuls("save_matmuls") == 0
+
+
+def test_unknown_remat_policy() -> None:
+    model = deep_mlp()
+    with pytest.raises(ValueError, match=r"remat_policy must be one of .*'selective'"):
+        functacc.compile_step(
+            model,
+            nn.CrossEntropyLoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            remat={"Block"},
+            remat_policy="selective",
+        )
 
 
 def test_recomputation_reads_the_step_parameters_not_the_module() -> None:
@@ -79,12 +152,19 @@ def test_recomputation_reads_the_step_parameters_not_the_module() -> None:
 
 @pytest.mark.inductor
 def test_remat_under_inductor_matches_and_lowers_memory() -> None:
-    model, losses, peak = run(None, backend="inductor")
-    remat_model, remat_losses, remat_peak = run({"Block"}, backend="inductor")
+    # Inductor sees the recomputation as forward ops reading forward buffers; unfenced, it
+    # fused the recomputed attention with the forward's and kept it alive into backward
+    # (measured on this model: 9.4 MiB vs 11.4 MiB without remat, 0.83x; fenced 0.42x).
+    # No dropout: the two graphs are scheduled differently, and Inductor may then draw the
+    # masks of two dropout layers in the other order (fresh masks either way, other bits).
+    layer = {"TransformerEncoderLayer"}
+    no_dropout = functools.partial(TokenModel, dropout=0.0)
+    model, losses, peak, _ = run(None, backend="inductor", model=no_dropout)
+    remat_model, remat_losses, remat_peak, _ = run(layer, backend="inductor", model=no_dropout)
     # The same arithmetic in other kernels: float32 rounding, over 3 AdamW steps.
     assert_close(remat_losses, losses, rtol=1e-5, atol=1e-6, what="losses")
     assert_close(remat_model.state_dict(), model.state_dict(), rtol=1e-4, atol=1e-6, what="params")
-    assert remat_peak <= 0.7 * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
+    assert remat_peak <= 0.5 * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
 
 
 def test_remat_unknown_class() -> None:
