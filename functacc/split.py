@@ -107,7 +107,16 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
     downstream = _descendants(list(marked))
     # The gradients graph computes what the update takes and every output that does not
     # depend on the update; everything else (the update, the state writes) is the update.
-    roots = [*marker.args[0], *(r for r in results if isinstance(r, Node) and r not in downstream)]
+    # In-place writes before the marker belong to forward and backward even when nothing
+    # uses their result: later ops read the tensor written (a channels-last model's
+    # backward writes gradients into an as_strided view). Dropped from the gradients graph,
+    # they made its gradients wrong.
+    writes = [n for n in nodes[: nodes.index(marker)] if n.op == "call_function" and _writes(n)]
+    roots = [
+        *marker.args[0],
+        *writes,
+        *(r for r in results if isinstance(r, Node) and r not in downstream),
+    ]
     in_gradients = _ancestors(roots)
     same = _hoist_scalars(nodes, in_gradients, marked)  # duplicates -> the one kept
 
@@ -255,6 +264,11 @@ def _pure_scalar(node: Node) -> bool:
                 if value is node and arg.alias_info is not None and arg.alias_info.is_write:
                     return False
     return True
+
+
+def _writes(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def _descendants(start: Sequence[Node]) -> set[Node]:

@@ -455,14 +455,20 @@ def test_views_become_reshapes_unless_written_through() -> None:
 
 
 # -- the update graph, compiled once for every shape ----------------------------------------
-@pytest.mark.parametrize("precision", [None, "fp16"])
-def test_split_graphs_compute_the_whole_graph(precision) -> None:
+@pytest.mark.parametrize(
+    ("precision", "channels_last"), [(None, False), ("fp16", False), (None, True)]
+)
+def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
     # The gradients graph then the update graph give exactly what the whole graph gives
-    # (run op by op; fp16 carries the overflow flag across the boundary too).
+    # (run op by op; fp16 carries the overflow flag across the boundary too). A
+    # channels-last model's backward writes gradients in place through a view, a write
+    # whose result nothing uses: the gradients graph must keep it.
     from functacc.split import MARKER, remove_marker, split_at_optimizer
 
     torch.manual_seed(0)
     model = models.cnn_bn()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = functacc.compile_step(
         model, nn.CrossEntropyLoss(), opt, backend="eager", precision=precision
@@ -477,7 +483,10 @@ def test_split_graphs_compute_the_whole_graph(precision) -> None:
 
     functacc.step.compile_graph = keep
     try:
-        step(torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+        x = torch.randn(4, 3, 8, 8)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        step(x, torch.randint(0, 5, (4,)))
     finally:
         functacc.step.compile_graph = real_compile
     gm, example = seen["gm"], seen["example"]

@@ -425,3 +425,32 @@ def test_tensor_hyperparameters_changed_in_place_take_effect() -> None:
     # Eager divides a tensor lr in float32 where functacc (as for a float lr) uses double:
     # the last bit may differ (measured 1.9e-9). Missing a change of lr would differ by 1e-3.
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=1e-8, what="model")
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_channels_last_model_keeps_its_layout(backend) -> None:
+    # A model converted once with model.to(memory_format=torch.channels_last) stays so:
+    # the step writes its updates into the same tensors (no conversion per step), and the
+    # values are those of the eager loop on the same model.
+    torch.manual_seed(0)
+    model = models.cnn_bn().to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend=backend)
+    weight = model[0].weight
+    for i, (x, y) in enumerate(data(3)):
+        x = x.contiguous(memory_format=torch.channels_last)
+        torch.manual_seed(i)
+        step(x, y)
+        torch.manual_seed(i)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    assert model[0].weight is weight and weight.is_contiguous(memory_format=torch.channels_last)
+    buffer = opt.state[weight]["momentum_buffer"]
+    assert buffer.is_contiguous(memory_format=torch.channels_last)
+    exact = backend == "eager"
+    # Inductor: other kernels, float32 rounding (the parity table's tolerance).
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-5}
+    assert_close(model.state_dict(), ref.state_dict(), **tol, what="model")

@@ -57,6 +57,34 @@ class TokenClassifier(nn.Module):
         return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
 
 
+class NextTokenLoss(nn.Module):
+    """Cross-entropy of a causal language model's logits (``outputs.logits``) against the
+    next token of ``targets`` (the input ids)."""
+
+    def forward(self, outputs, targets: Tensor) -> Tensor:
+        logits = outputs.logits[:, :-1]
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, 1:].flatten())
+
+
+def _gpt2(layers: int = 4, dim: int = 256, vocab: int = 1000, positions: int = 128) -> nn.Module:
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as exc:  # a dev/bench dependency, not a runtime one
+        raise SystemExit(
+            "--model gpt2 needs Hugging Face transformers: pip install transformers"
+        ) from exc
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=dim,
+        n_head=max(1, dim // 64),
+        vocab_size=vocab,
+        n_positions=positions,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
 
@@ -70,6 +98,7 @@ DEFAULTS = {
     "resnet18": {"batch_size": 32, "image_size": 32},
     "resnet50": {"batch_size": 16, "image_size": 32},
     "transformer": {"batch_size": 16, "seq_len": 64},
+    "gpt2": {"batch_size": 8, "seq_len": 64},
 }
 WORKLOADS = tuple(DEFAULTS)
 
@@ -108,6 +137,13 @@ def build(
         s = sizes["image_size"]
         inputs = torch.randn(b, 3, s, s, generator=g)
         desc = f"torchvision {name}, {s}x{s} images, batch {b}, SGD momentum"
+    elif name == "gpt2":
+        model, opt = _gpt2(), _adamw
+        inputs = torch.randint(0, 1000, (b, sizes["seq_len"]), generator=g)
+        desc = f"HF GPT-2 4 layers x 256, seq {sizes['seq_len']}, batch {b}, AdamW"
+        return Workload(
+            name, model.to(device), inputs.to(device), inputs.to(device), NextTokenLoss(), opt, desc
+        )
     else:
         model, opt = TokenClassifier(), _adamw
         inputs = torch.randint(0, 1000, (b, sizes["seq_len"]), generator=g)
