@@ -29,6 +29,20 @@ def data(n: int = 3, batch: int = 8):
     ]
 
 
+def both_step(step, ref: nn.Module, ref_opt, x, y, seed: int = 0, loss_fn=None) -> tuple:
+    """One compiled step and the same eager step, with the same dropout masks; returns
+    both losses."""
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    torch.manual_seed(seed)
+    loss = step(x, y)
+    torch.manual_seed(seed)
+    ref_opt.zero_grad()
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    return loss, ref_loss.detach()
+
+
 def make(opt_cls=torch.optim.AdamW, **opt_kwargs):
     torch.manual_seed(0)
     model = models.cnn_bn()
@@ -101,12 +115,7 @@ def test_lr_and_momentum_changes_take_effect_without_retrace() -> None:
         for o in (opt, ref_opt):
             o.param_groups[0]["lr"] = 0.1 / (i + 1)
             o.param_groups[0]["momentum"] = 0.5 + 0.1 * i
-        torch.manual_seed(i)
-        step(x, y)
-        torch.manual_seed(i)
-        ref_opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
+        both_step(step, ref, ref_opt, x, y, i)
     assert step.num_traces == 1
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
 
@@ -335,12 +344,8 @@ def test_freezing_and_dtype_changes_between_steps_are_followed_like_eager() -> N
         if i == 4:
             model.double(), ref.double()
         y = y.to(dtype)
-        loss = step(x, y)
-        ref_opt.zero_grad()
-        ref_loss = nn.functional.mse_loss(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert torch.equal(loss, ref_loss.detach()), i
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, loss_fn=nn.functional.mse_loss)
+        assert torch.equal(loss, ref_loss), i
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
     assert step.num_traces == 3  # frozen, unfrozen (the first graph again), float64
 
@@ -355,12 +360,7 @@ def test_train_flag_set_directly_on_a_submodule_is_followed() -> None:
         if i == 2:
             model[1].training = False
             ref[1].training = False
-        torch.manual_seed(i)  # the same dropout masks
-        step(x, y)
-        torch.manual_seed(i)
-        ref_opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
+        both_step(step, ref, ref_opt, x, y, i)
     assert step.num_traces == 2
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
 
@@ -395,12 +395,8 @@ def test_training_defined_as_a_property_is_followed() -> None:
     for i in range(3):
         if i == 1:
             model.eval(), ref.eval()
-        loss = step(x, y)
-        ref_opt.zero_grad()
-        ref_loss = nn.functional.mse_loss(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert torch.equal(loss, ref_loss.detach()), i
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, loss_fn=nn.functional.mse_loss)
+        assert torch.equal(loss, ref_loss), i
     assert step.num_traces == 2
 
 
@@ -441,12 +437,7 @@ def test_channels_last_model_keeps_its_layout(backend) -> None:
     weight = model[0].weight
     for i, (x, y) in enumerate(data(3)):
         x = x.contiguous(memory_format=torch.channels_last)
-        torch.manual_seed(i)
-        step(x, y)
-        torch.manual_seed(i)
-        ref_opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
+        both_step(step, ref, ref_opt, x, y, i)
     assert model[0].weight is weight and weight.is_contiguous(memory_format=torch.channels_last)
     buffer = opt.state[weight]["momentum_buffer"]
     assert buffer.is_contiguous(memory_format=torch.channels_last)

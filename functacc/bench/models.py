@@ -9,7 +9,7 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
-__all__ = ["WORKLOADS", "Workload", "build"]
+__all__ = ["WORKLOADS", "NextTokenLoss", "Workload", "build", "gpt2"]
 
 
 @dataclass
@@ -66,7 +66,8 @@ class NextTokenLoss(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, 1:].flatten())
 
 
-def _gpt2(layers: int = 4, dim: int = 256, vocab: int = 1000, positions: int = 128) -> nn.Module:
+def gpt2(layers: int = 4, dim: int = 256, vocab: int = 1000, positions: int = 128) -> nn.Module:
+    """A Hugging Face GPT-2 language model from a small config, random weights."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError as exc:  # a dev/bench dependency, not a runtime one
@@ -138,7 +139,7 @@ def build(
         inputs = torch.randn(b, 3, s, s, generator=g)
         desc = f"torchvision {name}, {s}x{s} images, batch {b}, SGD momentum"
     elif name == "gpt2":
-        model, opt = _gpt2(), _adamw
+        model, opt = gpt2(), _adamw
         inputs = torch.randint(0, 1000, (b, sizes["seq_len"]), generator=g)
         desc = f"HF GPT-2 4 layers x 256, seq {sizes['seq_len']}, batch {b}, AdamW"
         return Workload(

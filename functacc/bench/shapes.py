@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..step import compile_step
+from .models import gpt2
 
 __all__ = ["ShapesResult", "gpt2_batches", "main"]
 
@@ -58,21 +59,6 @@ def parse_lengths(text: str) -> tuple[int, int]:
     if not 2 <= low <= high:
         raise SystemExit(f"--lengths needs 2 <= MIN <= MAX; got {text!r}")
     return low, high
-
-
-def gpt2(layers: int, dim: int, vocab: int, positions: int) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=dim,
-        n_head=max(1, dim // 64),
-        vocab_size=vocab,
-        n_positions=positions,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
 
 
 def gpt2_batches(
