@@ -154,18 +154,18 @@ def test_recomputation_reads_the_step_parameters_not_the_module() -> None:
 def test_remat_under_inductor_matches_and_lowers_memory() -> None:
     # Inductor sees the recomputation as forward ops reading forward buffers; unfenced, it
     # fused the recomputed attention with the forward's and kept it alive into backward
-    # (measured on this model: 0.76x the stored-activation peak; fenced 0.42x). The
+    # (measured on this model: 0.89x the stored-activation peak; fenced 0.65x). The
     # reference is the stored-activation step on the eager backend (one Inductor compile).
     # No dropout: the two graphs are scheduled differently, and Inductor may then draw the
     # masks of two dropout layers in the other order (fresh masks either way, other bits).
     layer = {"TransformerEncoderLayer"}
-    no_dropout = functools.partial(TokenModel, dropout=0.0)
+    no_dropout = functools.partial(TokenModel, dropout=0.0, dim=32, layers=2)
     model, losses, peak, _ = run(None, model=no_dropout)
     remat_model, remat_losses, remat_peak, _ = run(layer, backend="inductor", model=no_dropout)
     # The same arithmetic in other kernels: float32 rounding, over 3 AdamW steps.
     assert_close(remat_losses, losses, rtol=1e-5, atol=1e-6, what="losses")
     assert_close(remat_model.state_dict(), model.state_dict(), rtol=1e-4, atol=1e-6, what="params")
-    assert remat_peak <= 0.5 * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
+    assert remat_peak <= 0.8 * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
 
 
 def test_remat_unknown_class() -> None:
