@@ -7,6 +7,8 @@
   source line where it can, what was expected and what came.
 - :class:`RetraceError` (a :class:`TraceError`): a new input signature would exceed the
   step's trace budget (``max_traces``).
+- ``RuntimeError``: a call inside ``torch.no_grad()``, or a parameter, buffer or submodule of
+  the model replaced or added after the step was built (the message names it).
 - ``ValueError`` / ``TypeError``: an argument is invalid (an optimizer whose parameters are
   not the model's, an unsupported optimizer, a loss that is not a 0-dim floating tensor, a
   batch that does not split into ``grad_accum_steps`` micro-batches, ...).

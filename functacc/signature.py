@@ -16,6 +16,7 @@ differs only in those sizes (:func:`family_key` erases sizes, keeps the rest).
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 __all__ = [
     "AmbientWatch",
     "ModelWatch",
+    "StructureWatch",
     "TensorSpec",
     "ambient_key",
     "batch_names",
@@ -111,6 +113,68 @@ class ModelWatch:
         )
         self._guards = _tensor_guards(self.tensors)
         return self._key
+
+
+class StructureWatch:
+    """Notices a parameter, buffer or submodule of the model being replaced or added after
+    the step was built (``model.bn.running_mean = torch.zeros(4)``, ``model.fc =
+    nn.Linear(...)``): the step trains the tensors it was built with, so it would silently
+    keep updating the old ones while eager PyTorch uses the new.
+
+    PyTorch calls its global registration hooks
+    (``torch.nn.modules.module.register_module_{parameter,buffer,module}_registration_hook``)
+    on every such assignment; functacc installs one, once per process, that only looks the
+    module up among the watched ones. Per call the step reads one attribute
+    (:attr:`replaced`); in-place changes (``copy_``, ``load_state_dict``, ``model.to()``)
+    keep the tensors and are not replacements.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.replaced: str | None = None
+        self._names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        _install_registration_hooks()
+        for module in model.modules():
+            _WATCHED.setdefault(module, []).append(weakref.ref(self))
+
+    def _note(self, module: nn.Module, name: str) -> None:
+        if self.replaced is None:
+            prefix = self._names.get(id(module), "")
+            self.replaced = f"{prefix}.{name}" if prefix else name
+
+
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MISSING = object()
+_hooks_installed = False
+
+
+def _install_registration_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from torch.nn.modules import module as module_api
+
+    module_api.register_module_parameter_registration_hook(_on_registration)
+    module_api.register_module_buffer_registration_hook(_on_registration)
+    module_api.register_module_module_registration_hook(_on_registration)
+    _hooks_installed = True
+
+
+def _on_registration(module: nn.Module, name: str, value: Any) -> None:
+    watchers = _WATCHED.get(module)
+    if not watchers:
+        return None  # a module no step watches (any module being built, for instance)
+    current = _MISSING
+    for table in ("_parameters", "_buffers", "_modules"):
+        entries = module.__dict__.get(table)
+        if entries is not None and name in entries:
+            current = entries[name]
+            break
+    if value is not current:
+        for ref in watchers:
+            watch = ref()
+            if watch is not None:
+                watch._note(module, name)
+    return None
 
 
 def _tensor_guards(tensors: Sequence[Tensor]) -> Any:

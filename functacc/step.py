@@ -37,6 +37,7 @@ from .remat import POLICIES, RematPolicy, save_matmuls, validate_remat
 from .signature import (
     AmbientWatch,
     ModelWatch,
+    StructureWatch,
     TensorSpec,
     batch_names,
     family_key,
@@ -122,6 +123,7 @@ class Step:
         self._modules = list(model.modules())
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
         self._model_watch = ModelWatch(self._modules, self._params, self._model_tensors)
+        self._structure = StructureWatch(model)
         self._context_parts: tuple | None = None
         self._context_key: tuple = ()
         self._last_key: tuple | None = None
@@ -515,6 +517,15 @@ class Step:
 
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
+        if self._structure.replaced is not None:
+            raise RuntimeError(
+                f"model.{self._structure.replaced} was replaced or added after compile_step "
+                "built this step. The step trains the tensors and modules it was built "
+                "with, so it would keep updating the old ones while the model uses the new "
+                "(eager PyTorch would use the new). Change values in place instead (e.g. "
+                "module.running_mean.copy_(new), model.load_state_dict(...)), or build a new "
+                "step with compile_step(...) after changing the model."
+            )
         if not torch.is_grad_enabled():
             # Eager PyTorch cannot train here either: backward() fails without autograd.
             raise RuntimeError(

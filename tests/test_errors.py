@@ -220,3 +220,37 @@ def test_inductor_options_are_checked_when_the_step_is_built() -> None:
         functacc.compile_step(
             model, nn.MSELoss(), opt, backend="eager", inductor_options={"cpp_wrapper": True}
         )
+
+
+@pytest.mark.parametrize(
+    ("replace", "path"),
+    [
+        (lambda m: setattr(m[1], "running_mean", torch.zeros(8)), "model.1.running_mean"),
+        (lambda m: setattr(m[0], "weight", nn.Parameter(torch.ones(8, 3, 3, 3))), "model.0.weight"),
+        (lambda m: m.__setitem__(10, nn.Linear(16, 5)), "model.10"),
+        (lambda m: m[0].register_buffer("extra", torch.zeros(1)), "model.0.extra"),
+    ],
+    ids=["buffer", "parameter", "submodule", "new buffer"],
+)
+def test_replacing_a_tensor_or_module_after_building_is_an_error(replace, path) -> None:
+    # Eager PyTorch would use the new tensor or module; the step was built on the old ones
+    # and would keep training those: a clear error instead of a silent divergence.
+    model, opt, step = trained()
+    replace(model)
+    x, y = batch()
+    state = step.init_state()
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(RuntimeError, match=rf"{path} was replaced or added after compile_step"):
+        step(x, y)
+    with pytest.raises(RuntimeError, match=r"copy_\(new\)"):
+        step.apply(state, x, y)
+    snap.assert_unchanged()
+
+
+def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
+    model, _, step = trained()
+    model[0].weight = model[0].weight
+    model[1].running_mean = model[1].running_mean
+    model[1].running_mean.copy_(torch.ones(8))  # in place: the step's own tensor
+    step(*batch())
+    assert step.count == 2
