@@ -143,7 +143,7 @@ def save_matmuls(gm: GraphModule) -> int:
             replaced += 1
         # Drop what only the replaced matmuls read (pure ops; writes are kept).
         for n in reversed(recomputed):
-            if not n.users and n.op == "call_function" and not _writes(n):
+            if not n.users and n.op == "call_function" and not n.is_impure():
                 gm.graph.erase_node(n)
     if replaced:
         gm.recompile()
@@ -162,11 +162,6 @@ def _same_value(a: Node, b: Node) -> bool:
         and x.stride() == y.stride()
         for x, y in zip(va, vb, strict=True)
     )
-
-
-def _writes(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or schema.is_mutable
 
 
 @torch.library.custom_op("functacc::after", mutates_args=())

@@ -134,7 +134,9 @@ class StructureWatch:
         self._names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         _install_registration_hooks()
         for module in model.modules():
-            _WATCHED.setdefault(module, []).append(weakref.ref(self))
+            watchers = _WATCHED.setdefault(module, [])
+            watchers[:] = [ref for ref in watchers if ref() is not None]  # steps since dropped
+            watchers.append(weakref.ref(self))
 
     def _note(self, module: nn.Module, name: str) -> None:
         if self.replaced is None:

@@ -107,11 +107,11 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
     downstream = _descendants(list(marked))
     # The gradients graph computes what the update takes and every output that does not
     # depend on the update; everything else (the update, the state writes) is the update.
-    # In-place writes before the marker belong to forward and backward even when nothing
-    # uses their result: later ops read the tensor written (a channels-last model's
-    # backward writes gradients into an as_strided view). Dropped from the gradients graph,
-    # they made its gradients wrong.
-    writes = [n for n in nodes[: nodes.index(marker)] if n.op == "call_function" and _writes(n)]
+    # In-place writes (and other impure ops) before the marker belong to forward and
+    # backward even when nothing uses their result: later ops read the tensor written (a
+    # channels-last model's backward writes gradients into an as_strided view). Dropped
+    # from the gradients graph, they made its gradients wrong.
+    writes = [n for n in nodes[: nodes.index(marker)] if n.op == "call_function" and n.is_impure()]
     roots = [
         *marker.args[0],
         *writes,
@@ -264,11 +264,6 @@ def _pure_scalar(node: Node) -> bool:
                 if value is node and arg.alias_info is not None and arg.alias_info.is_write:
                     return False
     return True
-
-
-def _writes(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.is_mutable
 
 
 def _descendants(start: Sequence[Node]) -> set[Node]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -169,6 +170,12 @@ class Step:
                 f"remat_policy must be one of {POLICIES}; got {remat_policy!r}. 'full' "
                 "recomputes the whole module in backward (least memory); 'save_matmuls' keeps "
                 "the matmul and convolution results and recomputes the rest (less compute)."
+            )
+        if remat_policy != "full" and not remat:
+            warnings.warn(
+                f"remat_policy={remat_policy!r} has no effect without remat=...: no module "
+                "is recomputed. Name the modules to recompute, e.g. remat={'Block'}.",
+                stacklevel=3,
             )
         self.remat_policy = remat_policy
         self._set_live_state(self._initial_state(opt))

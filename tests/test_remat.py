@@ -105,6 +105,60 @@ def test_remat_of_attention_layers_is_exact(dropout) -> None:
         )
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_remat_with_frozen_and_unused_parameters_is_exact(policy) -> None:
+    # Eager's edges inside recomputed blocks: a frozen layer (no gradient, not updated) and
+    # a block whose output never reaches the loss (its parameters get no gradient at all).
+    class Partly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(Block(32), Block(32))
+            self.unused = Block(32)
+            self.head = nn.Linear(32, 5)
+
+        def forward(self, x):
+            self.unused(x)  # computed, but nothing of it reaches the loss
+            return self.head(self.blocks(x))
+
+    def train(remat):
+        torch.manual_seed(0)
+        model = Partly()
+        model.blocks[0].up.requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = functacc.compile_step(
+            model,
+            nn.CrossEntropyLoss(),
+            opt,
+            backend="eager",
+            remat=remat,
+            remat_policy=policy if remat else "full",
+        )
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 5, (16,), generator=g)
+        for i in range(3):
+            torch.manual_seed(i)
+            step(x, y)
+        return model, opt
+
+    model, opt = train(None)
+    remat_model, remat_opt = train({"Block"})
+    assert_close(remat_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="params")
+    assert_close(remat_opt.state_dict(), opt.state_dict(), rtol=0, atol=0, what="optimizer")
+    frozen, unused = remat_model.blocks[0].up.weight, remat_model.unused.up.weight
+    assert frozen not in remat_opt.state and unused not in remat_opt.state  # as torch.optim
+
+
+def test_remat_policy_without_remat_warns() -> None:
+    model = deep_mlp()
+    with pytest.warns(UserWarning, match=r"remat_policy='save_matmuls' has no effect"):
+        functacc.compile_step(
+            model,
+            nn.CrossEntropyLoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            remat_policy="save_matmuls",
+        )
+
+
 def test_save_matmuls_recomputes_no_matmul() -> None:
     def recomputed_matmuls(policy: str) -> int:
         step = run({"Block"}, steps=1, policy=policy)[3]
@@ -152,10 +206,12 @@ def test_recomputation_reads_the_step_parameters_not_the_module() -> None:
 
 
 @pytest.mark.inductor
-def test_remat_under_inductor_matches_and_lowers_memory() -> None:
+@pytest.mark.parametrize(("policy", "limit"), [("full", 0.8), ("save_matmuls", 0.9)])
+def test_remat_under_inductor_matches_and_lowers_memory(policy, limit) -> None:
     # Inductor sees the recomputation as forward ops reading forward buffers; unfenced, it
     # fused the recomputed attention with the forward's and kept it alive into backward
-    # (measured on this model: 0.89x the stored-activation peak; fenced 0.65x). The
+    # (measured on this model, full: 0.89x the stored-activation peak; fenced 0.65x;
+    # save_matmuls keeps the matmul results: 0.81x). The
     # reference is the stored-activation step on the eager backend (one Inductor compile).
     # No dropout: the two graphs are scheduled differently, and Inductor may then draw the
     # masks of two dropout layers in the other order (fresh masks either way, other bits).
@@ -166,12 +222,12 @@ def test_remat_under_inductor_matches_and_lowers_memory() -> None:
     # any reordering of the arithmetic shows (seen: 1e-6 apart in a fresh clone).
     model, losses, peak, _ = run(None, model=no_dropout, sgd=True)
     remat_model, remat_losses, remat_peak, _ = run(
-        layer, backend="inductor", model=no_dropout, sgd=True
+        layer, backend="inductor", model=no_dropout, sgd=True, policy=policy
     )
     # The same arithmetic in other kernels: float32 rounding, over 3 SGD steps.
     assert_close(remat_losses, losses, rtol=1e-5, atol=1e-6, what="losses")
     assert_close(remat_model.state_dict(), model.state_dict(), rtol=1e-4, atol=1e-6, what="params")
-    assert remat_peak <= 0.8 * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
+    assert remat_peak <= limit * peak, f"{remat_peak / 2**20:.1f} MiB vs {peak / 2**20:.1f} MiB"
 
 
 def test_remat_unknown_class() -> None:
