@@ -65,11 +65,22 @@ def compile_graph(
     if backend == "eager":
         return lambda args: gm(*args)
     if split is not None:
-        gradients = _inductor(split.gradients, example_inputs, fakes, options)
+        from .compile_worker import start_worker
+
         update_examples = [
             *split.update_examples,
             *(example_inputs[i] for i in split.update_inputs),
         ]
+        # A worker process compiles the update into Inductor's cache meanwhile.
+        worker = start_worker(split.update, update_examples, options or {})
+        try:
+            gradients = _inductor(split.gradients, example_inputs, fakes, options)
+        except BaseException:
+            if worker is not None:
+                worker.stop()
+            raise
+        if worker is not None:
+            worker.finish()
         update = _inductor(split.update, update_examples, None, options)
         return split.runner(gradients, update)
     return _inductor(gm, example_inputs, fakes, options)
