@@ -127,13 +127,22 @@ def start_worker(
     root = str(Path(__file__).resolve().parents[1])
     code = "import sys; sys.path.insert(0, sys.argv[1]); import functacc.compile_worker as w; "
     code += "w._main(sys.argv[2])"
-    with open(folder / "stderr.txt", "wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-c", code, root, str(folder)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
+    # The update fuses into few kernels: the worker compiles them itself rather than
+    # starting a pool of compiler processes (the key ignores this setting).
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    try:
+        with open(folder / "stderr.txt", "wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-c", code, root, str(folder)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=env,
+            )
+    except OSError as e:  # no interpreter to start, no processes left: compile here
+        log.debug("no update compile worker: %s", e)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
     return UpdateWorker(process, folder)
 
 
