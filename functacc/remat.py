@@ -164,20 +164,6 @@ def _same_value(a: Node, b: Node) -> bool:
     )
 
 
-@torch.library.custom_op("functacc::after", mutates_args=())
-def _after(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    # A copy of ``x`` that a compiler cannot compute before ``anchor`` exists.
-    return x.clone()
-
-
-@_after.register_fake
-def _(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-AFTER = torch.ops.functacc.after.default
-
-
 def order_recomputation(gm: GraphModule) -> int:
     """Keep each recomputation in backward, where the trace put it; returns how many
     forward values were fenced.
@@ -187,10 +173,12 @@ def order_recomputation(gm: GraphModule) -> int:
     identical ops (they read the same buffers): measured on the bench Transformer, the
     recomputed attention of every layer ran during forward and stayed alive into backward,
     and remat saved 23% of the step's peak memory instead of 50% (the eager backend, which
-    keeps the trace's order). Here each recomputation reads the forward values it needs
-    through :data:`AFTER` copies that depend on the backward op just before it, so nothing
-    in it can run earlier. (``torch.compile`` gets the same effect from compiling forward
-    and backward as separate graphs.)
+    keeps the trace's order). Here each recomputation reads the forward values it needs as
+    ``where(a == a, value, value)``, ``a`` one element of the backward op just before it:
+    the same bits as ``value`` whatever ``a`` holds (NaN included), but nothing in the
+    recomputation can run before that op. Inductor fuses the ``where`` into the kernels that
+    read it, so the fence costs a load, not a copy. (``torch.compile`` gets the same effect
+    from compiling forward and backward as separate graphs.)
     """
     nodes = list(gm.graph.nodes)
     regions = _regions(gm, RECOMPUTE)
@@ -203,7 +191,7 @@ def order_recomputation(gm: GraphModule) -> int:
             (
                 n
                 for n in reversed(nodes[: position[first]])
-                if n.op == "call_function" and n not in inside and _is_tensor(n)
+                if n.op == "call_function" and n not in inside and _has_elements(n)
             ),
             None,
         )
@@ -215,16 +203,30 @@ def order_recomputation(gm: GraphModule) -> int:
             for a in n.all_input_nodes
             if a not in inside and a is not anchor and _is_tensor(a) and not _input_view(a)
         }
-        for value in outside:
-            with gm.graph.inserting_before(first):
-                copy = gm.graph.call_function(AFTER, (value, anchor))
-            copy.meta["val"] = value.meta["val"]
-            for n in members:
-                n.replace_input_with(value, copy)
-            fenced += 1
+        if not outside:
+            continue
+        with gm.graph.inserting_before(first):
+            element = anchor
+            for _ in range(anchor.meta["val"].dim()):  # a view of the first element
+                element = gm.graph.call_function(torch.ops.aten.select.int, (element, 0, 0))
+                element.meta["val"] = element.args[0].meta["val"].select(0, 0)
+            ready = gm.graph.call_function(torch.ops.aten.eq.Tensor, (element, element))
+            ready.meta["val"] = element.meta["val"] == element.meta["val"]
+            for value in outside:
+                fence = gm.graph.call_function(torch.ops.aten.where.self, (ready, value, value))
+                fence.meta["val"] = value.meta["val"]
+                for n in members:
+                    n.replace_input_with(value, fence)
+                fenced += 1
     if fenced:
         gm.recompile()
     return fenced
+
+
+def _has_elements(node: Node) -> bool:
+    """A tensor with at least one element whatever the batch (no symbolic sizes)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and all(isinstance(n, int) and n > 0 for n in val.shape)
 
 
 def _input_view(node: Node) -> bool:
