@@ -210,8 +210,8 @@ def test_recomputation_reads_the_step_parameters_not_the_module() -> None:
 def test_remat_under_inductor_matches_and_lowers_memory(policy, limit) -> None:
     # Inductor sees the recomputation as forward ops reading forward buffers; unfenced, it
     # fused the recomputed attention with the forward's and kept it alive into backward
-    # (measured on this model, full: 0.89x the stored-activation peak; fenced 0.65x;
-    # save_matmuls keeps the matmul results: 0.81x). The
+    # (measured on this model, full: 0.89x the stored-activation peak; fenced 0.62x;
+    # save_matmuls keeps the matmul results: 0.83x). The
     # reference is the stored-activation step on the eager backend (one Inductor compile).
     # No dropout: the two graphs are scheduled differently, and Inductor may then draw the
     # masks of two dropout layers in the other order (fresh masks either way, other bits).
