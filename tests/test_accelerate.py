@@ -176,6 +176,10 @@ TINY = [
     "2",
     "--epochs",
     "1",
+    # ResNet-18 rather than the documentation's ResNet-50: the same API, half the compile
+    # (measured cold here: 44 s vs 100 s for resnet_acc.py).
+    "--arch",
+    "resnet18",
 ]
 
 

@@ -14,6 +14,9 @@ def sizes() -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--log-steps", type=int, default=None)
+    p.add_argument(
+        "--arch", default="resnet50", help="a torchvision model name (the tests use resnet18)"
+    )
     args = p.parse_args()
     full = {"samples": 6400, "batch_size": 64, "image_size": 224, "epochs": 2, "log_steps": 20}
     small = {"samples": 320, "batch_size": 16, "image_size": 64, "epochs": 2, "log_steps": 5}

@@ -20,12 +20,13 @@ labels = torch.randint(0, 100, (args.samples,))
 dataset = torch.utils.data.TensorDataset(inputs, labels)
 train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
 
-model = torchvision.models.resnet50()
+model = getattr(torchvision.models, args.arch)()
 model.fc = torch.nn.Linear(model.fc.in_features, 100)
 
 config = torchacc.Config()
 config.dist.fsdp.size = int(os.environ.get("WORLD_SIZE", 1))
-config.dist.fsdp.wrap_layer_cls = {"Bottleneck"}
+# The residual block class: Bottleneck in ResNet-50 and deeper, BasicBlock below.
+config.dist.fsdp.wrap_layer_cls = {type(model.layer1[0]).__name__}
 model, train_loader = torchacc.accelerate(model, train_loader, config)
 device = model.device
 

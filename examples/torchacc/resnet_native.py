@@ -17,7 +17,7 @@ labels = torch.randint(0, 100, (args.samples,))
 dataset = torch.utils.data.TensorDataset(inputs, labels)
 train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
 
-model = torchvision.models.resnet50()
+model = getattr(torchvision.models, args.arch)()
 model.fc = torch.nn.Linear(model.fc.in_features, 100)
 
 device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
