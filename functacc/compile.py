@@ -138,13 +138,48 @@ def _inductor(
         # compile it as an inference graph even when the inputs are parameters.
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fakes = [fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example_inputs]
+        sizes: list[tuple[int, int]] = []
     else:
         fake_mode = fakes[0].fake_mode
+        sizes, fakes = _size_inputs(graph, fakes)
     _views_to_reshapes(graph)
     with inductor_config.patch(options), tracing(TracingContext(fake_mode)):
         compiled = compile_fx(graph, list(fakes))
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
+    if sizes:
+        return lambda args: compiled(*[args[i].shape[d] for i, d in sizes], *args)
     return lambda args: compiled(*args)
+
+
+def _size_inputs(
+    gm: GraphModule, fakes: Sequence[Tensor]
+) -> tuple[list[tuple[int, int]], list[Any]]:
+    """Make each symbolic size an input of its own, as in Dynamo's graphs; returns where
+    to read each at run time ``(input, dim)`` and the example inputs with them first.
+
+    Inductor's pass that turns Python float arithmetic on sizes into tensor math (a
+    ``mean`` or ``MSELoss`` over a symbolic batch divides by ``8 * s0``) rebuilds each
+    expression from graph nodes that hold its symbols; a ``make_fx`` graph has such a node
+    only where its own code read a size, and the compile failed with ``KeyError: s0``.
+    """
+    sizes: list[tuple[int, int]] = []
+    symbols: list[torch.SymInt] = []
+    seen: set = set()
+    for i, fake in enumerate(fakes):
+        for d, size in enumerate(fake.shape):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol and expr not in seen:
+                seen.add(expr)
+                sizes.append((i, d))
+                symbols.append(size)
+    if not symbols:
+        return [], list(fakes)
+    first = next(iter(gm.graph.find_nodes(op="placeholder")))
+    with gm.graph.inserting_before(first):
+        for k, size in enumerate(symbols):
+            gm.graph.placeholder(f"size_{k}").meta["val"] = size
+    gm.recompile()
+    return sizes, [*symbols, *fakes]
 
 
 def _views_to_reshapes(gm: GraphModule) -> None:

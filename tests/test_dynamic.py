@@ -136,6 +136,29 @@ def test_gpt2_dynamic_padding_under_inductor() -> None:
     assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5, what="model")
 
 
+@pytest.mark.inductor
+def test_mean_over_a_symbolic_batch_under_inductor() -> None:
+    # MSELoss divides by the batch's element count, 8 * s0 with a symbolic batch: Python
+    # float arithmetic on a size, which Inductor turns into tensor math from the graph's
+    # size inputs (without them: KeyError: s0 at the second shape's compile). Tolerance:
+    # the Inductor parity tolerance, over 4 SGD steps.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="inductor")
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)) for n in (4, 6, 5, 9)
+    ]
+    losses = step_losses(step, batches)
+    ref_losses = eager_losses(ref, ref_opt, batches, nn.MSELoss())
+    assert step.num_traces == 2 and step.traces[1].dynamic  # sizes 6, 5, 9: one graph
+    assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, what="losses")
+    assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
+
+
 # -- trace counts ----------------------------------------------------------------------------
 @pytest.mark.parametrize(("dynamic", "traces"), [(None, 2), (True, 1), (False, 12)])
 def test_stream_of_lengths_trace_counts_and_parity(dynamic, traces) -> None:
