@@ -37,6 +37,7 @@ from .precision import resolve_precision
 from .remat import POLICIES, RematPolicy, save_matmuls, validate_remat
 from .signature import (
     AmbientWatch,
+    BatchWatch,
     ModelWatch,
     StructureWatch,
     TensorSpec,
@@ -125,6 +126,7 @@ class Step:
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
         self._model_watch = ModelWatch(self._modules, self._params, self._model_tensors)
         self._structure = StructureWatch(model)
+        self._batch_watch = BatchWatch()
         self._context_parts: tuple | None = None
         self._context_key: tuple = ()
         self._last_key: tuple | None = None
@@ -442,6 +444,11 @@ class Step:
             self._ambient.key(),
         )
         if parts != self._context_parts:
+            if self._context_parts is None or parts[0] is not self._context_parts[0]:
+                # The model's tensors changed dtype, device or requires_grad: model.double()
+                # and model.to() also replace its buffers, which no hook reports.
+                self._structure.rescan()
+                self._check_structure()
             model, hyper, parallel, ambient = parts
             self._context_parts = parts
             self._context_key = (
@@ -524,15 +531,7 @@ class Step:
 
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
-        if self._structure.replaced is not None:
-            raise RuntimeError(
-                f"model.{self._structure.replaced} was replaced or added after compile_step "
-                "built this step. The step trains the tensors and modules it was built "
-                "with, so it would keep updating the old ones while the model uses the new "
-                "(eager PyTorch would use the new). Change values in place instead (e.g. "
-                "module.running_mean.copy_(new), model.load_state_dict(...)), or build a new "
-                "step with compile_step(...) after changing the model."
-            )
+        self._check_structure()
         if not torch.is_grad_enabled():
             # Eager PyTorch cannot train here either: backward() fails without autograd.
             raise RuntimeError(
@@ -545,6 +544,18 @@ class Step:
                 "with a loss_fn the step is called as step(inputs, targets); got "
                 f"{len(args)} positional and {len(kwargs)} keyword arguments. Pack several "
                 "model inputs into a tuple or dict: step((x1, x2), targets)."
+            )
+
+    def _check_structure(self) -> None:
+        if self._structure.replaced is not None:
+            raise RuntimeError(
+                f"model.{self._structure.replaced} was replaced or added after compile_step "
+                "built this step. The step trains the tensors and modules it was built "
+                "with, so it would keep updating the old ones while the model uses the new "
+                "(eager PyTorch would use the new). Change values in place instead (e.g. "
+                "module.running_mean.copy_(new), model.load_state_dict(...)), or build a new "
+                "step with compile_step(...) after changing the model (model.double() and "
+                "model.to(device) replace its buffers)."
             )
 
     def _as_call(self, batch: Any) -> tuple[tuple, dict]:
@@ -566,7 +577,7 @@ class Step:
         """The batch's tensors and its signature key (its first part: the tensor specs)."""
         if not kwargs and all(type(a) is Tensor for a in args):
             # The common step(inputs, targets): no pytree walk on the hot path.
-            return list(args), (("inputs", tuple(map(_tensor_key, args))),)
+            return list(args), (("inputs", self._batch_watch.key(args)),)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         constants = [x for x in leaves if not isinstance(x, Tensor)]
@@ -640,7 +651,11 @@ class Step:
                 if c and (new.shape != old.shape or new.dtype != old.dtype):
                     raise argument_error(
                         f"the step would change state{path} from {describe_tensor(old)} to "
-                        f"{describe_tensor(new)}; the optimizer must keep shapes and dtypes"
+                        f"{describe_tensor(new)}; the optimizer must keep shapes and dtypes. "
+                        "If the model changed dtype after the optimizer state was created "
+                        "(model.double(), model.to(torch.bfloat16)), build the optimizer and "
+                        "the step after that change: eager torch.optim would keep the old "
+                        "state dtype and round through it, which functacc does not reproduce."
                     )
             meta["changed"] = changed
             if inplace:

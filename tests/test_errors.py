@@ -247,6 +247,27 @@ def test_replacing_a_tensor_or_module_after_building_is_an_error(replace, path) 
     snap.assert_unchanged()
 
 
+@pytest.mark.parametrize("steps_before", [1, 0])
+def test_changing_the_model_dtype_after_building_is_an_error(steps_before) -> None:
+    # model.double() (Module._apply) casts the parameters in place but puts new buffers into
+    # module._buffers directly, past the registration hooks. Eager keeps working on the new
+    # buffers; the step would read the old float32 ones (it failed deep in the graph with
+    # "expected scalar type Double but found Float", blaming the inputs).
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    x, y = batch()
+    for _ in range(steps_before):
+        step(x, y)
+    model.double()
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(RuntimeError, match=r"model.1.running_mean was replaced.*model.double\(\)"):
+        step(x.double(), y)
+    snap.assert_unchanged()
+    assert step.count == steps_before
+
+
 def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
     model, _, step = trained()
     model[0].weight = model[0].weight

@@ -445,3 +445,22 @@ def test_channels_last_model_keeps_its_layout(backend) -> None:
     # Inductor: other kernels, float32 rounding (the parity table's tolerance).
     tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-5}
     assert_close(model.state_dict(), ref.state_dict(), **tol, what="model")
+
+
+def test_a_batch_in_another_layout_is_a_new_signature() -> None:
+    # The step reuses the last call's batch key while one C++ check says the tensors match
+    # the last call's (sizes, strides, dtype, device). A batch of the same shape in another
+    # memory layout (or an input that now requires grad) must not reuse it.
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", dynamic=False)
+    for i, (x, y) in enumerate(data(4)):
+        if i % 2:
+            x = x.contiguous(memory_format=torch.channels_last)
+        both_step(step, ref, ref_opt, x, y, i)
+    assert step.num_traces == 2
+    assert "stride" in step.traces[1].reason
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
