@@ -22,7 +22,7 @@ from torch.utils.data import (
 )
 
 from .buckets import make_padder
-from .parallel.mesh import rank, world_size
+from .parallel.mesh import GroupRef, rank, world_size
 from .sampling import (
     EpochPlan,
     RandomStates,
@@ -143,7 +143,8 @@ class DeviceLoader:
         # creates its loader at the same point).
         shared_plan = self._plan is not None and self._own is None
         needs_group = self.world > 1 and (self._split or shared_plan)
-        self._agree_group = dist.new_group(backend="gloo") if needs_group else None
+        # Held weakly: torch.distributed owns it (see GroupRef).
+        self._agree_group = GroupRef(dist.new_group(backend="gloo")) if needs_group else None
 
     # -- how the loader is driven --------------------------------------------------------
     def _prepare(self, loader: Iterable) -> Iterable:
@@ -287,7 +288,7 @@ class DeviceLoader:
                 seed=(self.seed or 0) + self.epoch,
                 world=self.world,
                 rank=self.rank,
-                group=self._agree_group,
+                group=self._agree_group() if self._agree_group is not None else None,
             )
             self._plan.start(lambda: iter(items), skip)
             return iter(self.loader)
@@ -357,7 +358,7 @@ class DeviceLoader:
     def _group(self) -> Any:
         if self._agree_group is None:
             raise RuntimeError("internal: the loader's process group was not created")
-        return self._agree_group
+        return self._agree_group()
 
     def _to_device(self, batch: Any) -> Any:
         if self.padder is not None:

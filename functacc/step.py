@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
@@ -143,7 +144,8 @@ class Step:
         self._strategy = resolve_strategy(
             parallel, model, self._link.groups if self._link else None
         )
-        if self._strategy.topology.world > 1:
+        self._distributed = self._strategy.topology.world > 1
+        if self._distributed:
             # A collective call: every rank builds its step at the same point of its program.
             check_same_model(self._params, "parameter")
             check_same_model(self._buffers, "buffer")
@@ -532,6 +534,13 @@ class Step:
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
         self._check_structure()
+        if self._distributed and not dist.is_initialized():
+            raise RuntimeError(
+                f"this step trains with {self._strategy.name} over "
+                f"{self._strategy.topology.world} ranks, but the process group has been "
+                "destroyed (dist.destroy_process_group()). Build the step again after "
+                "functacc.init_distributed()."
+            )
         if not torch.is_grad_enabled():
             # Eager PyTorch cannot train here either: backward() fails without autograd.
             raise RuntimeError(

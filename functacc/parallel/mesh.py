@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+import weakref
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Topology", "init_distributed", "rank", "world_size"]
+__all__ = ["GroupRef", "Topology", "init_distributed", "rank", "world_size"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -74,20 +74,65 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@dataclass(frozen=True)
+class GroupRef:
+    """A weak reference to a process group, which ``torch.distributed`` owns.
+
+    A strong one held by a step or a loader would keep the group alive past
+    ``dist.destroy_process_group()`` until that object is collected, at the latest while the
+    interpreter shuts down, where Gloo's threads can abort the process ("terminate called
+    without an active exception", exit code -6, after the script finished).
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, group: dist.ProcessGroup):
+        self._ref = weakref.ref(group)
+
+    def __call__(self) -> dist.ProcessGroup:
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                "the process group this step or loader was built with has been destroyed "
+                "(dist.destroy_process_group()). Build the step or loader again after "
+                "functacc.init_distributed()."
+            )
+        return group
+
+
 class Topology:
     """How the ranks are arranged: ``replicas`` groups of ``shard_size`` ranks.
 
     Parameters and optimizer state are sharded within a group and replicated across groups.
     Plain data parallelism is ``shard_size == 1``; ZeRO over all ranks is ``replicas == 1``;
     hybrid sharding is both > 1 (shard within a node, replicate across nodes: torchrun gives
-    one node's processes consecutive ranks, so a shard group is consecutive ranks).
+    one node's processes consecutive ranks, so a shard group is consecutive ranks). The
+    groups are held weakly (:class:`GroupRef`).
     """
 
-    world: int
-    shard_size: int
-    shard_group: dist.ProcessGroup | None  # None when shard_size == 1
-    replicate_group: dist.ProcessGroup | None  # None when there is one replica
+    __slots__ = ("_replicate", "_shard", "shard_size", "world")
+
+    def __init__(
+        self,
+        world: int,
+        shard_size: int,
+        shard_group: dist.ProcessGroup | None,  # None when shard_size == 1
+        replicate_group: dist.ProcessGroup | None,  # None when there is one replica
+    ):
+        self.world = world
+        self.shard_size = shard_size
+        self._shard = GroupRef(shard_group) if shard_group is not None else None
+        self._replicate = GroupRef(replicate_group) if replicate_group is not None else None
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        return self._shard() if self._shard is not None else None
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        return self._replicate() if self._replicate is not None else None
+
+    def __repr__(self) -> str:
+        return f"Topology(world={self.world}, shard_size={self.shard_size})"
 
     @property
     def replicas(self) -> int:

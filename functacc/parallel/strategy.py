@@ -135,9 +135,12 @@ class Replicated(Strategy):
 
     def __init__(self, topology: Topology, *, bucket_mb: float, compression: Any = None):
         self.topology = topology
-        self.group = topology.replicate_group
         self.bucket_bytes = bucket_mb * 2**20
         self.compression = compression
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.topology.replicate_group  # looked up per use: held weakly
 
     def init_extra(self, params: Mapping[str, Tensor]) -> dict[str, Any]:
         if hasattr(self.compression, "init"):

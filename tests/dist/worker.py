@@ -284,6 +284,52 @@ def scenario_multinode(out: dict) -> None:
     out["dp/mlp/adamw"] = train("mlp", "adamw", None)
 
 
+def scenario_teardown(out: dict) -> None:
+    """dist.destroy_process_group() while steps and a loader that use the groups are alive:
+    the groups must die there (functacc holds them weakly), not at interpreter shutdown,
+    where Gloo's threads aborted train_zero3.py after it finished (exit code -6)."""
+    import weakref
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Stream(torch.utils.data.IterableDataset):
+        """Split batch by batch over the ranks, which agree on each batch in a group of
+        the loader's own."""
+
+        def __iter__(self):
+            for i in range(16):
+                yield torch.randn(16), i % 5
+
+    loader = functacc.DeviceLoader(torch.utils.data.DataLoader(Stream(), batch_size=4))
+    steps = []
+    for parallel in (DataParallel(), ZeRO(3, wrap_layer_cls={"Linear"})):
+        torch.manual_seed(0)
+        model = models.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps.append(
+            functacc.compile_step(
+                model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
+            )
+        )
+    for x, y in loader:
+        for step in steps:
+            step(x, y)
+    groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map]
+    out["groups"] = len(groups)
+    dist.barrier()
+    dist.destroy_process_group()
+    out["alive_after_destroy"] = sum(ref() is not None for ref in groups)
+    errors = []
+    for step in steps:
+        try:
+            step(x, y)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    out["rank"] = rank
+    out["world"] = world
+
+
 SCENARIOS = {
     "parity": scenario_parity,
     "hybrid": scenario_hybrid,
@@ -292,6 +338,7 @@ SCENARIOS = {
     "errors": scenario_errors,
     "killed": scenario_killed,
     "multinode": scenario_multinode,
+    "teardown": scenario_teardown,
 }
 
 
@@ -306,10 +353,11 @@ def main(scenarios: dict | None = None) -> None:
     except Exception:
         traceback.print_exc()
         raise
-    if dist.get_rank() == 0:
+    if int(os.environ["RANK"]) == 0:
         torch.save(out, path)
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a scenario may have destroyed it
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 
