@@ -7,8 +7,7 @@ torch.cuda.amp.autocast / GradScaler (no-ops with a warning on a machine without
 import time
 
 import torch
-import torchvision
-from _sizes import sizes
+from _sizes import resnet, sizes
 
 import functacc as torchacc
 
@@ -20,8 +19,7 @@ labels = torch.randint(0, 100, (args.samples,))
 dataset = torch.utils.data.TensorDataset(inputs, labels)
 train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
 
-model = getattr(torchvision.models, args.arch)()
-model.fc = torch.nn.Linear(model.fc.in_features, 100)
+model = resnet(args.arch)
 
 config = torchacc.Config()
 config.compute.bf16 = True

@@ -6,8 +6,7 @@ python examples/torchacc/resnet_native.py            # CPU-sized; --full for the
 import time
 
 import torch
-import torchvision
-from _sizes import sizes
+from _sizes import resnet, sizes
 
 args = sizes()
 batch_size = args.batch_size
@@ -17,8 +16,7 @@ labels = torch.randint(0, 100, (args.samples,))
 dataset = torch.utils.data.TensorDataset(inputs, labels)
 train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
 
-model = getattr(torchvision.models, args.arch)()
-model.fc = torch.nn.Linear(model.fc.in_features, 100)
+model = resnet(args.arch)
 
 device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 model = model.to(device)
