@@ -27,6 +27,7 @@ from torch import Tensor, nn
 __all__ = [
     "AmbientWatch",
     "BatchWatch",
+    "HookWatch",
     "ModelWatch",
     "StructureWatch",
     "TensorSpec",
@@ -114,6 +115,68 @@ class ModelWatch:
         )
         self._guards = _tensor_guards(self.tensors)
         return self._key
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _MODULE_HOOKS)
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+class HookWatch:
+    """The hooks a trace runs or must refuse: the modules' forward, pre-forward and backward
+    hooks (and the global ones), and the parameters' gradient hooks
+    (``p.register_hook``, ``p.register_post_accumulate_grad_hook``).
+
+    Eager PyTorch runs the hooks registered at the time of each call; a compiled graph
+    holds those of its trace. Every registration creates a
+    ``torch.utils.hooks.RemovableHandle``, whose class counter ``next_id`` grows, so per
+    call the step reads that counter and the sizes of the hook dicts that were non-empty
+    at the last scan (a removal shrinks one); only when either moved does it re-read every
+    module and parameter. :meth:`key` returns the same tuple object while nothing changed.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], params: dict[str, Tensor]):
+        from torch.utils.hooks import RemovableHandle
+
+        self._handles = RemovableHandle
+        self.modules = list(modules)
+        self.params = params
+        self._next_id = -1
+        self._dicts: list[dict] = []
+        self._sizes: tuple[int, ...] = ()
+        self._key: tuple = ()
+
+    def key(self) -> tuple:
+        if self._handles.next_id == self._next_id and tuple(map(len, self._dicts)) == self._sizes:
+            return self._key
+        self._next_id = self._handles.next_id
+        from torch.nn.modules import module as module_api
+
+        found: list[tuple[str, dict]] = []
+        for name in _GLOBAL_HOOKS:
+            found.append((f"global {name}", getattr(module_api, name)))
+        names = {id(m): n for n, m in zip(self._module_names(), self.modules, strict=True)}
+        for module in self.modules:
+            for name in _MODULE_HOOKS:
+                found.append((f"{names[id(module)] or 'model'}.{name}", vars(module).get(name)))
+        for pname, p in self.params.items():
+            for name in _TENSOR_HOOKS:
+                found.append((f"{pname}.{name}", getattr(p, name)))
+        live = [(where, hooks) for where, hooks in found if hooks]
+        self._dicts = [hooks for _, hooks in live]
+        self._sizes = tuple(map(len, self._dicts))
+        # The handles' ids (the dicts' keys): unique per registration, never reused.
+        key = tuple((where, tuple(hooks)) for where, hooks in live)
+        if key != self._key:
+            self._key = key
+        return self._key
+
+    def _module_names(self) -> list[str]:
+        if not hasattr(self, "_names"):
+            root = self.modules[0]
+            by_id = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            self._names = [by_id.get(id(m), "") for m in self.modules]
+        return self._names
 
 
 class StructureWatch:

@@ -39,6 +39,7 @@ from .remat import POLICIES, RematPolicy, save_matmuls, validate_remat
 from .signature import (
     AmbientWatch,
     BatchWatch,
+    HookWatch,
     ModelWatch,
     StructureWatch,
     TensorSpec,
@@ -126,6 +127,7 @@ class Step:
         self._modules = list(model.modules())
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
         self._model_watch = ModelWatch(self._modules, self._params, self._model_tensors)
+        self._hook_watch = HookWatch(self._modules, self._params)
         self._structure = StructureWatch(model)
         self._batch_watch = BatchWatch()
         self._context_parts: tuple | None = None
@@ -444,6 +446,7 @@ class Step:
             self._hyper_key,
             self._strategy.signature(count),
             self._ambient.key(),
+            self._hook_watch.key(),
         )
         if parts != self._context_parts:
             if self._context_parts is None or parts[0] is not self._context_parts[0]:
@@ -451,13 +454,14 @@ class Step:
                 # and model.to() also replace its buffers, which no hook reports.
                 self._structure.rescan()
                 self._check_structure()
-            model, hyper, parallel, ambient = parts
+            model, hyper, parallel, ambient, hooks = parts
             self._context_parts = parts
             self._context_key = (
                 *model,
                 ("optimizer hyperparameters", hyper),
                 ("parallel", parallel),
                 ("ambient", ambient),
+                ("hooks", hooks),
             )
         return self._context_key
 

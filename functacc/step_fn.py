@@ -66,8 +66,10 @@ class StepFunction:
     ) -> tuple[TrainState, Tensor]:
         strategy = self.strategy
         params = state.params
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        originals = dict(self.model.named_parameters())
+        trainable = {n for n, p in originals.items() if p.requires_grad}
         names = strategy.differentiable(params, trainable)
+        hooks = gradient_hooks(originals, names)
         buffers = state.buffers
         extra = dict(state.extra or {})
         scaler = extra.get("loss_scale")
@@ -78,6 +80,9 @@ class StepFunction:
         for micro_args, micro_kwargs in micro_batches:
             with torch.enable_grad():
                 leaves = {n: params[n].detach().requires_grad_() for n in names}
+                for name, name_hooks in hooks.items():
+                    for hook in name_hooks:
+                        leaves[name].register_hook(hook)
                 with (
                     strategy.materialize({**params, **leaves}, self.model) as model_params,
                     rematerialize(self.model, self.remat),
@@ -173,6 +178,34 @@ class StepFunction:
                 f"{got}. Reduce it to a scalar, e.g. with reduction='mean' or loss.mean()."
             )
         return loss
+
+
+def gradient_hooks(originals: Mapping[str, Tensor], names: list[str]) -> dict[str, list]:
+    """The ``p.register_hook`` hooks of the model's parameters, by name. The step puts
+    them on the tensors it takes gradients of, where ``torch.autograd.grad`` runs them as
+    ``backward()`` does: on the parameter's gradient of each micro-batch, before it is
+    accumulated, reduced over ranks or clipped. Hooks functacc cannot run as eager does
+    are an error, not left out."""
+    hooks = {}
+    for name, p in originals.items():
+        if p._post_accumulate_grad_hooks:
+            raise argument_error(
+                f"parameter {name!r} has a post-accumulate-grad hook "
+                "(register_post_accumulate_grad_hook). The compiled step never writes .grad "
+                "(the gradients go straight into the optimizer update inside the graph), so "
+                "the hook would not run. Remove it (handle.remove()), or move what it does "
+                "into a GradientTransformation."
+            )
+        if p._backward_hooks and p.requires_grad:  # frozen: no gradient, no hook call
+            if name not in names:
+                raise argument_error(
+                    f"parameter {name!r} has a gradient hook (register_hook), but the "
+                    "strategy takes gradients of flat shards, not of this parameter (ZeRO-3), "
+                    "so the hook cannot run on its gradient. Use ZeRO(2) or DataParallel, or "
+                    "remove the hook."
+                )
+            hooks[name] = list(p._backward_hooks.values())
+    return hooks
 
 
 def _keep_if(flag: Tensor, old: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> dict:

@@ -8,7 +8,7 @@ import logging
 import models
 import pytest
 import torch
-from helpers import assert_close
+from helpers import Snapshot, assert_close
 from torch import nn
 
 import functacc
@@ -464,3 +464,65 @@ def test_a_batch_in_another_layout_is_a_new_signature() -> None:
     assert step.num_traces == 2
     assert "stride" in step.traces[1].reason
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+
+
+def _hooked_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+HOOKS = {
+    # model -> handles; each changes the result, so a hook left out shows
+    "tensor": lambda m: [m[0].weight.register_hook(lambda g: g * 5)],
+    "forward": lambda m: [m[0].register_forward_hook(lambda mod, i, o: o * 0.5)],
+    "forward_pre": lambda m: [m[2].register_forward_pre_hook(lambda mod, a: (a[0] * 2,))],
+    "full_backward": lambda m: [m[1].register_full_backward_hook(lambda mod, gi, go: (gi[0] * 3,))],
+    "global_forward": lambda m: [
+        torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, i, o: o * 1.5 if mod is m[1] else None
+        )
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend"),
+    [(kind, "eager") for kind in HOOKS]
+    # Under Inductor once: the graph is what the trace gave, hooks included.
+    + [pytest.param("tensor", "inductor", marks=pytest.mark.inductor)],
+)
+def test_hooks_registered_or_removed_between_steps_act_as_in_eager(kind, backend) -> None:
+    # Eager runs the hooks registered at each call; the step re-traces when they change
+    # (one counter read per call) and runs parameter gradient hooks on its gradients.
+    # Before: a hook registered after the first step was silently left out.
+    model, ref = _hooked_mlp(), _hooked_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(5)]
+    losses, handles = [], []
+    for i, (x, y) in enumerate(batches):
+        if i == 1:
+            handles = HOOKS[kind](model) + HOOKS[kind](ref)
+        if i == 3:
+            for handle in handles:
+                handle.remove()
+        losses.append(both_step(step, ref, ref_opt, x, y, i, loss_fn=nn.functional.mse_loss))
+    assert step.num_traces == 2  # without hooks, with; the removal finds the first again
+    tol = {"rtol": 0, "atol": 0} if backend == "eager" else {"rtol": 1e-5, "atol": 1e-6}
+    assert_close([a for a, _ in losses], [b for _, b in losses], **tol, what="losses")
+    assert_close(model.state_dict(), ref.state_dict(), **tol, what="model")
+
+
+def test_gradient_hooks_functacc_cannot_run_are_errors() -> None:
+    model = _hooked_mlp()
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    step = functacc.compile_step(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    snap = Snapshot(model, step._link.optimizer, step)
+    with pytest.raises(ValueError, match=r"'0.weight' has a post-accumulate-grad hook"):
+        step(x, y)
+    snap.assert_unchanged()
