@@ -22,7 +22,7 @@ from .optim import GradientTransformation
 from .optim._transform import step_params
 from .parallel.strategy import Strategy
 from .precision import Precision
-from .remat import rematerialize
+from .remat import no_checkpoint_draws, rematerialize
 from .split import mark_optimizer_inputs
 from .trace import describe_tensor
 
@@ -98,9 +98,10 @@ class StepFunction:
                     if scaler:
                         scaled = scaled * scaler["scale"].to(scaled.dtype)
                     if scaled.requires_grad and leaves:
-                        micro_grads = torch.autograd.grad(
-                            scaled, list(leaves.values()), allow_unused=True
-                        )
+                        with no_checkpoint_draws():
+                            micro_grads = torch.autograd.grad(
+                                scaled, list(leaves.values()), allow_unused=True
+                            )
                     else:
                         micro_grads = (None,) * len(names)
             grads = [
