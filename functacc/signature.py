@@ -135,11 +135,11 @@ class HookWatch:
     module and parameter. :meth:`key` returns the same tuple object while nothing changed.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], params: dict[str, Tensor]):
+    def __init__(self, model: nn.Module, params: dict[str, Tensor]):
         from torch.utils.hooks import RemovableHandle
 
         self._handles = RemovableHandle
-        self.modules = list(modules)
+        self.modules = [(name or "model", m) for name, m in model.named_modules()]
         self.params = params
         self._next_id = -1
         self._dicts: list[dict] = []
@@ -152,16 +152,11 @@ class HookWatch:
         self._next_id = self._handles.next_id
         from torch.nn.modules import module as module_api
 
-        found: list[tuple[str, dict]] = []
-        for name in _GLOBAL_HOOKS:
-            found.append((f"global {name}", getattr(module_api, name)))
-        names = {id(m): n for n, m in zip(self._module_names(), self.modules, strict=True)}
-        for module in self.modules:
-            for name in _MODULE_HOOKS:
-                found.append((f"{names[id(module)] or 'model'}.{name}", vars(module).get(name)))
-        for pname, p in self.params.items():
-            for name in _TENSOR_HOOKS:
-                found.append((f"{pname}.{name}", getattr(p, name)))
+        found = [(f"global {name}", getattr(module_api, name)) for name in _GLOBAL_HOOKS]
+        for where, module in self.modules:
+            found += [(f"{where}.{name}", vars(module).get(name)) for name in _MODULE_HOOKS]
+        for where, p in self.params.items():
+            found += [(f"{where}.{name}", getattr(p, name)) for name in _TENSOR_HOOKS]
         live = [(where, hooks) for where, hooks in found if hooks]
         self._dicts = [hooks for _, hooks in live]
         self._sizes = tuple(map(len, self._dicts))
@@ -170,13 +165,6 @@ class HookWatch:
         if key != self._key:
             self._key = key
         return self._key
-
-    def _module_names(self) -> list[str]:
-        if not hasattr(self, "_names"):
-            root = self.modules[0]
-            by_id = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-            self._names = [by_id.get(id(m), "") for m in self.modules]
-        return self._names
 
 
 class StructureWatch:

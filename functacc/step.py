@@ -127,7 +127,7 @@ class Step:
         self._modules = list(model.modules())
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
         self._model_watch = ModelWatch(self._modules, self._params, self._model_tensors)
-        self._hook_watch = HookWatch(self._modules, self._params)
+        self._hook_watch = HookWatch(model, self._params)
         self._structure = StructureWatch(model)
         self._batch_watch = BatchWatch()
         self._context_parts: tuple | None = None
