@@ -526,3 +526,42 @@ def test_gradient_hooks_functacc_cannot_run_are_errors() -> None:
     with pytest.raises(ValueError, match=r"'0.weight' has a post-accumulate-grad hook"):
         step(x, y)
     snap.assert_unchanged()
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.emb(x))).flatten(0, 1)
+
+
+def test_a_gradient_hook_on_a_tied_weight_runs_once_on_its_summed_gradient() -> None:
+    # Eager runs a leaf's hook once per backward, on the sum of both uses' gradients; the
+    # clamp makes a per-use call visible. A frozen parameter's hook never runs (no error).
+    def make():
+        torch.manual_seed(0)
+        model = _TiedLM()
+        model.emb.weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        return model
+
+    model, ref = make(), make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x, y = (torch.randint(0, 10, (4, 5), generator=g) for _ in range(2))
+        both_step(step, ref, ref_opt, x, y.flatten(), i)
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+
+    frozen = make()
+    frozen.out.weight = nn.Parameter(torch.randn(10, 4))
+    frozen.emb.weight.requires_grad_(False)
+    opt = torch.optim.SGD([frozen.out.weight], lr=0.5)
+    before = frozen.emb.weight.clone()
+    functacc.compile_step(frozen, nn.CrossEntropyLoss(), opt, backend="eager")(x, y.flatten())
+    assert torch.equal(frozen.emb.weight, before)
