@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=WORKLOADS, default="mlp")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet models only")
-    p.add_argument("--seq-len", type=int, default=None, help="transformer and gpt2 only")
+    p.add_argument("--seq-len", type=int, default=None, help="transformer and gpt2 models only")
     p.add_argument(
         "--cold",
         action="store_true",
@@ -61,6 +61,18 @@ def parser() -> argparse.ArgumentParser:
         choices=("bf16", "fp16"),
         default=None,
         help="also run functacc in this precision, next to float32",
+    )
+    p.add_argument(
+        "--amp",
+        choices=("bf16",),
+        default=None,
+        help="run every competitor in bf16 mixed precision (eager and torch.compile under "
+        "torch.autocast, functacc with precision='bf16'; float32 weights in all)",
+    )
+    p.add_argument(
+        "--cuda-graphs-off",
+        action="store_true",
+        help="also run functacc with cuda_graphs=False (CUDA only), next to the default",
     )
     p.add_argument(
         "--remat",
@@ -146,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         image_size=args.image_size,
         seq_len=args.seq_len,
         device=args.device,
+        amp=torch.bfloat16 if args.amp == "bf16" else None,
     )
     names = [n.strip() for n in args.competitors.split(",") if n.strip()]
     if args.accelerate and "accelerate" not in names:
@@ -175,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 inductor_options={"layout_optimization": True},
             )
         )
+    if args.cuda_graphs_off:
+        if torch.device(args.device).type != "cuda":
+            raise SystemExit("--cuda-graphs-off compares CUDA-graph replay: it needs --device cuda")
+        factories.append(
+            lambda: competitors.functacc_variant(workload, "no cuda graphs", cuda_graphs=False)
+        )
     variants = [o.strip() for o in (args.inductor_variants or "").split(",") if o.strip()]
     for option in variants:
         factories.append(
@@ -192,16 +211,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .roofline import matmul_peak_flops, step_flops
 
     device = torch.device(args.device)
-    peak = matmul_peak_flops(device)
+    peak = matmul_peak_flops(device, dtype=workload.amp or torch.float32)
     flops = step_flops(workload.model, workload.inputs, workload.targets, workload.loss_fn)
     steps_per_s = {r.name: r.samples_per_s / workload.inputs.shape[0] for r in results}
     for r in results:
         r.peak_fraction = flops * steps_per_s[r.name] / peak
     print(f"{workload.description}; {report.machine()}")
+    kind = "bf16" if workload.amp == torch.bfloat16 else "fp32"
     print(
-        f"fp32 matmul peak measured now: {peak / 1e9:.0f} GFLOP/s; one step: "
+        f"{kind} matmul peak measured now: {peak / 1e9:.0f} GFLOP/s; one step: "
         f"{flops / 1e6:.0f} MFLOP (forward + backward)"
     )
+    if device.type == "cuda":
+        print(
+            "peak memory on CUDA: the high point of building the competitor and its first "
+            "3 steps (weights, optimizer state, graphs' memory pools included)"
+        )
     print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
     print(report.table(results))
     if args.json:
@@ -210,7 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "workload": workload.description,
                 "machine": report.machine(),
-                "fp32_matmul_peak_flops": peak,
+                "matmul_peak_flops": peak,
+                "matmul_peak_dtype": kind,
                 "step_flops": flops,
                 "command": "python -m functacc bench "
                 + " ".join(sys.argv[1:] if argv is None else argv),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Protocol
@@ -22,7 +23,8 @@ class Competitor(Protocol):
 
 
 class Eager:
-    """The plain PyTorch loop: zero_grad, forward, backward, optimizer step."""
+    """The plain PyTorch loop: zero_grad, forward, backward, optimizer step; with the
+    workload's ``amp`` dtype, forward and loss under ``torch.autocast`` (float32 weights)."""
 
     name = "eager"
 
@@ -30,12 +32,20 @@ class Eager:
         self.w = w
         self.model = copy.deepcopy(w.model)
         self.opt = w.make_opt(self.model)
+        self.forward = self.model
+        self.opt_step = self.opt.step
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.w.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.w.inputs.device.type, dtype=self.w.amp)
 
     def step(self) -> Tensor:
         self.opt.zero_grad(set_to_none=True)
-        loss = self.w.loss_fn(self.model(self.w.inputs), self.w.targets)
+        with self._autocast():
+            loss = self.w.loss_fn(self.forward(self.w.inputs), self.w.targets)
         loss.backward()
-        self.opt.step()
+        self.opt_step()
         return loss.detach()
 
 
@@ -44,18 +54,25 @@ class TorchCompile(Eager):
     PyTorch's "Compiling the optimizer with torch.compile" recipe."""
 
     name = "torch.compile"
+    mode: str | None = None
 
     def __init__(self, w: Workload):
         super().__init__(w)
-        self.compiled = torch.compile(self.model)
-        self.opt_step = torch.compile(self.opt.step)
+        self.forward = torch.compile(self.model, mode=self.mode)
+        self.opt_step = torch.compile(self.opt.step, mode=self.mode)
 
     def step(self) -> Tensor:
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.w.loss_fn(self.compiled(self.w.inputs), self.w.targets)
-        loss.backward()
-        self.opt_step()
-        return loss.detach()
+        if self.mode == "reduce-overhead":
+            # CUDA graph trees: a new training iteration starts here (the recipe's call).
+            torch.compiler.cudagraph_mark_step_begin()
+        return super().step()
+
+
+class TorchCompileReduceOverhead(TorchCompile):
+    """``torch.compile(mode="reduce-overhead")``: the same, replayed as CUDA graphs."""
+
+    name = "torch.compile:reduce-overhead"
+    mode = "reduce-overhead"
 
 
 class Functacc:
@@ -82,6 +99,8 @@ class Functacc:
             self.model.to(memory_format=memory_format)
             self.inputs = w.inputs.contiguous(memory_format=memory_format)
         self.opt = w.make_opt(self.model)
+        if w.amp is not None:
+            options.setdefault("precision", w.amp)
         self.compiled = compile_step(self.model, w.loss_fn, self.opt, **options)
 
     def step(self) -> Tensor:
@@ -124,7 +143,9 @@ class Accelerate(Eager):
         accelerate(self.model)
 
 
-COMPETITORS = {c.name: c for c in (Eager, TorchCompile, Functacc, Accelerate)}
+COMPETITORS = {
+    c.name: c for c in (Eager, TorchCompile, TorchCompileReduceOverhead, Functacc, Accelerate)
+}
 
 
 def make(name: str, workload: Workload) -> Competitor:

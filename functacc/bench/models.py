@@ -23,6 +23,8 @@ class Workload:
     loss_fn: nn.Module
     make_opt: Callable[[nn.Module], torch.optim.Optimizer]
     description: str
+    amp: torch.dtype | None = None
+    """Mixed precision for every competitor: autocast compute, float32 weights."""
 
 
 class MLP(nn.Sequential):
@@ -100,6 +102,8 @@ DEFAULTS = {
     "resnet50": {"batch_size": 16, "image_size": 32},
     "transformer": {"batch_size": 16, "seq_len": 64},
     "gpt2": {"batch_size": 8, "seq_len": 64},
+    # GPT-2 small (124M parameters: 12 layers x 768, the 50257-token vocabulary).
+    "gpt2-small": {"batch_size": 8, "seq_len": 512},
 }
 WORKLOADS = tuple(DEFAULTS)
 
@@ -112,8 +116,10 @@ def build(
     seq_len: int | None = None,
     device: str = "cpu",
     seed: int = 0,
+    amp: torch.dtype | None = None,
 ) -> Workload:
-    """Build workload ``name`` with its defaults, overridden by the given sizes."""
+    """Build workload ``name`` with its defaults, overridden by the given sizes; ``amp``
+    runs every competitor in that mixed precision."""
     if name not in DEFAULTS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
     sizes = {**DEFAULTS[name]}
@@ -138,16 +144,26 @@ def build(
         s = sizes["image_size"]
         inputs = torch.randn(b, 3, s, s, generator=g)
         desc = f"torchvision {name}, {s}x{s} images, batch {b}, SGD momentum"
-    elif name == "gpt2":
-        model, opt = gpt2(), _adamw
-        inputs = torch.randint(0, 1000, (b, sizes["seq_len"]), generator=g)
-        desc = f"HF GPT-2 4 layers x 256, seq {sizes['seq_len']}, batch {b}, AdamW"
-        return Workload(
-            name, model.to(device), inputs.to(device), inputs.to(device), NextTokenLoss(), opt, desc
-        )
+    elif name in ("gpt2", "gpt2-small"):
+        n = sizes["seq_len"]
+        if name == "gpt2":
+            model, vocab = gpt2(), 1000
+            desc = f"HF GPT-2 4 layers x 256, seq {n}, batch {b}, AdamW"
+        else:
+            model, vocab = gpt2(layers=12, dim=768, vocab=50257, positions=max(1024, n)), 50257
+            desc = f"HF GPT-2 small (12 layers x 768), seq {n}, batch {b}, AdamW"
+        inputs = torch.randint(0, vocab, (b, n), generator=g).to(device)
+        desc += f", {_AMP_NAMES[amp]}" if amp is not None else ""
+        return Workload(name, model.to(device), inputs, inputs, NextTokenLoss(), _adamw, desc, amp)
     else:
         model, opt = TokenClassifier(), _adamw
         inputs = torch.randint(0, 1000, (b, sizes["seq_len"]), generator=g)
         desc = f"4-layer Transformer d=256, seq {sizes['seq_len']}, batch {b}, AdamW"
     targets = torch.randint(0, 10, (b,), generator=g)
-    return Workload(name, model.to(device), inputs.to(device), targets.to(device), ce, opt, desc)
+    desc += f", {_AMP_NAMES[amp]}" if amp is not None else ""
+    return Workload(
+        name, model.to(device), inputs.to(device), targets.to(device), ce, opt, desc, amp
+    )
+
+
+_AMP_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast"}

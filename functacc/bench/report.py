@@ -21,25 +21,33 @@ def machine() -> str:
 
 
 def table(
-    results: Sequence[Result], *, baseline: str = "eager", rival: str = "torch.compile"
+    results: Sequence[Result],
+    *,
+    baseline: str = "eager",
+    rivals: Sequence[str] = ("torch.compile", "torch.compile:reduce-overhead"),
 ) -> str:
-    """A Markdown table with throughput ratios to the baseline and to the rival."""
+    """A Markdown table with throughput ratios to the baseline and to each rival present
+    (always a ``vs torch.compile`` column, ``-`` when it did not run)."""
     by_name = {r.name: r for r in results}
     base = by_name.get(baseline)
-    other = by_name.get(rival)
+    shown = [n for n in rivals if n in by_name] or list(rivals[:1])
     lines = [
-        f"| | samples/s | vs {baseline} | vs {rival} | of fp32 peak | first step (s) "
-        "| trace + compile (s) | host µs/step | peak memory (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| | samples/s | vs {baseline} | "
+        + "".join(f"vs {n} | " for n in shown)
+        + "of matmul peak | first step (s) | trace + compile (s) | host µs/step "
+        "| peak memory (MiB) |",
+        "|---|---:|---:|" + "---:|" * len(shown) + "---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        vs_base = f"{r.samples_per_s / base.samples_per_s:.2f}x" if base else "-"
-        vs_other = f"{r.samples_per_s / other.samples_per_s:.2f}x" if other else "-"
+        ratios = [
+            f"{r.samples_per_s / other.samples_per_s:.2f}x" if other else "-"
+            for other in [base, *(by_name.get(n) for n in shown)]
+        ]
         peak = f"{r.peak_fraction:.0%}" if r.peak_fraction is not None else "-"
         compiled = " + ".join(f"{t:.1f}+{c:.1f}" for t, c in r.compile_s) if r.compile_s else "-"
         host = f"{r.host_overhead_us:.0f}" if r.host_overhead_us is not None else "-"
         lines.append(
-            f"| {r.name} | {r.samples_per_s:.1f} | {vs_base} | {vs_other} | {peak} | "
+            f"| {r.name} | {r.samples_per_s:.1f} | {' | '.join(ratios)} | {peak} | "
             f"{r.first_step_s:.1f} | {compiled} | {host} | {r.peak_memory_bytes / 2**20:.1f} |"
         )
     return "\n".join(lines)
