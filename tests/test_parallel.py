@@ -377,3 +377,14 @@ def test_destroying_the_process_group_frees_it_while_steps_are_alive(workdir) ->
     assert len(result["errors"]) == 2
     for error in result["errors"]:
         assert "destroy_process_group" in error and "init_distributed" in error
+
+
+def test_default_backend_gives_each_process_a_gpu_or_uses_gloo() -> None:
+    from functacc.parallel.mesh import default_backend
+
+    assert default_backend(gpus=0, local_processes=2) == "gloo"
+    assert default_backend(gpus=2, local_processes=2) == "cpu:gloo,cuda:nccl"
+    # Two processes on a one-GPU node (this suite's torchrun tests on a GPU machine): NCCL
+    # would put both on GPU 0, or fail to set GPU 1; gloo, with a warning that says why.
+    with pytest.warns(UserWarning, match=r"1 GPU\(s\) for 2 processes"):
+        assert default_backend(gpus=1, local_processes=2) == "gloo"

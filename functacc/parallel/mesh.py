@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 import weakref
 
 import torch
@@ -25,12 +26,15 @@ def init_distributed(
     """Start the default process group from torchrun's environment; idempotent.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
-    ``torchrun``). ``backend=None`` picks NCCL when CUDA is available and gloo otherwise. On
-    CUDA each process uses the GPU ``LOCAL_RANK``. ``timeout`` (seconds or a timedelta,
-    default 300 s, or ``FUNCTACC_TIMEOUT`` seconds from the environment) bounds how long a
-    collective waits for a rank that has died, so the others fail with an error instead of
-    hanging forever. Without torchrun's variables this is a single process: nothing to
-    start, returns ``False``.
+    ``torchrun``). ``backend=None`` picks gloo for CPU tensors and, when this node has a GPU
+    for every local process, NCCL for CUDA tensors (``"cpu:gloo,cuda:nccl"``, each process
+    on the GPU ``LOCAL_RANK``); with more processes on the node (``LOCAL_WORLD_SIZE``) than
+    GPUs it picks gloo alone and warns (a CPU run on a GPU machine, or a launch that asked
+    for too many processes). ``timeout`` (seconds or a timedelta, default 300 s, or
+    ``FUNCTACC_TIMEOUT`` seconds from the environment) bounds how long a collective waits
+    for a rank that has died, so the others fail with an error instead of hanging forever.
+    Without torchrun's variables this is a single process: nothing to start, returns
+    ``False``.
 
     Example:
         >>> import functacc
@@ -47,10 +51,13 @@ def init_distributed(
         timeout = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    local_rank = _env_int("LOCAL_RANK") or 0
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local_world = _env_int("LOCAL_WORLD_SIZE") or local_rank + 1
+        backend = default_backend(gpus, local_world)
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend, timeout=timeout)
@@ -62,6 +69,28 @@ def init_distributed(
     store = dist.PrefixStore(f"functacc/attempt{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank_, world_size=world_, timeout=timeout)
     return True
+
+
+def default_backend(gpus: int, local_processes: int) -> str:
+    """The backend when ``local_processes`` processes share a node with ``gpus`` GPUs (the
+    same answer on every rank of the node, so they agree).
+
+    Example:
+        >>> default_backend(gpus=8, local_processes=8), default_backend(gpus=0, local_processes=2)
+        ('cpu:gloo,cuda:nccl', 'gloo')
+    """
+    if gpus == 0:
+        return "gloo"
+    if local_processes > gpus:
+        warnings.warn(
+            f"this node has {gpus} GPU(s) for {local_processes} processes: not every process "
+            "can have its own GPU, so the process group uses gloo (CPU tensors) only. For GPU "
+            f"training launch one process per GPU (torchrun --nproc-per-node={gpus}); for a "
+            "CPU run pass backend='gloo' to silence this.",
+            stacklevel=3,
+        )
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
 
 
 def world_size() -> int:
