@@ -426,11 +426,38 @@ class Step:
             self._installed = False
         if not self._link.poll():
             return  # param_groups as at the last call: nothing to re-read
+        if not self._link.same_groups():
+            try:
+                self._regroup()
+            except Exception:
+                self._link.forget_poll()  # the next call checks (and fails) again
+                raise
         hyper_key = self._link.structure_key()
         if hyper_key != self._hyper_key:
             self._fn.transform = self._build_transform(self._link.optimizer)
             self._hyper_key = hyper_key
         self._link.sync_hyperparams(self._live.opt_state)
+
+    def _regroup(self) -> None:
+        """``optimizer.add_param_group()`` (or a group's parameters edited) after the step
+        was built: as in eager, the new parameters train from this call on. The optimizer
+        state of the parameters already trained carries over (it is the torch optimizer's
+        own); the new ones start fresh, and the next trace updates every group."""
+        optimizer = self._link.optimizer
+        if not self._strategy.named_state:
+            raise RuntimeError(
+                f"optimizer.param_groups changed after the {self._strategy.name} step was "
+                "built (optimizer.add_param_group(), or parameters added to or removed from a "
+                "group): the step shards each group's parameters when it is built. Build the "
+                "step again with compile_step() after changing the optimizer's groups."
+            )
+        link = TorchOptimizerLink(optimizer, {id(p): n for n, p in self._params.items()})
+        transform = link.transform(self._strategy.optimizer_groups(link.groups))
+        opt_state = link.read_state(self._params, copy=False)
+        self._link, self._fn.transform = link, transform
+        self._set_live_state(self._live._replace(opt_state=opt_state))
+        self._installed = False  # the new parameters' state goes into opt.state next step
+        self._hyper_key = None  # a new structure: recomputed below, and a new trace
 
     def _state_key(self, count: int) -> tuple:
         # Per-call checks of what changes the graph: train/eval mode, which parameters are

@@ -565,3 +565,56 @@ def test_a_gradient_hook_on_a_tied_weight_runs_once_on_its_summed_gradient() -> 
     before = frozen.emb.weight.clone()
     functacc.compile_step(frozen, nn.CrossEntropyLoss(), opt, backend="eager")(x, y.flatten())
     assert torch.equal(frozen.emb.weight, before)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_add_param_group_between_steps_trains_the_new_group_like_eager(optimizer) -> None:
+    # Gradual unfreezing: the head trains first, then the body joins with its own lr.
+    make = {
+        "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    }[optimizer]
+    torch.manual_seed(0)
+    model = models.mlp()
+    ref = copy.deepcopy(model)
+    opts = []
+    for m in (model, ref):
+        m[0].requires_grad_(False)
+        opts.append(make(m[4].parameters()))
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opts[0], backend="eager")
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g))] * 5
+
+    def eager(x, y):
+        opts[1].zero_grad()
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opts[1].step()
+        return loss.detach()
+
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            frozen = model[0].weight.detach().clone()
+            for m, opt in zip((model, ref), opts, strict=True):
+                m[0].requires_grad_(True)
+                opt.add_param_group({"params": list(m[0].parameters()), "lr": 0.01})
+        assert torch.equal(step(x, y), eager(x, y)), i
+    # Bit for bit: the new group trained from step 3, the head kept its optimizer state.
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    assert_close(opts[0].state_dict(), opts[1].state_dict(), rtol=0, atol=0, what="optimizer")
+    assert not torch.equal(model[0].weight, frozen)  # the body did train
+    assert step.num_traces == 2
+
+
+def test_adding_a_foreign_parameter_to_the_optimizer_is_an_error_every_call() -> None:
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    step(x, y)
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
+    snap = Snapshot(model, opt, step)
+    for _ in range(2):  # not silently ignored on the next call either
+        with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*not a param"):
+            step(x, y)
+    snap.assert_unchanged()

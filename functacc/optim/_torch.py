@@ -149,15 +149,32 @@ class TorchOptimizerLink:
                 group_names.append(names[id(p)])
                 self.params[names[id(p)]] = p
             self.groups.append(group_names)
+        self._ids = self._group_ids()
         self._values: list[dict[str, float]] | None = None
         self._raw: tuple | None = None
         self._raw_has_tensors = False
+
+    def _group_ids(self) -> list[list[int]]:
+        return [[id(p) for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def same_groups(self) -> bool:
+        """Whether ``param_groups`` still holds the parameters this link was built on, in
+        the same groups (``add_param_group()`` adds a group)."""
+        return self._group_ids() == self._ids
+
+    def forget_poll(self) -> None:
+        """Make the next :meth:`poll` say yes (a change it reported was not taken up)."""
+        self._raw = None
 
     def poll(self) -> bool:
         """Whether ``param_groups`` may have changed since the last poll: a C-level read of
         the entries, compared as they are (a scheduler writes new floats). Tensor entries
         can change in place, so with any of them every poll says yes."""
-        raw = tuple(tuple(map(g.get, _WATCHED)) for g in self.optimizer.param_groups)
+        # With each group's parameter count: add_param_group() or a parameter appended to a
+        # group is a change too (same_groups() then compares the parameters themselves).
+        raw = tuple(
+            (*map(g.get, _WATCHED), len(g["params"])) for g in self.optimizer.param_groups
+        )
         if not self._raw_has_tensors and raw == self._raw:
             return False
         self._raw = raw
