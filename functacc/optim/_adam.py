@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._transform import (
+    EagerKernel,
     GradientTransformation,
     Params,
     Schedule,
@@ -101,18 +102,22 @@ def adam(
         new_params = {}
         # The same ATen ops, in the same order, as torch.optim's single-tensor Adam. torch
         # computes the scalar factors as Python floats (float64); they are float64 0-dim
-        # tensors here, and each kernel casts them to the parameter dtype as torch does.
+        # tensors here, used at each kernel's op-math precision (EagerKernel: float32 for
+        # bf16/fp16 parameters, rounded once per torch kernel; the dtype itself otherwise).
         for name, grad in grads.items():
             param = params[name]
-            dtype = param.dtype
+            k = EagerKernel(param.dtype)
             if maximize:
                 grad = -grad
             step = state.step[name] + 1
-            if use_decay and not decoupled_weight_decay:
-                grad = torch.addcmul(grad, param, hyper["weight_decay"].to(dtype))
-            exp_avg = state.exp_avg[name].lerp(grad, (1 - beta1_t).to(dtype))
-            exp_avg_sq = torch.addcmul(
-                state.exp_avg_sq[name].mul(beta2_t.to(dtype)), grad * (1 - beta2_t).to(dtype), grad
+            if use_decay and not decoupled_weight_decay:  # grad.add(param, alpha=wd)
+                grad = k(torch.addcmul(k.up(grad), k.up(param), k.alpha(hyper["weight_decay"])))
+            # exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg = k(k.up(state.exp_avg[name]).lerp(k.up(grad), k.factor(1 - beta1_t)))
+            # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            decayed_sq = k(k.up(state.exp_avg_sq[name]) * k.factor(beta2_t))
+            exp_avg_sq = k(
+                torch.addcmul(k.up(decayed_sq), k.up(grad) * k.factor(1 - beta2_t), k.up(grad))
             )
             step64 = step.to(torch.float64)
             bias_correction1 = 1 - torch.pow(beta1_t, step64)
@@ -123,12 +128,14 @@ def adam(
                 second = max_sqs[name]
             else:
                 second = exp_avg_sq
-            denom = (second.sqrt() / bias_correction2_sqrt.to(dtype)).add(hyper["eps"].to(dtype))
-            if use_decay and decoupled_weight_decay:
-                param = param.mul((1 - lr_t * hyper["weight_decay"]).to(dtype))
+            # (second.sqrt() / bias_correction2_sqrt).add_(eps): three kernels
+            root = k(k.up(second).sqrt())
+            denom = k(k.up(k(k.up(root) / k.factor(bias_correction2_sqrt))) + k.alpha(hyper["eps"]))
+            if use_decay and decoupled_weight_decay:  # param.mul_(1 - lr * weight_decay)
+                param = k(k.up(param) * k.factor(1 - lr_t * hyper["weight_decay"]))
             # torch: param.addcdiv_(exp_avg, denom, value=-step_size), whose kernel computes
             # param + (-step_size * exp_avg) / denom; the same order rounds the same way.
-            new_params[name] = param + exp_avg * (-step_size).to(dtype) / denom
+            new_params[name] = k(k.up(param) + k.up(exp_avg) * k.factor(-step_size) / k.up(denom))
             steps[name], exp_avgs[name], exp_avg_sqs[name] = step, exp_avg, exp_avg_sq
         new_state = AdamState(state.count + 1, hyper, steps, exp_avgs, exp_avg_sqs, max_sqs)
         return new_params, new_state

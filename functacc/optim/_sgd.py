@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._transform import (
+    EagerKernel,
     GradientTransformation,
     Params,
     Schedule,
@@ -86,26 +87,35 @@ def sgd(
         new_params = {}
         buffers, initialized = dict(state.momentum_buffer), dict(state.initialized)
         # Hyperparameters are 0-dim tensors; addcmul with a tensor factor rounds exactly like
-        # torch's add(..., alpha=number): one fused multiply-add.
+        # torch's add(..., alpha=number): one fused multiply-add. Each torch kernel is one
+        # EagerKernel: computed in its op-math type, rounded once (bf16/fp16 parameters).
         for name, grad in grads.items():
             param = params[name]
-            dtype = param.dtype
+            k = EagerKernel(param.dtype)
             if maximize:
                 grad = -grad
-            if use_decay:
-                grad = torch.addcmul(grad, param, hyper["weight_decay"].to(dtype))
+            if use_decay:  # grad.add(param, alpha=weight_decay)
+                grad = k(torch.addcmul(k.up(grad), k.up(param), k.alpha(hyper["weight_decay"])))
             if use_momentum:
-                momentum_t = hyper["momentum"].to(dtype)
-                decayed = torch.addcmul(
-                    state.momentum_buffer[name].mul(momentum_t),
-                    grad,
-                    (1 - hyper["dampening"]).to(dtype),
+                momentum_t = k.factor(hyper["momentum"])
+                # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+                decayed = k(
+                    torch.addcmul(
+                        k.up(k(k.up(state.momentum_buffer[name]) * momentum_t)),
+                        k.up(grad),
+                        k.alpha(1 - hyper["dampening"]),
+                    )
                 )
                 # torch starts the buffer as an undamped copy of the first gradient.
                 buffers[name] = torch.where(state.initialized[name], decayed, grad)
                 initialized[name] = torch.ones_like(state.initialized[name])
-                grad = torch.addcmul(grad, buffers[name], momentum_t) if nesterov else buffers[name]
-            new_params[name] = torch.addcmul(param, grad, (-hyper["lr"]).to(dtype))
+                if nesterov:  # grad.add(buf, alpha=momentum)
+                    alpha = k.alpha(hyper["momentum"])
+                    grad = k(torch.addcmul(k.up(grad), k.up(buffers[name]), alpha))
+                else:
+                    grad = buffers[name]
+            # param.add_(grad, alpha=-lr)
+            new_params[name] = k(torch.addcmul(k.up(param), k.up(grad), k.alpha(-hyper["lr"])))
         return new_params, SGDState(state.count + 1, hyper, buffers, initialized)
 
     return from_params_update(init, update_params)

@@ -172,9 +172,7 @@ class TorchOptimizerLink:
         can change in place, so with any of them every poll says yes."""
         # With each group's parameter count: add_param_group() or a parameter appended to a
         # group is a change too (same_groups() then compares the parameters themselves).
-        raw = tuple(
-            (*map(g.get, _WATCHED), len(g["params"])) for g in self.optimizer.param_groups
-        )
+        raw = tuple((*map(g.get, _WATCHED), len(g["params"])) for g in self.optimizer.param_groups)
         if not self._raw_has_tensors and raw == self._raw:
             return False
         self._raw = raw

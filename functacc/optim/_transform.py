@@ -164,3 +164,46 @@ def initial_lr(lr: float | Schedule) -> float:
     if lr < 0:
         raise ValueError(f"lr must be >= 0; got {lr}")
     return float(lr)
+
+
+class EagerKernel:
+    """How one torch.optim kernel computes on a tensor of ``dtype``: in its op-math type
+    (float32 for bfloat16 and float16 tensors, the dtype itself otherwise), with Python-float
+    factors at that precision, rounding to ``dtype`` once at the end.
+
+    A 0-dim tensor factor in a graph would instead be cast to the tensor's dtype first: for
+    bfloat16 parameters, Adam's beta2 = 0.999 would become 0.99951171875. So the update
+    computes each kernel's arithmetic in the op-math type (:meth:`up`) with the factor as
+    that kernel takes it, and rounds where the kernel ends (calling the object). Measured
+    on CPU bfloat16 kernels: ``mul``, ``lerp``, ``addcmul``, ``div`` and ``addcdiv`` take
+    their scalar in the op-math type (:meth:`factor`); ``add``'s ``alpha`` and a scalar
+    added are first rounded to the tensor's dtype (:meth:`alpha`). For float32 and float64
+    every conversion is the identity.
+
+    Example:
+        >>> import torch
+        >>> k = EagerKernel(torch.bfloat16)
+        >>> x = torch.ones(2, dtype=torch.bfloat16)
+        >>> k(k.up(x) * k.factor(torch.tensor(0.999, dtype=torch.float64))).dtype
+        torch.bfloat16
+    """
+
+    __slots__ = ("dtype", "math")
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.math = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+    def up(self, t: Tensor) -> Tensor:
+        return t if t.dtype == self.math else t.to(self.math)
+
+    def factor(self, hyperparameter: Tensor) -> Tensor:
+        """A scalar of ``mul``, ``lerp``, ``addcmul``, ``div``, ``addcdiv``."""
+        return hyperparameter.to(self.math)
+
+    def alpha(self, hyperparameter: Tensor) -> Tensor:
+        """``add(other, alpha=...)``'s alpha, or a scalar added: in the tensor's dtype."""
+        return hyperparameter.to(self.dtype).to(self.math)
+
+    def __call__(self, t: Tensor) -> Tensor:
+        return t if t.dtype == self.dtype else t.to(self.dtype)
