@@ -12,6 +12,7 @@ from torch.func import functional_call
 __all__ = [
     "ApplyFn",
     "call_module",
+    "check_dense_gradients",
     "check_module_classes",
     "functionalize",
     "swap_attributes",
@@ -80,6 +81,23 @@ def check_module_classes(model: nn.Module, classes: Collection[str], option: str
             f"module classes are: {', '.join(sorted(found))}"
         )
     return chosen
+
+
+def check_dense_gradients(model: nn.Module) -> None:
+    """Refuse embeddings built with ``sparse=True`` whose weight trains: the step computes
+    dense gradients in its graph (a sparse gradient cannot be traced), and training them
+    densely would silently differ from eager's sparse update where the optimizer treats
+    sparse gradients differently (torch.optim.Adam refuses them)."""
+    for name, module in model.named_modules():
+        embedding = isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        if embedding and module.sparse and module.weight.requires_grad:
+            raise ValueError(
+                f"{name or 'the model'} ({type(module).__name__}) has sparse=True: its "
+                "gradient would be a sparse tensor, which a compiled step cannot trace (the "
+                "step computes dense gradients). Build it with sparse=False (plain SGD then "
+                "makes the same update: the rows not looked up get zero), or freeze it "
+                "(weight.requires_grad_(False))."
+            )
 
 
 Attribute = tuple[str, nn.Module, str]

@@ -28,7 +28,7 @@ from .cache import ProgramCache, SizeGuard, TraceRecord
 from .compile import Backend, Compiled, check_backend, check_inductor_options, compile_graph
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
-from .functional import swap_attributes, tensor_attributes
+from .functional import check_dense_gradients, swap_attributes, tensor_attributes
 from .optim import GradientTransformation
 from .optim._torch import TorchOptimizerLink, _check_supported
 from .parallel import resolve_strategy
@@ -117,6 +117,7 @@ class Step:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None; got {max_grad_norm!r}")
         _check_supported(opt)
+        check_dense_gradients(model)
         self.model = model
         self.loss_fn = loss_fn
         self.backend = backend
@@ -481,6 +482,7 @@ class Step:
                 # and model.to() also replace its buffers, which no hook reports.
                 self._structure.rescan()
                 self._check_structure()
+                check_dense_gradients(self.model)  # a sparse embedding unfrozen
             model, hyper, parallel, ambient, hooks = parts
             self._context_parts = parts
             self._context_key = (

@@ -329,3 +329,32 @@ def test_torch_checkpoint_recomputing_dropout_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"torch.utils.checkpoint recomputes.*remat="):
         step(x, y)
     snap.assert_unchanged()
+
+
+def test_sparse_embedding_gradients_are_a_clear_error() -> None:
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 8, sparse=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, tokens):
+            return self.head(self.emb(tokens).mean(1))
+
+    model = Bag()
+    tokens, labels = torch.randint(0, 20, (4, 5)), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match=r"emb \(Embedding\) has sparse=True.*sparse=False"):
+        functacc.compile_step(
+            model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+    # Frozen, it has no gradient: fine. Unfrozen between steps: the same error, nothing
+    # changed (before: "tracing the training step failed ... addcmul ... SparseCPU").
+    model.emb.weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    step(tokens, labels)
+    model.emb.weight.requires_grad_(True)
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(ValueError, match="sparse=True"):
+        step(tokens, labels)
+    snap.assert_unchanged()
