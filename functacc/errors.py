@@ -54,3 +54,15 @@ def argument_error(message: str, cls: type[Exception] = ValueError) -> Exception
     exc = cls(message)
     exc._functacc_user_error = True  # type: ignore[attr-defined]
     return exc
+
+
+def attribute_change_error(names: list[str]) -> Exception:
+    """The forward assigned to the model's Python attributes while it was traced."""
+    return argument_error(
+        f"the forward changed the model's Python attributes {names}: a compiled step runs "
+        "the forward's Python code once, when it traces, not at every step as eager PyTorch "
+        "does, so these would silently stop changing (a tensor stored there would not even "
+        "hold a value). Keep per-step state in a registered buffer updated in place "
+        "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)) and "
+        "self.calls.add_(1)), or outside the model."
+    )

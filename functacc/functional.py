@@ -9,6 +9,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .errors import attribute_change_error
+
 __all__ = [
     "ApplyFn",
     "call_module",
@@ -125,8 +127,18 @@ def swap_attributes(attributes: Sequence[Attribute], values: Sequence[Tensor]) -
     saved = [vars(module)[attr] for _, module, attr in attributes]
     for (_, module, attr), value in zip(attributes, values, strict=True):
         vars(module)[attr] = value
+    failed = True
     try:
         yield
+        failed = False
     finally:
+        # The forward may have assigned a new tensor to one (self.last = out.mean()).
+        reassigned = [
+            name
+            for (name, module, attr), value in zip(attributes, values, strict=True)
+            if vars(module).get(attr) is not value
+        ]
         for (_, module, attr), value in zip(attributes, saved, strict=True):
             vars(module)[attr] = value
+        if reassigned and not failed:
+            raise attribute_change_error(reassigned)

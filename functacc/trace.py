@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .errors import TraceError
+from .errors import TraceError, attribute_change_error
 
 __all__ = ["Traced", "describe_tensor", "run_error", "trace"]
 
@@ -128,6 +128,18 @@ def trace(
     """
     devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
     detached = [t.detach() for t in example_inputs]
+    with _AttributeWatch(model):
+        return _trace(fn, detached, devices, model, signature, dynamic)
+
+
+def _trace(
+    fn: Callable[..., object],
+    detached: list[Tensor],
+    devices: list[int],
+    model: nn.Module,
+    signature: str,
+    dynamic: Sequence[Collection[int]] | None,
+) -> Traced:
     try:
         # fork_rng: the first make_fx of a process draws from the global generator while it
         # initialises; a trace must leave the RNG exactly where it was.
@@ -151,6 +163,55 @@ def trace(
     # Guards over the inputs with symbolic dimensions only (named t0, t1, ... in that
     # order); the static dimensions are checked exactly by the caller.
     return Traced(graph, fakes, shape_env.produce_guards_expression(dynamic_fakes))
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+
+
+class _AttributeWatch:
+    """Refuses a forward that changes the model's Python attributes.
+
+    A compiled step runs the forward's Python once per trace, not once per step: a counter
+    kept as ``self.calls += 1`` would stop counting, and a tensor stored as
+    ``self.last = out.mean()`` would be a tracing placeholder, not a value. Eager runs them
+    every step, so both are errors (the attributes are put back). Setting an attribute
+    that was ``None`` or absent to a non-tensor (a lazily built cache) happens once in
+    eager too, and is allowed.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.before = {
+            name: {k: (v, _size(v)) for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
+            for name, m in self.model.named_modules()
+        }
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        changed = []
+        for name, module in self.model.named_modules():
+            before = self.before.get(name, {})
+            attrs = vars(module)
+            for k, v in list(attrs.items()):
+                if k in _MODULE_INTERNALS:
+                    continue
+                old, size = before.get(k, (None, None))
+                if k in before and v is old and _size(v) == size:
+                    continue  # unchanged (an in-place container edit changes its size)
+                if old is None and not isinstance(v, Tensor):
+                    continue  # a lazily built cache: set once, in eager too
+                changed.append(f"{name}.{k}" if name else k)
+                if k in before:
+                    attrs[k] = old
+                else:
+                    del attrs[k]
+        if changed and kind is None:
+            raise attribute_change_error(changed)
+
+
+def _size(value: object) -> int | None:
+    return len(value) if isinstance(value, (list, dict, set)) else None
 
 
 def _symbolic_fakes(inputs: Sequence[Tensor], dynamic: Sequence[Collection[int]]) -> list[Tensor]:

@@ -358,3 +358,45 @@ def test_sparse_embedding_gradients_are_a_clear_error() -> None:
     with pytest.raises(ValueError, match="sparse=True"):
         step(tokens, labels)
     snap.assert_unchanged()
+
+
+class CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.calls = 0  # eager: +1 every step; a warm-up schedule could read it
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = "built"  # a lazily built cache: set once in eager too, allowed
+        self.calls += 1
+        return self.layer(x) * (2.0 if self.calls > 2 else 1.0)
+
+
+class KeepsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.last = torch.zeros(())
+
+    def forward(self, x):
+        out = self.layer(x)
+        self.last = out.detach().mean()  # eager: the latest value; a trace: a placeholder
+        return out
+
+
+@pytest.mark.parametrize("make, attribute", [(CountsCalls, "calls"), (KeepsLast, "last")])
+def test_a_forward_that_changes_python_attributes_is_an_error(make, attribute) -> None:
+    # Before: no error; CountsCalls trained with calls == 1 forever (loss 1.056 vs eager
+    # 1.419 at step 3), KeepsLast kept 0.0 where eager holds the last mean.
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    snap = Snapshot(model, opt, step)
+    before = getattr(model, attribute)
+    with pytest.raises(ValueError, match=rf"Python attributes \['{attribute}'\].*register_buffer"):
+        step(x, y)
+    snap.assert_unchanged()
+    assert getattr(model, attribute) is before  # put back
