@@ -122,23 +122,35 @@ def tensor_attributes(model: nn.Module) -> list[Attribute]:
 
 
 @contextlib.contextmanager
-def swap_attributes(attributes: Sequence[Attribute], values: Sequence[Tensor]) -> Iterator[None]:
-    """Let the modules' tensor attributes be ``values`` for the duration (tracing)."""
+def swap_attributes(
+    attributes: Sequence[Attribute], values: Sequence[Tensor]
+) -> Iterator[dict[int, Tensor]]:
+    """Let the modules' tensor attributes be ``values`` for the duration (tracing).
+
+    Yields a dict that, after the block, maps the index of each attribute the block
+    assigned a new tensor to (``self.last = out.mean()``, or ``torch.nn.utils.weight_norm``'s
+    hook setting ``weight``) to that tensor; eager would leave it there, so the step writes
+    it back. Assigning something else than a tensor is an error.
+    """
     saved = [vars(module)[attr] for _, module, attr in attributes]
     for (_, module, attr), value in zip(attributes, values, strict=True):
         vars(module)[attr] = value
+    reassigned: dict[int, Tensor] = {}
     failed = True
     try:
-        yield
+        yield reassigned
         failed = False
     finally:
-        # The forward may have assigned a new tensor to one (self.last = out.mean()).
-        reassigned = [
-            name
-            for (name, module, attr), value in zip(attributes, values, strict=True)
-            if vars(module).get(attr) is not value
-        ]
+        others = []
+        for i, ((name, module, attr), value) in enumerate(zip(attributes, values, strict=True)):
+            now = vars(module).get(attr)
+            if now is value:
+                continue
+            if isinstance(now, Tensor):
+                reassigned[i] = now
+            else:
+                others.append(name)
         for (_, module, attr), value in zip(attributes, saved, strict=True):
             vars(module)[attr] = value
-        if reassigned and not failed:
-            raise attribute_change_error(reassigned)
+        if others and not failed:
+            raise attribute_change_error(others)

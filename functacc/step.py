@@ -540,6 +540,7 @@ class Step:
                     inplace=inplace,
                     count=count,
                 )
+                attributes = self._attribute_values()  # the trace may have unaliased one
                 if inplace and self._cuda_graphs:
                     # Attributes keep their addresses like the state (a new one re-captures).
                     program.run = CudaGraphRunner(
@@ -550,6 +551,18 @@ class Step:
         if program.guard is None:
             self._last_key, self._last_key_program = key, program
         return program, [*attributes, *tensors]
+
+    def _unalias_reassigned(self, indices: list[int]) -> None:
+        """A tensor attribute that the forward assigns is written back into after every
+        call. One that shares memory with a parameter or buffer (``weight_norm`` and
+        ``spectral_norm`` start ``module.weight`` as ``weight_orig.data``) gets its own
+        copy first, so the write cannot reach the parameter; eager replaces it at the first
+        forward anyway."""
+        for i in indices:
+            _, module, attr = self._attributes[i]
+            value = vars(module)[attr]
+            if any(_shares_storage(value, t) for t in self._model_tensors):
+                vars(module)[attr] = value.clone()
 
     def _attribute_values(self) -> list[Tensor]:
         values = []
@@ -676,10 +689,23 @@ class Step:
             tensors, consts = iter(flat[n_fixed:]), iter(constants)
             batch = [next(tensors) if t else next(consts) for t in is_tensor]
             call_args, call_kwargs = pytree.tree_unflatten(batch, batch_spec)
-            with swap_attributes(self._attributes, flat[n_state:n_fixed]):
+            attribute_inputs = flat[n_state:n_fixed]
+            with swap_attributes(self._attributes, attribute_inputs) as reassigned:
                 new_state, loss = self._fn(
                     state_in, call_args, call_kwargs, meta=meta, signature=signature
                 )
+            meta["reassigned"] = sorted(reassigned)
+            for i, value in reassigned.items():
+                old = attribute_inputs[i]
+                if value.shape != old.shape or value.dtype != old.dtype:
+                    raise argument_error(
+                        f"the forward assigned {describe_tensor(value)} to the model's tensor "
+                        f"attribute {self._attributes[i][0]!r}, which holds "
+                        f"{describe_tensor(old)}: the step writes a value the forward "
+                        "assigns back into the attribute after every call, which needs the "
+                        "same shape and dtype. Register it as a buffer of that shape, or keep "
+                        "it outside the model."
+                    )
             new_leaves, new_spec = pytree.tree_flatten(new_state)
             if new_spec != state_spec:
                 raise argument_error(
@@ -706,6 +732,11 @@ class Step:
                 for new, old, c in zip(new_leaves, old_leaves, changed, strict=True):
                     if c:
                         old.copy_(new)
+                # A tensor attribute the forward assigned holds, after the call, what eager
+                # would leave there (written into it: its address stays, as a CUDA graph
+                # needs; the next call reads it, as eager's next forward does).
+                for i, value in reassigned.items():
+                    attribute_inputs[i].copy_(value.detach())
                 return (loss,)
             return (loss, *[new for new, c in zip(new_leaves, changed, strict=True) if c])
 
@@ -719,6 +750,7 @@ class Step:
             dynamic=[*[()] * n_fixed, *dynamic] if any(dynamic) else None,
         )
         traced_at = time.perf_counter()
+        self._unalias_reassigned(meta["reassigned"])
         graph = traced.graph
         if self.remat_policy == "save_matmuls":
             save_matmuls(graph)
@@ -753,6 +785,10 @@ class Step:
         )
         self._cache.add(key, family, program, names=names, tensors=tensors, record=record)
         return program
+
+
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _nbytes(tree: Any) -> int:
