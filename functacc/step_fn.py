@@ -97,7 +97,18 @@ class StepFunction:
                     scaled = loss / len(micro_batches) if len(micro_batches) > 1 else loss
                     if scaler:
                         scaled = scaled * scaler["scale"].to(scaled.dtype)
-                    if scaled.requires_grad and leaves:
+                    if not scaled.requires_grad:
+                        # Eager: loss.backward() fails ("element 0 of tensors does not
+                        # require grad and does not have a grad_fn"); training on would
+                        # silently change nothing.
+                        raise argument_error(
+                            "the loss does not depend on any trainable parameter, so there is "
+                            "nothing to differentiate (eager PyTorch's loss.backward() fails "
+                            "here too: 'element 0 of tensors does not require grad'). Is the "
+                            "model's output detached (.detach(), .item(), torch.no_grad() in "
+                            "forward), or are all parameters frozen (requires_grad=False)?"
+                        )
+                    if leaves:
                         with no_checkpoint_draws():
                             micro_grads = torch.autograd.grad(
                                 scaled, list(leaves.values()), allow_unused=True

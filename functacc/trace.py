@@ -8,6 +8,7 @@ fail loudly instead of being silently baked into the graph.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import traceback
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -128,8 +129,22 @@ def trace(
     """
     devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
     detached = [t.detach() for t in example_inputs]
-    with _AttributeWatch(model):
+    with _AttributeWatch(model), _quiet_fake_tensor_log():
         return _trace(fn, detached, devices, model, signature, dynamic)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """A shape error in the model is reported once, as a TraceError naming the module and
+    the inputs; without this, the fake-tensor layer also logs its whole traceback at ERROR
+    level ("failed while attempting to run meta for aten.mm.default")."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _trace(

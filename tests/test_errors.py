@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import models
@@ -388,3 +389,39 @@ def test_a_forward_that_changes_python_attributes_is_an_error() -> None:
         step(x, y)
     snap.assert_unchanged()
     assert getattr(model, attribute) is before  # put back
+
+
+def test_a_loss_that_does_not_depend_on_the_parameters_is_an_error() -> None:
+    # Eager: loss.backward() raises "element 0 of tensors does not require grad". Before:
+    # the step trained on, changing nothing.
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def detached_loss(outputs, targets):
+        return nn.functional.cross_entropy(outputs.detach(), targets)
+
+    step = functacc.compile_step(model, detached_loss, opt, backend="eager")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(ValueError, match="does not depend on any trainable parameter"):
+        step(x, y)
+    snap.assert_unchanged()
+
+
+def test_a_data_parallel_wrapper_is_an_error_naming_the_inner_module() -> None:
+    model = nn.DataParallel(models.mlp())
+    with pytest.raises(TypeError, match=r"wrapped in DataParallel.*model\.module"):
+        functacc.compile_step(
+            model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+
+
+def test_a_shape_error_is_reported_once(caplog) -> None:
+    # Before: the fake-tensor layer also logged its whole traceback at ERROR level.
+    model = models.mlp()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    with caplog.at_level(logging.DEBUG), pytest.raises(TraceError, match=r"\[8, 5\] X"):
+        step(torch.randn(8, 5), torch.randint(0, 5, (8,)))
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]

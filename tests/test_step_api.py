@@ -692,3 +692,25 @@ def test_tensor_attributes_assigned_in_forward_hold_what_eager_leaves(kind, back
             assert_close(ours, theirs, **tol, what=name)
     assert_close(model.state_dict(), ref.state_dict(), **tol, what="model")
     assert step.num_traces == 1
+
+
+def test_a_torch_compiled_model_is_traced_as_its_original_module() -> None:
+    # compile_step(torch.compile(model)) used to fail ("Detected that you are using FX to
+    # symbolically trace a dynamo-optimized function"); the step compiles the whole step
+    # itself, so it traces the module inside, whose parameters are the same tensors.
+    torch.manual_seed(0)
+    model = models.mlp()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = functacc.compile_step(compiled, nn.CrossEntropyLoss(), opt, backend="eager")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    for _ in range(3):
+        loss = step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = nn.functional.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
