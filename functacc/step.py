@@ -140,11 +140,7 @@ class Step:
         self._cache = ProgramCache("the training step", dynamic=dynamic, max_traces=max_traces)
         self._calls = 0
 
-        self._link = (
-            None
-            if isinstance(opt, GradientTransformation)
-            else TorchOptimizerLink(opt, {id(p): n for n, p in self._params.items()})
-        )
+        self._link = None if isinstance(opt, GradientTransformation) else self._new_link(opt)
         self._strategy = resolve_strategy(
             parallel, model, self._link.groups if self._link else None
         )
@@ -453,13 +449,16 @@ class Step:
                 "group): the step shards each group's parameters when it is built. Build the "
                 "step again with compile_step() after changing the optimizer's groups."
             )
-        link = TorchOptimizerLink(optimizer, {id(p): n for n, p in self._params.items()})
-        transform = link.transform(self._strategy.optimizer_groups(link.groups))
-        opt_state = link.read_state(self._params, copy=False)
-        self._link, self._fn.transform = link, transform
+        link = self._new_link(optimizer)
+        opt_state = link.read_state(self._params, copy=False)  # checks before any change
+        self._link = link
+        self._fn.transform = self._build_transform(optimizer)
         self._set_live_state(self._live._replace(opt_state=opt_state))
         self._installed = False  # the new parameters' state goes into opt.state next step
-        self._hyper_key = None  # a new structure: recomputed below, and a new trace
+        self._hyper_key = link.structure_key()  # a new structure: the next trace
+
+    def _new_link(self, optimizer: torch.optim.Optimizer) -> TorchOptimizerLink:
+        return TorchOptimizerLink(optimizer, {id(p): n for n, p in self._params.items()})
 
     def _state_key(self, count: int) -> tuple:
         # Per-call checks of what changes the graph: train/eval mode, which parameters are
