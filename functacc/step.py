@@ -29,6 +29,7 @@ from .compile import Backend, Compiled, check_backend, check_inductor_options, c
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
 from .functional import check_dense_gradients, swap_attributes, tensor_attributes
+from .host_memory import keep_freed_memory_for_step
 from .optim import GradientTransformation
 from .optim._torch import TorchOptimizerLink, _check_supported
 from .parallel import resolve_strategy
@@ -192,6 +193,8 @@ class Step:
                 lambda: ref()._live if ref() is not None else None,
                 lambda: ref()._fn.transform,
             )
+        # Last, so that a step that fails to build changes nothing in the process.
+        keep_freed_memory_for_step(self._device.type)
 
     # -- public ------------------------------------------------------------------------
     @property
