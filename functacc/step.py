@@ -896,6 +896,11 @@ def compile_step(
         cuda_graph_cache_size: CUDA graphs kept per compiled graph (one per concrete size),
             least recently used evicted; they share one memory pool.
 
+    On CPU (with glibc), building a step makes ``malloc`` keep the memory that steps free
+    for the next step instead of returning it to the kernel, as the CUDA caching allocator
+    does; the process keeps its high-water mark. ``FUNCTACC_KEEP_HOST_MEMORY=0`` turns this
+    off; see :mod:`functacc.host_memory`.
+
     Example:
         >>> import torch, functacc
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),

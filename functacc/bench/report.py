@@ -35,8 +35,8 @@ def table(
         f"| | samples/s | vs {baseline} | "
         + "".join(f"vs {n} | " for n in shown)
         + "of matmul peak | first step (s) | trace + compile (s) | host µs/step "
-        "| peak memory (MiB) |",
-        "|---|---:|---:|" + "---:|" * len(shown) + "---:|---:|---:|---:|---:|",
+        "| page faults/step | peak memory (MiB) |",
+        "|---|---:|---:|" + "---:|" * len(shown) + "---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ratios = [
@@ -46,9 +46,11 @@ def table(
         peak = f"{r.peak_fraction:.0%}" if r.peak_fraction is not None else "-"
         compiled = " + ".join(f"{t:.1f}+{c:.1f}" for t, c in r.compile_s) if r.compile_s else "-"
         host = f"{r.host_overhead_us:.0f}" if r.host_overhead_us is not None else "-"
+        faults = f"{r.page_faults_per_step:.0f}" if r.page_faults_per_step is not None else "-"
         lines.append(
             f"| {r.name} | {r.samples_per_s:.1f} | {' | '.join(ratios)} | {peak} | "
-            f"{r.first_step_s:.1f} | {compiled} | {host} | {r.peak_memory_bytes / 2**20:.1f} |"
+            f"{r.first_step_s:.1f} | {compiled} | {host} | {faults} | "
+            f"{r.peak_memory_bytes / 2**20:.1f} |"
         )
     return "\n".join(lines)
 

@@ -28,9 +28,20 @@ class Result:
     compile_s: list[tuple[float, float]] = field(default_factory=list)
     host_overhead_us: float | None = None
     peak_fraction: float | None = None  # of the machine's measured fp32 matmul peak
+    # Minor page faults per timed step, the whole process (CPU): memory faulted in afresh.
+    page_faults_per_step: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _minor_faults() -> int | None:
+    """Minor page faults of this process so far (``None`` where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _sync(device: torch.device) -> None:
@@ -86,12 +97,16 @@ def run(
         order = order[r % len(order) :] + order[: r % len(order)]
         for i in order:
             _sync(device)
+            faults = _minor_faults()
             start = time.perf_counter()
             for _ in range(steps):
                 loss = competitors[i].step()
             _sync(device)
             elapsed = time.perf_counter() - start
             results[i].round_samples_per_s.append(steps * batch_size / elapsed)
+            if faults is not None and device.type == "cpu":
+                # The last round's count: earlier rounds may still be growing the heap.
+                results[i].page_faults_per_step = (_minor_faults() - faults) / steps
             results[i].final_loss = float(loss)
             bar.update(steps)
     for competitor, result in zip(competitors, results, strict=True):
