@@ -11,8 +11,9 @@ up to 32 MiB (glibc's documented maximum threshold) come from the heap, and the 
 never trimmed. It is what PyTorch's CUDA caching allocator does on GPUs, and what
 ``torch.backends.xeon.run_cpu`` gets by preloading jemalloc with decay off. The cost: the
 process keeps its high-water mark (its resident memory does not shrink after a peak; later
-allocations reuse it). The setting is process-wide, so everything in the process, eager
-code included, stops faulting too.
+allocations reuse it) until :func:`release_freed_memory` hands the free part back, e.g.
+after training, before other work. The setting is process-wide, so everything in the
+process, eager code included, stops faulting too.
 
 :func:`functacc.compile_step` calls it for a CPU model unless the environment variable
 ``FUNCTACC_KEEP_HOST_MEMORY`` is ``0``. Other C libraries (macOS, Windows, musl) are left
@@ -31,7 +32,7 @@ import logging
 import os
 import platform
 
-__all__ = ["ENV_VAR", "keep_freed_memory"]
+__all__ = ["ENV_VAR", "keep_freed_memory", "release_freed_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,20 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the kernel now (glibc's ``malloc_trim``): what
+    :func:`keep_freed_memory` keeps for the next step, once no step follows. Returns
+    whether any memory was released (``False`` where the C library is not glibc).
+
+    Example:
+        >>> from functacc import host_memory
+        >>> isinstance(host_memory.release_freed_memory(), bool)
+        True
+    """
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) == 1
+
+
 def keep_freed_memory_for_step(device_type: str) -> None:
     """What :func:`functacc.compile_step` does for a step on ``device_type``: keep freed
     memory for a CPU step, unless ``FUNCTACC_KEEP_HOST_MEMORY=0``."""
@@ -68,14 +83,24 @@ def keep_freed_memory_for_step(device_type: str) -> None:
         keep_freed_memory()
 
 
-def _set_mallopt() -> bool:
+def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _set_mallopt() -> bool:
+    libc = _glibc()
+    if libc is None:
         log.debug("host memory: C library is not glibc; malloc settings left as they are")
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     # Each returns 1 on success. The heap threshold first: without it, never trimming

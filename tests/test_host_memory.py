@@ -68,3 +68,31 @@ def test_keep_freed_memory_is_in_effect_on_glibc():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
+
+
+def test_freed_memory_stays_until_released():
+    # 300 blocks of 1 MiB: each above glibc's default mmap threshold, so by default each
+    # would be unmapped on free. Kept, they stay resident until release_freed_memory().
+    code = textwrap.dedent(
+        """
+        import os, torch
+        from functacc import host_memory
+        def rss_mib():
+            pages = int(open("/proc/self/statm").read().split()[1])
+            return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+        assert host_memory.keep_freed_memory()
+        base = rss_mib()
+        blocks = [torch.ones(256 * 1024) for _ in range(300)]
+        held = rss_mib() - base
+        del blocks
+        kept = rss_mib() - base
+        released = host_memory.release_freed_memory()
+        print(held, kept, released, rss_mib() - base)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    held, kept, released, after = proc.stdout.split()
+    assert float(held) > 280 and float(kept) > 280, proc.stdout  # 300 MiB touched, kept
+    assert released == "True"
+    assert float(after) < 30, proc.stdout  # handed back to the kernel
