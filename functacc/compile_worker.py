@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
+from ._env import env_flag
+
 __all__ = ["UpdateWorker", "start_worker"]
 
 log = logging.getLogger("functacc")
@@ -95,7 +97,7 @@ def start_worker(
     cannot help (see the module docstring)."""
     from torch._inductor import config as inductor_config
 
-    if os.environ.get(ENV, "1") == "0" or len(gm.graph.nodes) < MIN_NODES:
+    if not env_flag(ENV, True) or len(gm.graph.nodes) < MIN_NODES:
         return None
     if not inductor_config.fx_graph_cache or inductor_config.force_disable_caches:
         return None  # nothing to fill

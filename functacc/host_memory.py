@@ -16,8 +16,8 @@ after training, before other work. The setting is process-wide, so everything in
 process, eager code included, stops faulting too.
 
 :func:`functacc.compile_step` calls it for a CPU model unless the environment variable
-``FUNCTACC_KEEP_HOST_MEMORY`` is ``0``. Other C libraries (macOS, Windows, musl) are left
-alone.
+``FUNCTACC_KEEP_HOST_MEMORY`` is ``0`` (or ``false``, ``no``, ``off``). Other C libraries
+(macOS, Windows, musl) are left alone.
 
 Example:
     >>> from functacc import host_memory
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
 
 __all__ = ["ENV_VAR", "keep_freed_memory", "release_freed_memory"]
@@ -74,13 +73,6 @@ def release_freed_memory() -> bool:
     """
     libc = _glibc()
     return libc is not None and libc.malloc_trim(0) == 1
-
-
-def keep_freed_memory_for_step(device_type: str) -> None:
-    """What :func:`functacc.compile_step` does for a step on ``device_type``: keep freed
-    memory for a CPU step, unless ``FUNCTACC_KEEP_HOST_MEMORY=0``."""
-    if device_type == "cpu" and os.environ.get(ENV_VAR, "1") != "0":
-        keep_freed_memory()
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -24,12 +24,14 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from ._env import env_flag
 from .cache import ProgramCache, SizeGuard, TraceRecord
 from .compile import Backend, Compiled, check_backend, check_inductor_options, compile_graph
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
 from .functional import check_dense_gradients, swap_attributes, tensor_attributes
-from .host_memory import keep_freed_memory_for_step
+from .host_memory import ENV_VAR as HOST_MEMORY_ENV
+from .host_memory import keep_freed_memory
 from .optim import GradientTransformation
 from .optim._torch import TorchOptimizerLink, _check_supported
 from .parallel import resolve_strategy
@@ -114,6 +116,7 @@ class Step:
                 f"when the model returns its own loss; got {type(loss_fn).__name__}"
             )
         check_backend(backend)
+        keep_host_memory = env_flag(HOST_MEMORY_ENV, True)  # a bad value fails before any work
         if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1; got {grad_accum_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -193,8 +196,9 @@ class Step:
                 lambda: ref()._live if ref() is not None else None,
                 lambda: ref()._fn.transform,
             )
-        # Last, so that a step that fails to build changes nothing in the process.
-        keep_freed_memory_for_step(self._device.type)
+        if keep_host_memory and self._device.type == "cpu":
+            # Last, so that a step that fails to build changes nothing in the process.
+            keep_freed_memory()
 
     # -- public ------------------------------------------------------------------------
     @property

@@ -14,7 +14,9 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+from functacc._env import env_flag
+
+glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
     reason="the malloc setting applies to glibc only; other C libraries are left alone",
 )
@@ -54,6 +56,7 @@ def faults_per_step(**env: str) -> float:
     return float(proc.stdout.strip().splitlines()[-1])
 
 
+@glibc_only
 def test_cpu_step_stops_faulting_its_memory_back_in():
     kept = faults_per_step()
     released = faults_per_step(FUNCTACC_KEEP_HOST_MEMORY="0")
@@ -63,6 +66,7 @@ def test_cpu_step_stops_faulting_its_memory_back_in():
     assert kept < released / 10, (kept, released)
 
 
+@glibc_only
 def test_keep_freed_memory_is_in_effect_on_glibc():
     code = "from functacc import host_memory; print(host_memory.keep_freed_memory())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -70,6 +74,7 @@ def test_keep_freed_memory_is_in_effect_on_glibc():
     assert proc.stdout.strip() == "True"
 
 
+@glibc_only
 def test_freed_memory_stays_until_released():
     # 300 blocks of 1 MiB: each above glibc's default mmap threshold, so by default each
     # would be unmapped on free. Kept, they stay resident until release_freed_memory().
@@ -96,3 +101,36 @@ def test_freed_memory_stays_until_released():
     assert float(held) > 280 and float(kept) > 280, proc.stdout  # 300 MiB touched, kept
     assert released == "True"
     assert float(after) < 30, proc.stdout  # handed back to the kernel
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("", True),
+        ("1", True),
+        ("on", True),
+        ("TRUE", True),
+        ("0", False),
+        ("off", False),
+        (" No ", False),
+        ("false", False),
+    ],
+)
+def test_env_switch_values(monkeypatch, value, expected):
+    monkeypatch.setenv("FUNCTACC_KEEP_HOST_MEMORY", value)
+    assert env_flag("FUNCTACC_KEEP_HOST_MEMORY", True) is expected
+
+
+def test_bad_env_switch_is_a_clear_error_before_the_step_is_built(monkeypatch):
+    import torch
+
+    import functacc
+
+    monkeypatch.setenv("FUNCTACC_KEEP_HOST_MEMORY", "disable")
+    model = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"FUNCTACC_KEEP_HOST_MEMORY='disable' is not a switch"):
+        functacc.compile_step(model, torch.nn.MSELoss(), opt, backend="eager")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert opt.state == {}
