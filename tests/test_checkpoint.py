@@ -326,3 +326,30 @@ def test_crash_and_restart_under_torchrun(tmp_path) -> None:
     # Rank 1 was SIGKILLed at step 7; torchrun restarted both; they resumed from step 6.
     assert crashed["attempt"] == 1 and crashed["restored_at"] == 6
     assert_close(crashed["state"], uninterrupted["state"], rtol=0, atol=0, what="final params")
+
+
+def test_resume_with_tensor_hyperparameters_keeps_them_tensors(tmp_path) -> None:
+    # lr=torch.tensor(...) changes how torch.optim.Adam rounds its step size; a loaded
+    # checkpoint must leave it a tensor (filled in place, as torch's schedulers do), or the
+    # resumed run would round as with a float lr and drift from the uninterrupted one.
+    def build():
+        torch.manual_seed(0)
+        model = models.mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(2e-3), betas=(0.8, 0.99))
+        return model, opt, functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+
+    batches = [(torch.randn(8, 16), torch.randn(8, 5)) for _ in range(6)]
+    model, _, step = build()
+    for x, y in batches[:3]:
+        step(x, y)
+    functacc.save(step, tmp_path / "ckpt")
+    for x, y in batches[3:]:
+        step(x, y)
+    resumed_model, resumed_opt, resumed = build()
+    lr = resumed_opt.param_groups[0]["lr"]
+    lr.fill_(0.5)  # the checkpoint's value must replace it
+    functacc.load(resumed, tmp_path / "ckpt")
+    assert resumed_opt.param_groups[0]["lr"] is lr and float(lr) == float(torch.tensor(2e-3))
+    for x, y in batches[3:]:
+        resumed(x, y)
+    assert_close(resumed_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="model")

@@ -93,6 +93,19 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
         ],
         lr=1e-3,
     ),
+    # Tensor hyperparameters: torch does their scalar arithmetic (bias corrections, step
+    # size, decay factor) in float32, not in Python floats; 10 steps cover the powers that
+    # ATen squares and cubes and the general one.
+    "adamw_tensor_lr": lambda m: torch.optim.AdamW(
+        m.parameters(), lr=torch.tensor(1e-3), weight_decay=0.05
+    ),
+    "adam_tensor_betas_amsgrad": lambda m: torch.optim.Adam(
+        m.parameters(),
+        lr=torch.tensor(2e-3),
+        betas=(torch.tensor(0.8), torch.tensor(0.99)),
+        weight_decay=1e-2,
+        amsgrad=True,
+    ),
 }
 
 
@@ -173,6 +186,12 @@ CASES = {
         "adamw_two_groups",
         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
     ),
+    "lr_scheduler-mlp-adamw_tensor_lr": Case(
+        models.mlp,
+        "vector",
+        "adamw_tensor_lr",
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+    ),
     "float64-mlp-adamw": Case(models.mlp, "vector", "adamw", dtype=torch.float64),
     "float64-cnn_bn-sgd": Case(models.cnn_bn, "image", "sgd_nesterov_wd", dtype=torch.float64),
 }
@@ -183,6 +202,7 @@ INDUCTOR_CASES = [
     "resnet18-sgd_small_lr",
     "transformer_nodropout-sgd",
     "dict_loss-adam_amsgrad",
+    "mlp-adam_tensor_betas_amsgrad",
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -54,11 +55,15 @@ def adam(
     amsgrad: bool = False,
     maximize: bool = False,
     decoupled_weight_decay: bool = False,
+    tensor_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> GradientTransformation:
     """Adam (Kingma & Ba, 2015) with the exact semantics of ``torch.optim.Adam``.
 
     ``weight_decay`` is L2 regularisation added to the gradient, unless
-    ``decoupled_weight_decay=True`` (that is :func:`adamw`).
+    ``decoupled_weight_decay=True`` (that is :func:`adamw`). ``tensor_dtypes`` names the
+    hyperparameters (``"lr"``, ``"beta1"``, ``"beta2"``) that a ``torch.optim.Adam`` being
+    matched holds as tensors, e.g. ``lr=torch.tensor(1e-3)``: torch does their scalar
+    arithmetic (bias corrections, step size) in that dtype, not in Python floats.
 
     Example:
         >>> import functacc
@@ -72,6 +77,11 @@ def adam(
         raise ValueError(f"eps and weight_decay must be >= 0; got eps={eps}, wd={weight_decay}")
     use_decay = weight_decay != 0
     values = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    # A float64 tensor computes as a Python float does.
+    dtypes = {k: d for k, d in (tensor_dtypes or {}).items() if d != torch.float64}
+    unknown = set(dtypes) - {"lr", "beta1", "beta2"}
+    if unknown:
+        raise ValueError(f"tensor_dtypes may name lr, beta1, beta2; got {sorted(unknown)}")
 
     def init(params: Params) -> AdamState:
         like = first_tensor(params)
@@ -96,7 +106,11 @@ def adam(
 
     def update_params(grads: Updates, state: AdamState, params: Params) -> tuple[dict, AdamState]:
         hyper = scheduled_lr(lr, state)
-        lr_t, beta1_t, beta2_t = hyper["lr"], hyper["beta1"], hyper["beta2"]
+        # Each hyperparameter as torch computes with it: a Python float (float64 here), or
+        # a tensor of its own dtype.
+        lr_t, beta1_t, beta2_t = (
+            hyper[k].to(dtypes[k]) if k in dtypes else hyper[k] for k in ("lr", "beta1", "beta2")
+        )
         steps, exp_avgs = dict(state.step), dict(state.exp_avg)
         exp_avg_sqs, max_sqs = dict(state.exp_avg_sq), dict(state.max_exp_avg_sq)
         new_params = {}
@@ -119,10 +133,9 @@ def adam(
             exp_avg_sq = k(
                 torch.addcmul(k.up(decayed_sq), k.up(grad) * k.factor(1 - beta2_t), k.up(grad))
             )
-            step64 = step.to(torch.float64)
-            bias_correction1 = 1 - torch.pow(beta1_t, step64)
-            bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2_t, step64), 0.5)
-            step_size = lr_t / bias_correction1
+            bias_correction1 = 1 - _pow_step(beta1_t, step)
+            bias_correction2_sqrt = torch.pow(1 - _pow_step(beta2_t, step), 0.5)
+            step_size = _div(lr_t, bias_correction1)
             if amsgrad:
                 max_sqs[name] = torch.maximum(state.max_exp_avg_sq[name], exp_avg_sq)
                 second = max_sqs[name]
@@ -132,7 +145,7 @@ def adam(
             root = k(k.up(second).sqrt())
             denom = k(k.up(k(k.up(root) / k.factor(bias_correction2_sqrt))) + k.alpha(hyper["eps"]))
             if use_decay and decoupled_weight_decay:  # param.mul_(1 - lr * weight_decay)
-                param = k(k.up(param) * k.factor(1 - lr_t * hyper["weight_decay"]))
+                param = k(k.up(param) * k.factor(1 - _mul(lr_t, hyper["weight_decay"])))
             # torch: param.addcdiv_(exp_avg, denom, value=-step_size), whose kernel computes
             # param + (-step_size * exp_avg) / denom; the same order rounds the same way.
             new_params[name] = k(k.up(param) + k.up(exp_avg) * k.factor(-step_size) / k.up(denom))
@@ -143,6 +156,41 @@ def adam(
     return from_params_update(init, update_params)
 
 
+def _pow_step(beta: Tensor, step: Tensor) -> Tensor:
+    """``beta ** step.item()`` as torch computes it: Python's float power, or for a tensor
+    ``beta`` ATen's power by a Python-float exponent, which squares and cubes in the tensor's
+    dtype and otherwise raises in float64 and rounds once."""
+    step64 = step.to(torch.float64)
+    if beta.dtype == torch.float64:
+        return torch.pow(beta, step64)
+    general = torch.pow(beta.to(torch.float64), step64).to(beta.dtype)
+    return torch.where(
+        step64 == 2, beta * beta, torch.where(step64 == 3, beta * beta * beta, general)
+    )
+
+
+def _common(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` and ``b`` as torch combines a Python float (float64 here) with a tensor
+    hyperparameter: the float joins the tensor's dtype."""
+    if a.dtype == b.dtype:
+        return a, b
+    dtype = a.dtype if a.dtype != torch.float64 else b.dtype
+    return a.to(dtype), b.to(dtype)
+
+
+def _div(a: Tensor, b: Tensor) -> Tensor:
+    if a.dtype == torch.float64 and b.dtype != torch.float64:
+        # A Python float over a tensor is Tensor.__rtruediv__: reciprocal(b) * a.
+        return torch.reciprocal(b) * a.to(b.dtype)
+    a, b = _common(a, b)
+    return a / b
+
+
+def _mul(a: Tensor, b: Tensor) -> Tensor:
+    a, b = _common(a, b)
+    return a * b
+
+
 def adamw(
     lr: float | Schedule = 1e-3,
     *,
@@ -151,6 +199,7 @@ def adamw(
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
     maximize: bool = False,
+    tensor_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> GradientTransformation:
     """AdamW (Loshchilov & Hutter, 2019): Adam with decoupled weight decay, as
     ``torch.optim.AdamW`` (``param *= 1 - lr * weight_decay`` before the Adam step).
@@ -167,4 +216,5 @@ def adamw(
         amsgrad=amsgrad,
         maximize=maximize,
         decoupled_weight_decay=True,
+        tensor_dtypes=tensor_dtypes,
     )

@@ -83,7 +83,24 @@ def _structure(optimizer: torch.optim.Optimizer, group: Mapping) -> tuple:
         bool(group["maximize"]),
         _decoupled(optimizer, group),
         _float(group["weight_decay"]) != 0,
+        tuple(sorted(_tensor_dtypes(group).items(), key=str)),
     )
+
+
+def _assign(old: Any, value: float) -> Any:
+    """A param_groups entry set to ``value``: a tensor entry (``lr=torch.tensor(...)``) keeps
+    being that tensor, as torch's schedulers keep it (``fill_``)."""
+    if isinstance(old, torch.Tensor):
+        return old.fill_(value)
+    return value
+
+
+def _tensor_dtypes(group: Mapping) -> dict[str, torch.dtype]:
+    """Adam's hyperparameters that the group holds as tensors, and their dtypes: torch does
+    their scalar arithmetic in that dtype."""
+    beta1, beta2 = group["betas"]
+    values = {"lr": group["lr"], "beta1": beta1, "beta2": beta2}
+    return {k: v.dtype for k, v in values.items() if isinstance(v, torch.Tensor)}
 
 
 def _decoupled(optimizer: torch.optim.Optimizer, group: Mapping) -> bool:
@@ -123,6 +140,7 @@ def _group_transform(optimizer: torch.optim.Optimizer, group: Mapping) -> Gradie
         amsgrad=bool(group["amsgrad"]),
         maximize=bool(group["maximize"]),
         decoupled_weight_decay=_decoupled(optimizer, group),
+        tensor_dtypes=_tensor_dtypes(group),
     )
 
 
@@ -218,9 +236,12 @@ class TorchOptimizerLink:
         for group, group_state in zip(self.optimizer.param_groups, state, strict=True):
             values = {k: float(v) for k, v in group_state.hyperparams.items()}
             if "beta1" in values:
-                group["betas"] = (values.pop("beta1"), values.pop("beta2"))
+                betas = (values.pop("beta1"), values.pop("beta2"))
+                group["betas"] = tuple(
+                    _assign(old, new) for old, new in zip(group["betas"], betas, strict=True)
+                )
             for k, v in values.items():
-                group[k] = v
+                group[k] = _assign(group[k], v)
         self._values = self.hyper_values()
 
     def with_current_hyperparams(self, state: tuple) -> tuple:
