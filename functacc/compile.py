@@ -51,10 +51,14 @@ def compile_graph(
     dynamic-shape graph was traced with (Inductor then compiles size-generic kernels).
     ``options``: ``torch._inductor.config`` settings that override functacc's defaults.
     """
+    from .masks import draw_masks_as_bytes
     from .parallel.schedule import issue_collectives_early
     from .remat import order_recomputation
     from .split import remove_marker, split_at_optimizer
 
+    # Dropout's masks kept for backward in 1 byte per element instead of 4, drawn in
+    # eager's order also where dropout's input is strided (masks.py).
+    draw_masks_as_bytes(gm)
     # Collectives are traced after the whole backward; start each gradient reduction as soon
     # as its gradients exist, so it overlaps the rest of backward (on every rank alike).
     issue_collectives_early(gm)
