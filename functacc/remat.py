@@ -40,7 +40,7 @@ __all__ = [
 class _RandomReplay(TorchDispatchMode):
     """Records the results of random ops on the first run, replays them on the second.
 
-    Bernoulli draws (dropout masks) are 0 or 1: they are kept as ``bool``, a quarter of
+    Bernoulli draws (dropout masks) are 0 or 1: they are kept as ``uint8``, a quarter of
     the float mask's memory, and turned back into the same values exactly.
     """
 
@@ -81,11 +81,12 @@ class _Draw:
 
 
 def _keep(zero_one: bool) -> Callable[[torch.Tensor], _Draw]:
-    """How to record a random result. Bernoulli draws are 0 or 1, so ``bool`` holds them
-    exactly in a quarter of a float mask's memory."""
+    """How to record a random result. Bernoulli draws are 0 or 1, so a byte holds them
+    exactly in a quarter of a float mask's memory (``uint8``, not ``bool``: Inductor's CPU
+    kernels store and load bool vectors element by element; see masks.py)."""
 
     def keep(t: torch.Tensor) -> _Draw:
-        return _Draw(t.to(torch.bool) if zero_one else t.clone(), t.dtype)
+        return _Draw(t.to(torch.uint8) if zero_one else t.clone(), t.dtype)
 
     return keep
 
