@@ -163,6 +163,25 @@ def test_unsupported_optimizer_option() -> None:
         functacc.compile_step(model, nn.MSELoss(), opt)
 
 
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_capturable_on_cpu_fails_as_in_eager(cls) -> None:
+    # Eager's step() rejects capturable=True for CPU parameters; functacc must not silently
+    # run what eager refuses. The model and optimizer stay untouched.
+    model = models.mlp()
+    x, y = torch.randn(4, 16), torch.randn(4, 5)
+    with pytest.raises(AssertionError, match="capturable=True"):
+        probe = models.mlp()
+        probe_opt = cls(probe.parameters(), capturable=True)
+        nn.MSELoss()(probe(x), y).backward()
+        probe_opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = cls(model.parameters(), capturable=True)
+    with pytest.raises(ValueError, match=r"capturable=True with parameters on \['cpu'\]"):
+        functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert opt.state == {}
+
+
 def test_bad_arguments() -> None:
     model = models.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

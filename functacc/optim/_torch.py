@@ -53,6 +53,26 @@ def _check_supported(optimizer: Any) -> None:
                 "support (the optimizer step is not differentiated through); create the "
                 "optimizer with differentiable=False"
             )
+        if group.get("capturable"):
+            _check_capturable(i, group)
+
+
+def _check_capturable(i: int, group: Mapping) -> None:
+    # Eager's step() asserts this (torch.optim's single-tensor and foreach paths): a
+    # capturable optimizer keeps its step counts on the parameters' device, which must be
+    # one that CUDA-graph-style capture supports. functacc would run; eager fails.
+    from torch.optim.optimizer import _get_capturable_supported_devices
+
+    supported = _get_capturable_supported_devices()
+    devices = sorted({p.device.type for p in group["params"]} - set(supported))
+    if devices:
+        raise ValueError(
+            f"optimizer.param_groups[{i}] has capturable=True with parameters on {devices}; "
+            f"capturable needs parameters on one of {supported} (eager PyTorch's step() "
+            "fails the same way). Create the optimizer with capturable=False (the default): "
+            "functacc compiles the whole step, and on CUDA keeps the step count on the GPU "
+            "itself."
+        )
 
 
 # Every param_groups entry that the structure or the hyperparameter values are read from.
