@@ -16,6 +16,7 @@ __all__ = [
     "Compiled",
     "check_inductor_options",
     "compile_graph",
+    "views_that_may_copy",
 ]
 
 log = logging.getLogger("functacc")
@@ -56,17 +57,21 @@ def compile_graph(
     from .remat import order_recomputation
     from .split import remove_marker, split_at_optimizer
 
-    # Dropout's masks kept for backward in 1 byte per element instead of 4, drawn in
-    # eager's order also where dropout's input is strided (masks.py).
-    draw_masks_as_bytes(gm)
     # Collectives are traced after the whole backward; start each gradient reduction as soon
     # as its gradients exist, so it overlaps the rest of backward (on every rank alike).
     issue_collectives_early(gm)
     if backend == "inductor":
+        # Dropout's masks kept for backward in 1 byte per element instead of 4, drawn in
+        # eager's order also where dropout's input is strided (masks.py). Not for the eager
+        # backend: it lays buffers out by the trace's strides, where eager's empty_like
+        # follows the real input's (the two differ where a meta kernel is wrong), and the
+        # eager backend keeps the float mask alive anyway.
+        draw_masks_as_bytes(gm)
         order_recomputation(gm)  # Inductor would pull recomputations into forward
     split = split_at_optimizer(gm) if backend == "inductor" else None
     remove_marker(gm)
     if backend == "eager":
+        views_that_may_copy(gm)
         return lambda args: gm(*args)
     if split is not None:
         from .compile_worker import start_worker
@@ -88,6 +93,65 @@ def compile_graph(
         update = _inductor(split.update, update_examples, None, options)
         return split.runner(gradients, update)
     return _inductor(gm, example_inputs, fakes, options)
+
+
+def views_that_may_copy(gm: GraphModule) -> int:
+    """Run the graph's ``view`` ops as ``reshape`` where nothing writes into the memory they
+    view; returns how many were changed.
+
+    The trace chose ``view`` where the fake tensors' strides allowed it, but some of
+    PyTorch's meta kernels give other strides than the real kernel (``elu_backward`` of a
+    transposed gradient: contiguous in the trace, transposed when run), and the eager
+    backend then failed with "view size is not compatible with input tensor's size and
+    stride" on a step eager PyTorch runs. ``reshape`` is that same view wherever the real
+    strides allow one, and otherwise copies, as eager's autograd does. A view of memory
+    that any op writes into (through any alias) is kept: there a copy could miss a write.
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> views_that_may_copy(make_fx(lambda x: (x * 2).view(-1))(torch.ones(2, 3)))
+        1
+    """
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default and not _written_through(_root(node)):
+            node.target = torch.ops.aten.reshape.default
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _root(node: Any) -> Any:
+    """The tensor whose memory ``node`` views (itself if it owns its memory)."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        first = schema.arguments[0] if schema is not None and schema.arguments else None
+        if first is None or first.alias_info is None or first.alias_info.is_write:
+            break
+        node = node.args[0]
+    return node
+
+
+def _written_through(node: Any) -> bool:
+    """Whether an op writes into ``node``'s tensor, directly or through a view of it."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if schema is None:
+            if user.op == "output":
+                continue
+            return True  # not an ATen op: assume the worst
+        passed = [
+            a
+            for i, a in enumerate(schema.arguments)
+            if (i < len(user.args) and user.args[i] is node) or user.kwargs.get(a.name) is node
+        ]
+        if any(a.alias_info is not None and a.alias_info.is_write for a in passed):
+            return True
+        if any(a.alias_info is not None for a in passed) and _written_through(user):
+            return True  # a view of it, written through
+    return False
 
 
 def check_inductor_options(options: dict[str, Any] | None, backend: str) -> dict[str, Any]:

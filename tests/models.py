@@ -31,6 +31,46 @@ def cnn_bn(classes: int = 5) -> nn.Module:
     )
 
 
+class DropoutKinds(nn.Module):
+    """Every CPU dropout flavour eager runs through ``bernoulli_`` on a fresh buffer: channel
+    dropout on a channels-last feature map, in-place dropout, alpha and feature-alpha
+    dropout, and a dropout on a transposed (non-contiguous) tensor."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.drop2d = nn.Dropout2d(0.25)
+        self.feature_alpha = nn.FeatureAlphaDropout(0.2)
+        self.proj = nn.Linear(8, 16)
+        self.inplace = nn.Dropout(0.3, inplace=True)
+        self.alpha = nn.AlphaDropout(0.2)
+        self.transposed = nn.Dropout(0.1)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).contiguous(memory_format=torch.channels_last)
+        h = self.feature_alpha(self.drop2d(torch.relu(h)))
+        h = h.flatten(2).transpose(1, 2)  # (batch, positions, channels), non-contiguous
+        h = self.alpha(torch.selu(self.inplace(self.proj(h))))
+        h = self.transposed(h.transpose(1, 2)).mean(dim=2)  # strided again
+        return self.head(h)
+
+
+class SeluTransposed(nn.Module):
+    """Tokens through Linear and SELU, then averaged over the transposed sequence axis.
+    SELU's backward of a transposed gradient is contiguous in PyTorch's meta kernel and
+    transposed when it runs: the trace's ``view`` of it cannot run as traced."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.proj = nn.Linear(4, 24)
+        self.head = nn.Linear(24, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.selu(self.proj(x.unflatten(1, (4, 4)).transpose(1, 2)))
+        return self.head(h.transpose(1, 2).mean(dim=2))
+
+
 def resnet18(classes: int = 10) -> nn.Module:
     return torchvision.models.resnet18(num_classes=classes)
 

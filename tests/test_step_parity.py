@@ -162,6 +162,8 @@ CASES = {
     "transformer_nodropout-sgd": Case(
         lambda: models.TinyTransformer(dropout=0.0), "tokens", "sgd_nesterov_wd"
     ),
+    "dropout_kinds-adamw": Case(models.DropoutKinds, "image", "adamw"),
+    "meta_strides-sgd": Case(models.SeluTransposed, "vector", "sgd_nesterov_wd"),
     "transformer-adamw_two_groups": Case(models.TinyTransformer, "tokens", "adamw_two_groups"),
     "dict_loss-adam_amsgrad": Case(models.LossInside, "hf", "adam_amsgrad", loss=None),
     "tuple_out-sgd": Case(models.TupleOut, "vector", "sgd_nesterov_wd", loss=tuple_loss),
@@ -203,6 +205,7 @@ INDUCTOR_CASES = [
     "transformer_nodropout-sgd",
     "dict_loss-adam_amsgrad",
     "mlp-adam_tensor_betas_amsgrad",
+    "dropout_kinds-adamw",
 ]
 
 
