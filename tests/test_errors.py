@@ -288,6 +288,35 @@ def test_changing_the_model_dtype_after_building_is_an_error(steps_before) -> No
     assert step.count == steps_before
 
 
+class Scale(nn.Module):
+    """A module with a buffer and no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("factor", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+@pytest.mark.parametrize("convert", [nn.Module.double, nn.Module.half])
+def test_converting_a_submodule_without_parameters_is_an_error(convert) -> None:
+    # Module._apply on a module without parameters only replaces its buffers, which no hook
+    # reports and no parameter check sees; eager would compute with the new float64 (or
+    # float16) factor, the step with the old float32 one.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 5), Scale())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    x, y = torch.randn(8, 16), torch.randn(8, 5)
+    step(x, y)
+    convert(model[1])
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(RuntimeError, match=r"model.1.factor was replaced or added"):
+        step(x, y)
+    snap.assert_unchanged()
+
+
 def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
     model, _, step = trained()
     model[0].weight = model[0].weight
