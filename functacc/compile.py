@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 __all__ = [
     "Backend",
@@ -113,9 +113,11 @@ def views_that_may_copy(gm: GraphModule) -> int:
         >>> views_that_may_copy(make_fx(lambda x: (x * 2).view(-1))(torch.ones(2, 3)))
         1
     """
+    from .parallel.comm import writers
+
     changed = 0
     for node in gm.graph.nodes:
-        if node.target is torch.ops.aten.view.default and not _written_through(_root(node)):
+        if node.target is torch.ops.aten.view.default and not writers(_root(node)):
             node.target = torch.ops.aten.reshape.default
             changed += 1
     if changed:
@@ -123,7 +125,7 @@ def views_that_may_copy(gm: GraphModule) -> int:
     return changed
 
 
-def _root(node: Any) -> Any:
+def _root(node: Node) -> Node:
     """The tensor whose memory ``node`` views (itself if it owns its memory)."""
     while node.op == "call_function":
         schema = getattr(node.target, "_schema", None)
@@ -132,26 +134,6 @@ def _root(node: Any) -> Any:
             break
         node = node.args[0]
     return node
-
-
-def _written_through(node: Any) -> bool:
-    """Whether an op writes into ``node``'s tensor, directly or through a view of it."""
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None)
-        if schema is None:
-            if user.op == "output":
-                continue
-            return True  # not an ATen op: assume the worst
-        passed = [
-            a
-            for i, a in enumerate(schema.arguments)
-            if (i < len(user.args) and user.args[i] is node) or user.kwargs.get(a.name) is node
-        ]
-        if any(a.alias_info is not None and a.alias_info.is_write for a in passed):
-            return True
-        if any(a.alias_info is not None for a in passed) and _written_through(user):
-            return True  # a view of it, written through
-    return False
 
 
 def check_inductor_options(options: dict[str, Any] | None, backend: str) -> dict[str, Any]:

@@ -103,15 +103,17 @@ class ModelWatch:
         else:
             flag = operator.attrgetter("training")
             self._flags = lambda: tuple(map(flag, self.modules))
-        self._tables_and_names: tuple[list[dict], list[str]] = ([], [])
+        # Every buffer slot (module._buffers, name) and the tensor that was in it.
+        self._tables: list[dict] = []
+        self._names: list[str] = []
         self._buffers: list[Any] = []
         self._guards: Any = None
         self._train: tuple = ()
         self._key: tuple = ()
 
     def _same_buffers(self) -> bool:
-        tables, names = self._tables_and_names
-        return all(map(operator.is_, map(dict.get, tables, names), self._buffers))
+        current = map(dict.get, self._tables, self._names)
+        return all(map(operator.is_, current, self._buffers))
 
     def key(self) -> tuple:
         train = self._flags()
@@ -124,8 +126,9 @@ class ModelWatch:
             return self._key
         self._train = train
         slots = [(m._buffers, n) for m in self.modules for n in m._buffers]
-        self._tables_and_names = ([t for t, _ in slots], [n for _, n in slots])
-        self._buffers = [t[n] for t, n in slots]
+        self._tables = [table for table, _ in slots]
+        self._names = [name for _, name in slots]
+        self._buffers = [table[name] for table, name in slots]
         self._guards = _tensor_guards(self.params)
         self._key = (
             ("train mode", train),
