@@ -1,0 +1,42 @@
+"""Where a bench model's functacc step spends its time, per step (``torch.profiler`` with
+Inductor's kernel profiling on): matmuls, dropout's ``bernoulli_``, and the rest::
+
+    python benchmarks/profile_step.py transformer
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch._inductor.config as inductor_config
+from torch.profiler import ProfilerActivity, profile
+
+import functacc
+from functacc.bench.models import build
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution")
+
+
+def main(name: str = "transformer", steps: int = 5) -> None:
+    inductor_config.cpp.enable_kernel_profile = True  # Inductor's kernels as profiler events
+    workload = build(name)
+    step = functacc.compile_step(
+        workload.model, workload.loss_fn, workload.make_opt(workload.model)
+    )
+    for _ in range(3):
+        step(workload.inputs, workload.targets)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(workload.inputs, workload.targets)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / steps / 1e3
+    draws = sum(e.self_cpu_time_total for e in events if e.key == "aten::bernoulli_") / steps / 1e3
+    print(
+        f"{name}: {total:.1f} ms per step; matmuls {matmul:.1f} ms, bernoulli_ {draws:.1f} ms, "
+        f"the rest {total - matmul - draws:.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
