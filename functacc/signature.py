@@ -89,7 +89,7 @@ class ModelWatch:
         self, modules: Sequence[nn.Module], params: dict[str, Tensor], tensors: Sequence[Tensor]
     ):
         self.modules = list(modules)
-        self.params = list(params.values())
+        self.params = tuple(params.values())  # a tuple: ``check(*params)`` copies nothing
         self.tensors = list(tensors)
         # A class may define ``training`` as a property (not in ``__dict__``): read those
         # modules with getattr.
