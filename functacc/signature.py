@@ -15,7 +15,6 @@ differs only in those sizes (:func:`family_key` erases sizes, keeps the rest).
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -23,6 +22,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+
+from .guards import ModelGuard, model_guard
 
 __all__ = [
     "AmbientWatch",
@@ -69,76 +70,49 @@ class LayoutSpec(NamedTuple):
 
 class ModelWatch:
     """The model's part of the signature, cheap to re-check on every call: which modules are
-    in training mode, which parameters are trainable, the dtypes of the model's tensors.
+    in training mode, which parameters are trainable, the dtypes of the model's tensors,
+    and which tensors sit in the modules' parameter and buffer tables.
 
     :meth:`key` returns the *same* tuple object while nothing changed, so the step compares
-    its whole signature by identity. Per call it costs one C-level map over the modules'
-    ``__dict__`` (each module's ``training`` flag lives there; reading it with ``getattr``
-    costs twice as much), one call of Dynamo's C++ tensor check (``TensorGuards``, sizes
-    left unchanged) over the parameters, and one C-level identity check of every buffer
-    slot (``module._buffers[name]``). Parameters change in place (``requires_grad_``, and
-    ``Module._apply`` sets ``param.data``); buffers are replaced: ``submodule.double()`` or
-    ``.to()`` puts new tensors straight into ``_buffers``, which no hook reports, also in a
-    module without parameters. Reading ``requires_grad`` and ``dtype`` from Python costs
-    about 80 ns per tensor, the C++ check 36 ns, the identity check 30 ns (ResNet-50: 161
-    parameters, 159 buffers). Only when something differs is the key rebuilt. Without that
-    private API, the parameters are re-read from Python on every call.
+    its whole signature by identity. Per call it runs one C++ check (:mod:`functacc.guards`:
+    the training flags, the tables' dict versions, the parameters' dtype, device and
+    ``requires_grad``; ResNet-50: about 8 us). Parameters change in place
+    (``requires_grad_``, and ``Module._apply`` sets ``param.data``); table entries are
+    replaced without any hook: ``submodule.double()`` or ``.to()`` puts new buffers straight
+    into ``_buffers``, also in a module without parameters, and ``model.to(device)`` (or the
+    ``overwrite_module_params_on_conversion`` future) new parameters into ``_parameters``.
+    When the check fails, everything is re-read from Python; the key changes only if a
+    value did. Without Dynamo's guard managers, everything is re-read on every call.
     """
 
     def __init__(
         self, modules: Sequence[nn.Module], params: dict[str, Tensor], tensors: Sequence[Tensor]
     ):
         self.modules = list(modules)
-        self.params = tuple(params.values())  # a tuple: ``check(*params)`` copies nothing
+        self.params = list(params.values())
         self.tensors = list(tensors)
-        # A class may define ``training`` as a property (not in ``__dict__``): read those
-        # modules with getattr.
-        plain = all(
-            "training" in vars(m) and not hasattr(type(m), "training") for m in self.modules
-        )
-        if plain:
-            dicts = [vars(m) for m in self.modules]
-            flag = operator.itemgetter("training")
-            self._flags = lambda: tuple(map(flag, dicts))
-        else:
-            flag = operator.attrgetter("training")
-            self._flags = lambda: tuple(map(flag, self.modules))
-        # Every buffer slot (module._buffers, name) and the tensor that was in it.
-        self._tables: list[dict] = []
-        self._names: list[str] = []
-        self._buffers: list[Any] = []
-        self._guards: Any = None
-        self._train: tuple = ()
+        self._guard: ModelGuard | None = None
         self._key: tuple = ()
 
-    def _same_buffers(self) -> bool:
-        current = map(dict.get, self._tables, self._names)
-        return all(map(operator.is_, current, self._buffers))
-
     def key(self) -> tuple:
-        train = self._flags()
-        if (
-            train == self._train
-            and self._guards is not None
-            and self._guards.check(*self.params)
-            and self._same_buffers()
-        ):
+        if self._guard is not None and self._guard.passes():
             return self._key
-        self._train = train
-        slots = [(m._buffers, n) for m in self.modules for n in m._buffers]
-        self._tables = [table for table, _ in slots]
-        self._names = [name for _, name in slots]
-        self._buffers = [table[name] for table, name in slots]
-        self._guards = _tensor_guards(self.params)
-        self._key = (
-            ("train mode", train),
+        key = self._read()
+        if key != self._key:  # a table written with the same tensors keeps the key
+            self._key = key
+        self._guard = model_guard(self.modules, self.params)
+        return self._key
+
+    def _read(self) -> tuple:
+        tables = [table for m in self.modules for table in (m._parameters, m._buffers) if table]
+        return (
+            ("train mode", tuple(m.training for m in self.modules)),
             ("requires_grad", tuple(p.requires_grad for p in self.params)),
             ("model dtypes", tuple(t.dtype for t in self.tensors)),
-            # Which tensors sit in the buffer slots: a replaced one changes the key, and
-            # the step then looks for what was replaced (StructureWatch.rescan).
-            ("buffers", tuple(map(id, self._buffers))),
+            # Which tensors sit in the tables: a replaced one changes the key, and the
+            # step then looks for what was replaced (StructureWatch.rescan).
+            ("tensors", tuple(id(t) for table in tables for t in table.values())),
         )
-        return self._key
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

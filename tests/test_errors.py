@@ -317,6 +317,29 @@ def test_converting_a_submodule_without_parameters_is_an_error(convert) -> None:
     snap.assert_unchanged()
 
 
+def test_parameters_replaced_by_module_apply_are_an_error() -> None:
+    # With this future flag, Module._apply puts new Parameter objects straight into
+    # module._parameters (no hook fires, the old parameters keep their dtype). Eager's model
+    # then computes with the new float64 weights (a float32 batch fails there); before this
+    # was watched, the step kept training the old float32 ones with no error.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 5))  # no buffers
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    x, y = torch.randn(8, 16), torch.randn(8, 5)
+    step(x, y)
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(before)
+    snap = Snapshot(model, opt, step)
+    with pytest.raises(RuntimeError, match=r"model.0.weight was replaced or added"):
+        step(x, y)
+    snap.assert_unchanged()
+
+
 def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
     model, _, step = trained()
     model[0].weight = model[0].weight

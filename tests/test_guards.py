@@ -1,0 +1,97 @@
+"""The per-call model check (functacc.guards, used by signature.ModelWatch): what must trip
+it, what must not, and the key it guards."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+from torch import nn
+
+import functacc.guards
+from functacc.guards import model_guard
+from functacc.signature import ModelWatch
+
+
+def small() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(), nn.Linear(4, 2))
+
+
+def guard_of(model: nn.Module):
+    guard = model_guard(list(model.modules()), list(model.parameters()))
+    assert guard is not None, "Dynamo's guard managers are missing in this torch"
+    assert guard.passes()
+    return guard
+
+
+CHANGES = {
+    "eval": lambda m: m.eval(),
+    "one submodule in eval": lambda m: m[2].eval(),
+    "requires_grad_": lambda m: m[0].weight.requires_grad_(False),
+    "param.data dtype": lambda m: setattr(m[3].bias, "data", m[3].bias.data.double()),
+    "buffer replaced": lambda m: m[1]._buffers.__setitem__("running_mean", torch.zeros(4)),
+    "submodule.double()": lambda m: m[1].double(),
+    "parameter replaced": lambda m: m[0]._parameters.__setitem__(
+        "bias", nn.Parameter(torch.zeros(4))
+    ),
+    "buffer registered": lambda m: m[2].register_buffer("extra", torch.ones(1)),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_fails_the_check(change: str) -> None:
+    model = small()
+    guard = guard_of(model)
+    CHANGES[change](model)
+    assert not guard.passes()
+
+
+SAME = {
+    "train() again": lambda m: m.train(),
+    "in-place copy": lambda m: m[0].weight.data.mul_(2),
+    "load_state_dict": lambda m: m.load_state_dict(small().state_dict()),
+    "a plain attribute": lambda m: setattr(m[0], "note", "hello"),
+    "a forward pass": lambda m: m(torch.randn(3, 4)),
+}
+
+
+@pytest.mark.parametrize("change", SAME)
+def test_what_changes_no_signature_passes(change: str) -> None:
+    model = small()
+    guard = guard_of(model)
+    SAME[change](model)
+    assert guard.passes()
+
+
+def test_model_watch_key_is_the_same_object_until_a_value_changes() -> None:
+    model = small()
+    params = dict(model.named_parameters())
+    tensors = [*params.values(), *model.buffers()]
+    watch = ModelWatch(list(model.modules()), params, tensors)
+    key = watch.key()
+    assert watch.key() is key
+    # A table written with the tensor it held: the check fails, the key stays.
+    model[1]._buffers["running_var"] = model[1]._buffers["running_var"]
+    assert watch.key() is key
+    model.eval()
+    evaluated = watch.key()
+    assert evaluated is not key and evaluated != key
+    model.train()
+    assert watch.key() == key  # back to the values of the first key
+
+
+def test_without_working_dict_versions_the_watch_rereads_every_call(monkeypatch) -> None:
+    monkeypatch.setattr(functacc.guards, "_dict_versions_work", lambda: False)
+    model = small()
+    params = dict(model.named_parameters())
+    watch = ModelWatch(list(model.modules()), params, list(params.values()))
+    key = watch.key()
+    assert watch.key() is key
+    model[1]._buffers["running_mean"] = torch.zeros(4)
+    assert watch.key() != key
+
+
+def test_docstring_example() -> None:
+    assert doctest.testmod(functacc.guards).failed == 0
