@@ -1,7 +1,9 @@
 """Where a bench model's functacc step spends its time, per step (``torch.profiler`` with
-Inductor's kernel profiling on): matmuls, dropout's ``bernoulli_``, and the rest::
+Inductor's kernel profiling on): matmuls, dropout's ``bernoulli_``, the rest, and the
+events that take the most time::
 
     python benchmarks/profile_step.py transformer
+    python benchmarks/profile_step.py mlp 200     # steps to profile (default 5)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import functacc
 from functacc.bench.models import build
 
+TOP = 6
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution")
 
 
@@ -36,7 +39,10 @@ def main(name: str = "transformer", steps: int = 5) -> None:
         f"{name}: {total:.1f} ms per step; matmuls {matmul:.1f} ms, bernoulli_ {draws:.1f} ms, "
         f"the rest {total - matmul - draws:.1f} ms"
     )
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:TOP]:
+        per_step = e.self_cpu_time_total / steps / 1e3
+        print(f"  {per_step:7.3f} ms  {e.count // steps:3d} calls  {e.key[:90]}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:2], *map(int, sys.argv[2:3]))
