@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import time
 from typing import Protocol
 
@@ -30,6 +31,7 @@ class Eager:
 
     def __init__(self, w: Workload):
         self.w = w
+        self.batches = w.cycle()
         self.model = copy.deepcopy(w.model)
         self.opt = w.make_opt(self.model)
         self.forward = self.model
@@ -41,9 +43,10 @@ class Eager:
         return torch.autocast(self.w.inputs.device.type, dtype=self.w.amp)
 
     def step(self) -> Tensor:
+        inputs, targets = next(self.batches)
         self.opt.zero_grad(set_to_none=True)
         with self._autocast():
-            loss = self.w.loss_fn(self.forward(self.w.inputs), self.w.targets)
+            loss = self.w.loss_fn(self.forward(inputs), targets)
         loss.backward()
         self.opt_step()
         return loss.detach()
@@ -97,19 +100,20 @@ class Functacc:
             self.name = f"functacc {label}"
         self.w = w
         self.model = copy.deepcopy(w.model)
-        self.inputs = w.inputs
+        batches = w.batches
         if memory_format is not None:
-            # The model's weights and the batch in this layout, converted once here; the
+            # The model's weights and the batches in this layout, converted once here; the
             # step writes its updates in place, so they keep it.
             self.model.to(memory_format=memory_format)
-            self.inputs = w.inputs.contiguous(memory_format=memory_format)
+            batches = [(x.contiguous(memory_format=memory_format), y) for x, y in batches]
+        self.batches = itertools.cycle(batches)
         self.opt = w.make_opt(self.model)
         if w.amp is not None:
             options.setdefault("precision", w.amp)
         self.compiled = compile_step(self.model, w.loss_fn, self.opt, **options)
 
     def step(self) -> Tensor:
-        return self.compiled(self.inputs, self.w.targets)
+        return self.compiled(*next(self.batches))
 
     def compile_times(self) -> list[tuple[float, float]]:
         """(trace s, compile s) of each graph built so far."""

@@ -104,8 +104,10 @@ def _functacc(workload: Any, parallel: str, wrap: set[str]) -> _Competitor:
     }[parallel]
     step = functacc.compile_step(model, workload.loss_fn, opt, parallel=strategy)
 
+    batches = workload.cycle()
+
     def run() -> Tensor:
-        return step(workload.inputs, workload.targets)
+        return step(*next(batches))
 
     def sent() -> float:
         return float(sum(step.stats()["payload_bytes"].values()))
@@ -135,9 +137,12 @@ def _ddp(workload: Any, compiled: bool) -> _Competitor:
     hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]}
     ddp.register_comm_hook(None, hook)
 
+    batches = workload.cycle()
+
     def run() -> Tensor:
+        inputs, targets = next(batches)
         opt.zero_grad(set_to_none=True)
-        loss = workload.loss_fn(ddp(workload.inputs), workload.targets)
+        loss = workload.loss_fn(ddp(inputs), targets)
         loss.backward()
         opt.step()
         counted["steps"] += 1
@@ -189,9 +194,12 @@ def _fsdp2(workload: Any, wrap: set[str], reshard: bool, compiled: bool) -> _Com
         _compile_units(units, workload)
     opt = workload.make_opt(model)
 
+    batches = workload.cycle()
+
     def run() -> Tensor:
+        inputs, targets = next(batches)
         opt.zero_grad(set_to_none=True)
-        loss = workload.loss_fn(model(workload.inputs), workload.targets)
+        loss = workload.loss_fn(model(inputs), targets)
         loss.backward()
         opt.step()
         return loss.detach()

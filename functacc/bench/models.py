@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torchvision
@@ -25,6 +26,17 @@ class Workload:
     description: str
     amp: torch.dtype | None = None
     """Mixed precision for every competitor: autocast compute, float32 weights."""
+    batches: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    """The batches a competitor's steps cycle through, ``(inputs, targets)`` first (see
+    :data:`POOL`); left empty, that one batch."""
+
+    def __post_init__(self) -> None:
+        self.batches = self.batches or [(self.inputs, self.targets)]
+
+    def cycle(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """The batches in order, round and round: every competitor trains on the same
+        sequence."""
+        return itertools.cycle(self.batches)
 
 
 class MLP(nn.Sequential):
@@ -96,6 +108,17 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+# Every competitor steps through up to POOL different random batches (at most POOL_BYTES of
+# them). Trained on one fixed batch, the MLP memorised it within 100 steps (loss 1e-6):
+# softmax's gradients then underflow to denormal floats, which make the backward matmuls
+# up to 100x slower on x86, and the bench timed that instead of training (eager 2.5 -> 3.0
+# ms per step, functacc 1.05 -> 1.13). With 64 batches of random labels the loss stays
+# near ln(10) for the bench's few hundred steps. (Past about 600 steps, Adam's moments of
+# parameters whose gradient is exactly zero, such as dead ReLU units, decay into denormals
+# too; the bench runs fewer steps.)
+POOL = 64
+POOL_BYTES = 64 * 2**20
+
 DEFAULTS = {
     "mlp": {"batch_size": 32},
     "resnet18": {"batch_size": 32, "image_size": 32},
@@ -152,18 +175,34 @@ def build(
         else:
             model, vocab = gpt2(layers=12, dim=768, vocab=50257, positions=max(1024, n)), 50257
             desc = f"HF GPT-2 small (12 layers x 768), seq {n}, batch {b}, AdamW"
-        inputs = torch.randint(0, vocab, (b, n), generator=g).to(device)
+        inputs = torch.randint(0, vocab, (b, n), generator=g)
         desc += f", {_AMP_NAMES[amp]}" if amp is not None else ""
-        return Workload(name, model.to(device), inputs, inputs, NextTokenLoss(), _adamw, desc, amp)
+        batches = [inputs.to(device)]
+        for _ in range(_pool_size(inputs) - 1):
+            batches.append(torch.randint(0, vocab, (b, n), generator=g).to(device))
+        pairs = [(t, t) for t in batches]  # next-token loss: the tokens are the targets
+        return Workload(
+            name, model.to(device), *pairs[0], NextTokenLoss(), _adamw, desc, amp, pairs
+        )
     else:
         model, opt = TokenClassifier(), _adamw
         inputs = torch.randint(0, 1000, (b, sizes["seq_len"]), generator=g)
         desc = f"4-layer Transformer d=256, seq {sizes['seq_len']}, batch {b}, AdamW"
     targets = torch.randint(0, 10, (b,), generator=g)
     desc += f", {_AMP_NAMES[amp]}" if amp is not None else ""
-    return Workload(
-        name, model.to(device), inputs.to(device), targets.to(device), ce, opt, desc, amp
-    )
+    batches = [(inputs.to(device), targets.to(device))]
+    for _ in range(_pool_size(inputs, targets) - 1):
+        if inputs.is_floating_point():
+            x = torch.randn(inputs.shape, generator=g)
+        else:
+            x = torch.randint(0, 1000, inputs.shape, generator=g)
+        batches.append((x.to(device), torch.randint(0, 10, (b,), generator=g).to(device)))
+    return Workload(name, model.to(device), *batches[0], ce, opt, desc, amp, batches)
+
+
+def _pool_size(*tensors: Tensor) -> int:
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return max(1, min(POOL, POOL_BYTES // max(size, 1)))
 
 
 _AMP_NAMES = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast"}
