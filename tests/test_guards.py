@@ -11,7 +11,7 @@ from torch import nn
 
 import functacc.guards
 from functacc.guards import model_guard
-from functacc.signature import ModelWatch
+from functacc.signature import BatchWatch, ModelWatch
 
 
 def small() -> nn.Module:
@@ -95,3 +95,18 @@ def test_without_working_dict_versions_the_watch_rereads_every_call(monkeypatch)
 
 def test_docstring_example() -> None:
     assert doctest.testmod(functacc.guards).failed == 0
+
+
+def test_batch_watch_keeps_its_key_for_a_tensor_passed_twice() -> None:
+    # step(tokens, tokens): Dynamo's TensorGuards fails a repeated tensor, which made the
+    # key be rebuilt on every call of a language model's step.
+    tokens, others = torch.randint(0, 10, (8, 64)), torch.randint(0, 10, (8, 64))
+    watch = BatchWatch()
+    key = watch.key((tokens, tokens))
+    assert watch.key((tokens, tokens)) is key
+    assert watch.key((others, others)) is key  # new tensors, same specs and same repeats
+    assert watch.key((tokens, others)) == key  # no repeat: rebuilt, equal specs
+    shorter = torch.randint(0, 10, (8, 32))
+    assert watch.key((shorter, shorter)) != key
+    strided = torch.randint(0, 10, (64, 8)).t()
+    assert watch.key((strided, strided)) != key
