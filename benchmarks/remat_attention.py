@@ -1,58 +1,36 @@
-"""Recomputation policies on the bench Transformer, and one that is not a policy yet.
-
-``save_matmuls`` keeps every matmul's result from forward, attention's ``bmm``s included;
-the last row keeps only ``mm``/``addmm`` (the layers' weights) and recomputes attention.
-All interleaved in one process::
+"""The recomputation policies on the bench Transformer, interleaved in one process::
 
     python benchmarks/remat_attention.py
+
+``save_matmuls`` keeps every matmul's result from forward, attention's ``bmm``s included;
+``selective`` keeps only those with a weight operand and recomputes attention's.
 """
 
 from __future__ import annotations
 
 import torch
 
-import functacc.remat
 from functacc.bench import competitors, runner
 from functacc.bench.cli import REMAT_DEFAULTS, warm_inductor
 from functacc.bench.models import build
-
-WEIGHT_MATMULS = tuple(
-    op
-    for op in functacc.remat._MATMULS
-    if op not in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)
-)
-
-
-def variant(workload, label, matmuls=None, **options):
-    def make():
-        keep = functacc.remat._MATMULS
-        functacc.remat._MATMULS = matmuls or keep
-        try:
-            competitor = competitors.functacc_variant(workload, label, **options)
-            competitor.step()  # traces and compiles with these matmuls kept
-        finally:
-            functacc.remat._MATMULS = keep
-        return competitor
-
-    return make
+from functacc.remat import POLICIES
 
 
 def main() -> None:
     warm_inductor("cpu")
     workload = build("transformer")
     blocks = REMAT_DEFAULTS["transformer"]
-    factories = [
-        variant(workload, "no remat"),
-        variant(workload, "full", remat=blocks, remat_policy="full"),
-        variant(workload, "save_matmuls", remat=blocks, remat_policy="save_matmuls"),
-        variant(
-            workload,
-            "weight matmuls only",
-            WEIGHT_MATMULS,
-            remat=blocks,
-            remat_policy="save_matmuls",
-        ),
-    ]
+
+    def variant(label, **options):
+        def make():
+            competitor = competitors.functacc_variant(workload, label, **options)
+            competitor.step()  # traces and compiles before the timed rounds
+            return competitor
+
+        return make
+
+    factories = [variant("no remat")]
+    factories += [variant(p, remat=blocks, remat_policy=p) for p in POLICIES]
     results = runner.run(
         factories, batch_size=16, device=torch.device("cpu"), warmup=2, steps=5, rounds=7
     )

@@ -96,8 +96,8 @@ FORWARD = "functacc_remat_forward"
 RECOMPUTE = "functacc_recompute"
 _calls = itertools.count()
 
-RematPolicy = Literal["full", "save_matmuls"]
-POLICIES = ("full", "save_matmuls")
+RematPolicy = Literal["full", "save_matmuls", "selective"]
+POLICIES = ("full", "save_matmuls", "selective")
 # What "save_matmuls" keeps from forward instead of recomputing: the ops that dominate a
 # block's compute. Their inputs (norms, activations, dropout) are recomputed.
 _MATMULS = (
@@ -118,14 +118,22 @@ def _regions(gm: GraphModule, key: str) -> dict[int, list[Node]]:
     return regions
 
 
-def save_matmuls(gm: GraphModule) -> int:
+def save_matmuls(gm: GraphModule, *, batch_inputs: int | None = None) -> int:
     """The ``"save_matmuls"`` policy: each recomputed matmul or convolution is replaced by
     the same op's result from forward (the k-th of its kind in the module's forward), which
     is then kept until backward; returns how many were replaced.
 
     Backward still recomputes what the matmuls read (normalisations, activations, dropout),
     which Inductor fuses into the backward's own kernels; the expensive ops run once.
+
+    With ``batch_inputs`` (how many of the graph's last inputs are the batch), the
+    ``"selective"`` policy: only matmuls with at most one operand computed from the batch
+    are kept (a layer's input times its weights); those of two activations, attention's
+    ``q @ k^T`` and ``scores @ v``, are recomputed with the softmax and dropout around them.
+    Their results grow with the square of the sequence length while their FLOPs are a small
+    part of a layer's: Megatron-LM's "selective activation recomputation".
     """
+    on_batch = _computed_from_batch(gm, batch_inputs) if batch_inputs is not None else None
     forward = _regions(gm, FORWARD)
     replaced = 0
     for call, recomputed in _regions(gm, RECOMPUTE).items():
@@ -139,6 +147,8 @@ def save_matmuls(gm: GraphModule) -> int:
                 continue
             k = seen.get(n.target, 0)
             seen[n.target] = k + 1
+            if on_batch is not None and _of_two_activations(n, on_batch):
+                continue  # "selective": recompute it
             candidates = originals.get(n.target, [])
             if k >= len(candidates) or not _same_value(candidates[k], n):
                 continue  # not the same op sequence: keep the recomputation
@@ -151,6 +161,31 @@ def save_matmuls(gm: GraphModule) -> int:
     if replaced:
         gm.recompile()
     return replaced
+
+
+# The matrix operands of each matmul (addmm's and baddbmm's first argument is the bias).
+_OPERANDS = {
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+    torch.ops.aten.bmm.default: (0, 1),
+    torch.ops.aten.baddbmm.default: (1, 2),
+    torch.ops.aten.convolution.default: (0, 1),
+}
+
+
+def _computed_from_batch(gm: GraphModule, batch_inputs: int) -> set[Node]:
+    """The nodes whose value depends on the graph's last ``batch_inputs`` inputs."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    reached = set(placeholders[len(placeholders) - batch_inputs :]) if batch_inputs else set()
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    return reached
+
+
+def _of_two_activations(node: Node, on_batch: set[Node]) -> bool:
+    operands = [node.args[i] for i in _OPERANDS[node.target]]
+    return all(isinstance(a, Node) and a in on_batch for a in operands)
 
 
 def _same_value(a: Node, b: Node) -> bool:

@@ -177,7 +177,8 @@ class Step:
             raise ValueError(
                 f"remat_policy must be one of {POLICIES}; got {remat_policy!r}. 'full' "
                 "recomputes the whole module in backward (least memory); 'save_matmuls' keeps "
-                "the matmul and convolution results and recomputes the rest (less compute)."
+                "the matmul and convolution results and recomputes the rest (less compute); "
+                "'selective' keeps those with weights and recomputes attention's (between)."
             )
         if remat_policy != "full" and not remat:
             warnings.warn(
@@ -759,8 +760,9 @@ class Step:
         traced_at = time.perf_counter()
         self._unalias_reassigned(meta["reassigned"])
         graph = traced.graph
-        if self.remat_policy == "save_matmuls":
-            save_matmuls(graph)
+        if self.remat_policy != "full":
+            selective = self.remat_policy == "selective"
+            save_matmuls(graph, batch_inputs=len(tensors) if selective else None)
         run = compile_graph(
             graph, example, self.backend, fakes=traced.fakes, options=self.inductor_options
         )
@@ -884,7 +886,11 @@ def compile_step(
         remat_policy: what those modules recompute: ``"full"`` (default) their whole forward,
             as ``torch.utils.checkpoint``; ``"save_matmuls"`` keeps their matmul and
             convolution results from forward and recomputes only the cheap ops in between
-            (more memory than ``"full"``, less compute).
+            (more memory than ``"full"``, less compute); ``"selective"`` keeps only those
+            with a weight operand and recomputes the matmuls of two activations (attention's
+            scores and weighted values, whose results grow with the sequence length squared)
+            with the softmax and dropout around them, as Megatron-LM's selective
+            recomputation.
         cuda_graphs: capture the compiled step as a CUDA graph and replay it; ``None`` means
             on for CUDA models, off elsewhere. With symbolic sizes, one capture per concrete
             size.

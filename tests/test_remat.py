@@ -169,15 +169,35 @@ def test_save_matmuls_recomputes_no_matmul() -> None:
     assert recomputed_matmuls("save_matmuls") == 0
 
 
+def test_selective_recomputes_only_attention_matmuls() -> None:
+    # The two matmuls of activations per layer (q @ k^T, scores @ v; bmm with dropout on)
+    # are recomputed, every matmul with a weight is kept; memory between the two policies.
+    make = functools.partial(TokenModel, dropout=0.1, dim=32, layers=2)
+    recomputed, peaks = {}, {}
+    for policy in POLICIES:
+        _, _, peaks[policy], step = run(
+            {"TransformerEncoderLayer"}, steps=1, policy=policy, model=make
+        )
+        graph = step._last_program.graph.graph
+        recomputed[policy] = sorted(
+            str(n.target) for n in graph.nodes if RECOMPUTE in n.meta and n.target in _MATMULS
+        )
+    assert recomputed["selective"] == ["aten.bmm.default"] * 4
+    assert recomputed["save_matmuls"] == []
+    assert peaks["full"] < peaks["selective"] < peaks["save_matmuls"], peaks
+
+
 def test_unknown_remat_policy() -> None:
     model = deep_mlp()
-    with pytest.raises(ValueError, match=r"remat_policy must be one of .*'selective'"):
+    with pytest.raises(
+        ValueError, match=r"remat_policy must be one of .*'selective'.*'everything'"
+    ):
         functacc.compile_step(
             model,
             nn.CrossEntropyLoss(),
             torch.optim.SGD(model.parameters(), lr=0.1),
             remat={"Block"},
-            remat_policy="selective",
+            remat_policy="everything",
         )
 
 
@@ -206,7 +226,9 @@ def test_recomputation_reads_the_step_parameters_not_the_module() -> None:
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize(("policy", "limit"), [("full", 0.8), ("save_matmuls", 0.9)])
+@pytest.mark.parametrize(
+    ("policy", "limit"), [("full", 0.8), ("save_matmuls", 0.9), ("selective", 0.9)]
+)
 def test_remat_under_inductor_matches_and_lowers_memory(policy, limit) -> None:
     # Inductor sees the recomputation as forward ops reading forward buffers; unfenced, it
     # fused the recomputed attention with the forward's and kept it alive into backward

@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         classes = (
             REMAT_DEFAULTS[args.model] if args.remat == "default" else set(args.remat.split(","))
         )
-        for policy in POLICIES:  # "functacc remat" (full) and "functacc remat save_matmuls"
+        for policy in POLICIES:  # "functacc remat" (full), "... remat save_matmuls", ...
             label = "remat" if policy == "full" else f"remat {policy}"
             factories.append(
                 lambda label=label, policy=policy: competitors.functacc_variant(
