@@ -21,6 +21,7 @@ def test_bench_competitors_train_the_same_model_and_report_consistent_ratios(tmp
     argv = ["--model", "mlp", "--competitors", "eager,functacc", "--steps", "3", "--rounds", "2"]
     assert main([*argv, "--warmup", "1", "--no-progress", "--json", str(path)]) == 0
     payload = json.loads(path.read_text())
+    assert payload["batches"] == POOL
     eager, functacc = payload["results"]
     assert (eager["name"], functacc["name"]) == ("eager", "functacc")
     # Same weights, data and number of steps (1 + 1 warm-up + 2 rounds x 3) before the last

@@ -227,7 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peak memory on CUDA: the high point of building the competitor and its first "
             "3 steps (weights, optimizer state, graphs' memory pools included)"
         )
-    print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
+    print(
+        f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput; "
+        f"every competitor cycles through the same {len(workload.batches)} random batches"
+    )
     print(report.table(results))
     if args.json:
         report.write_json(
@@ -238,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "matmul_peak_flops": peak,
                 "matmul_peak_dtype": kind,
                 "step_flops": flops,
+                "batches": len(workload.batches),
                 "command": "python -m functacc bench "
                 + " ".join(sys.argv[1:] if argv is None else argv),
                 "results": [r.as_dict() for r in results],
