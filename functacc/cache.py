@@ -239,6 +239,15 @@ def _differing_dims(a: Sequence[int], b: Sequence[int]) -> set[int]:
 
 
 def _fix(reason: str) -> str:
+    if reason.startswith("module attributes"):
+        return (
+            "A traced forward bakes in the Python values it reads from the model's modules, "
+            "so a changed attribute costs a trace and a compile, as it would make "
+            "torch.compile recompile. If forward does not read it, keep it elsewhere or give "
+            "it a name starting with '_' (not part of the signature); if it does and changes "
+            "often, make it a tensor buffer (register_buffer, updated in place), which the "
+            "graph reads afresh on every call."
+        )
     if " dim " in reason or "guard" in reason:
         return (
             "Each new input size costs a trace and a compile. Fix: compile_step(..., "
@@ -247,6 +256,7 @@ def _fix(reason: str) -> str:
         )
     return (
         "The step is traced once per distinct signature (input dtypes and layouts, train/eval "
-        "mode, trainable parameters, optimizer structure, ambient autocast). Keep what changed "
-        "constant between steps, or expect one trace per variant."
+        "mode, trainable parameters, the modules' plain attributes such as a dropout's p, "
+        "optimizer structure, ambient autocast). Keep what changed constant between steps, "
+        "or expect one trace per variant."
     )

@@ -1,7 +1,8 @@
 """One C++ check, per call, that nothing the model's part of the signature is made of changed.
 
 What the step must notice between calls: a module switched between ``train()`` and
-``eval()``, a parameter's ``requires_grad`` or dtype changed in place (``requires_grad_``,
+``eval()`` or any other of its attributes given another value (a dropout's ``p``), a
+parameter's ``requires_grad`` or dtype changed in place (``requires_grad_``,
 ``param.data = ...``, which ``Module._apply`` does), and a tensor replaced in a module's
 ``_parameters`` or ``_buffers`` table (``Module._apply`` does that without any hook:
 ``submodule.double()`` on buffers, ``model.to(device)`` and
@@ -9,11 +10,12 @@ What the step must notice between calls: a module switched between ``train()`` a
 
 Dynamo checks such things before every call of a ``torch.compile``'d function with a tree of
 C++ guards (``torch._C._dynamo.guards.RootGuardManager``); :func:`model_guard` builds one
-tree for the model: per module, its ``training`` flag equals the one at build time and its
-two tables have not been written since (CPython's per-dict version, which every write
-bumps); per parameter, Dynamo's tensor match without sizes (dtype, device, dispatch keys,
-``requires_grad``). On ResNet-50 (151 modules, 161 parameters; 2-core CPU) the check takes
-about 8 us, against 15 us for the same checks made from Python with C-level maps. A failed
+tree for the model: per module, its ``__dict__`` and its two tables have not been written
+since (CPython's per-dict version, which a write of another object bumps; writing the same
+object, as ``model.train()`` on a training model does, leaves it); per parameter,
+Dynamo's tensor match without sizes (dtype, device, dispatch keys, ``requires_grad``). On
+ResNet-50 (151 modules, 161 parameters; 2-core CPU) the check takes about 8 us, against
+15 us for the same checks (then without the attributes) made from Python with C-level maps. A failed
 check says only "something may have changed": the caller re-reads everything and builds a
 new tree. The API is private; without it (or if the dict-version check does not work on
 this Python), :func:`model_guard` returns ``None`` and the caller re-reads every call.
@@ -72,21 +74,18 @@ def model_guard(modules: Sequence[nn.Module], params: Sequence[Tensor]) -> Model
     for i, module in enumerate(modules):
         where = f"module {i} ({type(module).__name__})"
         fields = vars(module)
-        if "training" in fields and not hasattr(type(module), "training"):
-            flag = watch(fields, where).dict_getitem_manager(
-                key="training",
-                source=f"{where}.training",
-                example_value=fields["training"],
-                guard_manager_enum=plain,
-            )
-        else:  # a class that defines ``training`` itself (a property): read it as Python does
+        # Any attribute written with another value: ``training`` (train()/eval()), a
+        # dropout's ``p``, a user's flag. Writing the same object leaves the version alone.
+        watch(fields, where).add_dict_version_guard(fields, [f"{where} attributes"], None)
+        if "training" not in fields or hasattr(type(module), "training"):
+            # A class that defines ``training`` itself (a property): read it as Python does.
             flag = watch(module, where).getattr_manager(
                 attr="training",
                 source=f"{where}.training",
                 example_value=module.training,
                 guard_manager_enum=plain,
             )
-        flag.add_equals_match_guard(module.training, [f"{where}.training"], None)
+            flag.add_equals_match_guard(module.training, [f"{where}.training"], None)
         for table in ("_parameters", "_buffers"):
             entries = fields[table]
             watch(entries, f"{where}.{table}").add_dict_version_guard(

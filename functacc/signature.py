@@ -71,28 +71,50 @@ class LayoutSpec(NamedTuple):
 class ModelWatch:
     """The model's part of the signature, cheap to re-check on every call: which modules are
     in training mode, which parameters are trainable, the dtypes of the model's tensors,
-    and which tensors sit in the modules' parameter and buffer tables.
+    which tensors sit in the modules' parameter and buffer tables, and the modules' plain
+    attributes (``dropout.p``, ``bn.momentum``, a user's ``self.use_relu``).
+
+    A traced forward bakes in every Python value it read; eager PyTorch reads them again on
+    each call. So a changed attribute makes another graph (as ``torch.compile`` recompiles
+    on its guards), where it used to be ignored silently.
 
     :meth:`key` returns the *same* tuple object while nothing changed, so the step compares
     its whole signature by identity. Per call it runs one C++ check (:mod:`functacc.guards`:
-    the training flags, the tables' dict versions, the parameters' dtype, device and
-    ``requires_grad``; ResNet-50: about 8 us). Parameters change in place
+    the version of each module's ``__dict__`` and of its two tables, the parameters' dtype,
+    device and ``requires_grad``; ResNet-50: about 8 us). Parameters change in place
     (``requires_grad_``, and ``Module._apply`` sets ``param.data``); table entries are
     replaced without any hook: ``submodule.double()`` or ``.to()`` puts new buffers straight
     into ``_buffers``, also in a module without parameters, and ``model.to(device)`` (or the
     ``overwrite_module_params_on_conversion`` future) new parameters into ``_parameters``.
     When the check fails, everything is re-read from Python; the key changes only if a
-    value did. Without Dynamo's guard managers, everything is re-read on every call.
+    value did (``model.train()`` on a training model writes the same ``True``, which leaves
+    a dict's version alone). Without Dynamo's guard managers, everything is re-read on
+    every call.
     """
 
     def __init__(
-        self, modules: Sequence[nn.Module], params: dict[str, Tensor], tensors: Sequence[Tensor]
+        self,
+        modules: Sequence[nn.Module],
+        params: dict[str, Tensor],
+        tensors: Sequence[Tensor],
+        names: Sequence[str] | None = None,
     ):
         self.modules = list(modules)
+        self.names = (
+            list(names) if names is not None else [f"module {i}" for i in range(len(modules))]
+        )
         self.params = list(params.values())
         self.tensors = list(tensors)
         self._guard: ModelGuard | None = None
         self._key: tuple = ()
+        # The plain attributes the modules have now. One that a forward adds later (a cache
+        # it builds once, which the trace allows) is not part of the signature.
+        self._attributes = [
+            (f"{name}.{attr}", module, attr)
+            for name, module in zip(self.names, self.modules, strict=True)
+            for attr, value in vars(module).items()
+            if _plain_attribute(attr, value)
+        ]
 
     def key(self) -> tuple:
         if self._guard is not None and self._guard.passes():
@@ -112,7 +134,34 @@ class ModelWatch:
             # Which tensors sit in the tables: a replaced one changes the key, and the
             # step then looks for what was replaced (StructureWatch.rescan).
             ("tensors", tuple(id(t) for table in tables for t in table.values())),
+            (
+                "module attributes",
+                tuple(
+                    (name, _value_key(vars(module).get(attr, _MISSING)))
+                    for name, module, attr in self._attributes
+                ),
+            ),
         )
+
+
+def _plain_attribute(attr: str, value: Any) -> bool:
+    """A module attribute that is part of the signature: public, not ``training`` (its own
+    part), not a tensor (read afresh on every call as a graph input)."""
+    return not attr.startswith("_") and attr != "training" and not isinstance(value, Tensor)
+
+
+def _value_key(value: Any) -> Any:
+    """``value`` as a key: numbers, strings and the like by value (NaN as a string, since
+    NaN != NaN), sequences element by element, any other object by identity."""
+    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, float):
+        return value if value == value else "nan"
+    if type(value) in (tuple, list):
+        return (type(value).__name__, tuple(map(_value_key, value)))
+    if value is _MISSING:
+        return "(deleted)"
+    return ("object", type(value).__qualname__, id(value))
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -386,7 +435,8 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
     """
     if type(old) is tuple and type(new) is tuple:
         if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
-            return describe_difference(old[1], new[1], f"{path}{old[0]}")
+            label = old[0] if old[0] not in _MARKERS else ""
+            return describe_difference(old[1], new[1], " ".join(filter(None, (path, label))))
         if len(old) == len(new):
             for i, (a, b) in enumerate(zip(old, new, strict=True)):
                 if a != b:
@@ -394,6 +444,10 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
                     return describe_difference(a, b, inner)
     where = f"{path}: " if path else ""
     return f"{where}{old!r} -> {new!r}"
+
+
+# Labels that say which kind of call a key is for, not what changed.
+_MARKERS = ("inplace", "pure")
 
 
 def _is_sequence_of_specs(key: tuple) -> bool:

@@ -130,9 +130,15 @@ class Step:
         self.grad_accum_steps = grad_accum_steps
         self._params: dict[str, Tensor] = dict(model.named_parameters())
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
-        self._modules = list(model.modules())
+        named = list(model.named_modules())
+        self._modules = [module for _, module in named]
         self._model_tensors = [*self._params.values(), *self._buffers.values()]
-        self._model_watch = ModelWatch(self._modules, self._params, self._model_tensors)
+        self._model_watch = ModelWatch(
+            self._modules,
+            self._params,
+            self._model_tensors,
+            names=[f"model.{name}" if name else "model" for name, _ in named],
+        )
         self._hook_watch = HookWatch(model, self._params)
         self._structure = StructureWatch(model)
         self._batch_watch = BatchWatch()

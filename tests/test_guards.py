@@ -37,6 +37,8 @@ CHANGES = {
         "bias", nn.Parameter(torch.zeros(4))
     ),
     "buffer registered": lambda m: m[2].register_buffer("extra", torch.ones(1)),
+    "dropout p": lambda m: setattr(m[2], "p", 0.3),
+    "a new attribute": lambda m: setattr(m[0], "note", "hello"),
 }
 
 
@@ -52,7 +54,7 @@ SAME = {
     "train() again": lambda m: m.train(),
     "in-place copy": lambda m: m[0].weight.data.mul_(2),
     "load_state_dict": lambda m: m.load_state_dict(small().state_dict()),
-    "a plain attribute": lambda m: setattr(m[0], "note", "hello"),
+    "the same value again": lambda m: setattr(m[2], "p", m[2].p),
     "a forward pass": lambda m: m(torch.randn(3, 4)),
 }
 
@@ -80,6 +82,15 @@ def test_model_watch_key_is_the_same_object_until_a_value_changes() -> None:
     assert evaluated is not key and evaluated != key
     model.train()
     assert watch.key() == key  # back to the values of the first key
+    # A plain attribute: changed, it changes the key; one added after the watch was built
+    # (a cache a forward builds) fails the check but is not part of the key.
+    model[2].p = 0.2
+    assert ("module 3.p", 0.2) in watch.key()[-1][
+        1
+    ] and watch.key() != key  # module 0: the Sequential
+    model[2].p = 0.5
+    model[0].note = "hello"
+    assert watch.key() == key
 
 
 def test_without_working_dict_versions_the_watch_rereads_every_call(monkeypatch) -> None:

@@ -714,3 +714,92 @@ def test_a_torch_compiled_model_is_traced_as_its_original_module() -> None:
         ref_opt.step()
         assert torch.equal(loss, ref_loss.detach())
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+
+
+class Switchable(nn.Module):
+    """A forward that reads plain Python attributes: a flag, a float, a dropout's p."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 5)
+        self.drop = nn.Dropout(0.1)
+        self.use_relu = True
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.lin(x.flatten(1)[:, :12])) * self.scale
+        return torch.relu(h) if self.use_relu else h
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m, "use_relu", False),
+        lambda m: setattr(m, "scale", 3.0),
+        lambda m: setattr(m.drop, "p", 0.5),  # a dropout schedule
+    ],
+    ids=["flag", "float", "dropout p"],
+)
+def test_changed_module_attributes_retrace_and_match_eager(change, caplog) -> None:
+    # Eager reads these on every forward; the traced graph had them baked in, and before
+    # the modules' attributes were part of the signature, the step silently kept the old
+    # values (loss 0.8387 where eager gave another).
+    torch.manual_seed(0)
+    model = Switchable()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    caplog.set_level(logging.INFO, logger="functacc")
+    for i, (x, y) in enumerate(data(4)):
+        if i == 2:
+            change(model)
+            change(ref)
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, seed=i)
+        assert torch.equal(loss, ref_loss), i
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    assert step.num_traces == 2
+    assert "module attributes model." in caplog.records[-1].getMessage()
+
+
+def test_train_every_step_and_a_cache_built_by_the_forward_do_not_retrace() -> None:
+    class Cached(Switchable):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if getattr(self, "built", None) is None:
+                self.built = True  # set once, by the first (traced) forward, as in eager
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Cached()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    for x, y in data(3):
+        model.train()  # what many training loops do on every step: the same values again
+        step(x, y)
+    assert step.num_traces == 1 and model.built is True
+
+
+def test_a_counter_kept_on_the_model_retraces_with_a_fix_unless_private(caplog) -> None:
+    torch.manual_seed(0)
+    model = Switchable()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    caplog.set_level(logging.INFO, logger="functacc")
+    for i, (x, y) in enumerate(data(3)):
+        model._step = i  # private: not part of the signature
+        step(x, y)
+    assert step.num_traces == 1
+    for i, (x, y) in enumerate(data(3)):
+        model.global_step = i  # public, added after the step was built: not watched either
+        step(x, y)
+    assert step.num_traces == 1
+    for i, (x, y) in enumerate(data(3)):
+        model.scale = 1.0 + i  # read by forward: every value is another graph
+        step(x, y)
+    assert step.num_traces == 3
+    warning = caplog.records[-1]
+    assert warning.levelno == logging.WARNING
+    assert "module attributes model.scale: 2.0 -> 3.0" in warning.getMessage()
+    assert "name starting with '_'" in warning.getMessage()
