@@ -76,7 +76,7 @@ class ModelWatch:
 
     A traced forward bakes in every Python value it read; eager PyTorch reads them again on
     each call. So a changed attribute makes another graph (as ``torch.compile`` recompiles
-    on its guards), where it used to be ignored silently.
+    on its guards): the old one would go on computing with the old value.
 
     :meth:`key` returns the *same* tuple object while nothing changed, so the step compares
     its whole signature by identity. Per call it runs one C++ check (:mod:`functacc.guards`:
