@@ -43,6 +43,15 @@ def both_step(step, ref: nn.Module, ref_opt, x, y, seed: int = 0, loss_fn=None) 
     return loss, ref_loss.detach()
 
 
+def with_eager_twin(model: nn.Module, loss_fn: nn.Module) -> tuple:
+    """An SGD step on ``model`` (eager backend) and an eager copy with its own SGD:
+    ``(step, ref, ref_opt)``."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    return functacc.compile_step(model, loss_fn, opt, backend="eager"), ref, ref_opt
+
+
 def make(opt_cls=torch.optim.AdamW, **opt_kwargs):
     torch.manual_seed(0)
     model = models.cnn_bn()
@@ -387,10 +396,7 @@ class _PropertyTraining(nn.Module):
 def test_training_defined_as_a_property_is_followed() -> None:
     torch.manual_seed(0)
     model = _PropertyTraining()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    step, ref, ref_opt = with_eager_twin(model, nn.MSELoss())
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     for i in range(3):
         if i == 1:
@@ -746,10 +752,7 @@ def test_changed_module_attributes_retrace_and_match_eager(change, caplog) -> No
     # values (loss 0.8387 where eager gave another).
     torch.manual_seed(0)
     model = Switchable()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss())
     caplog.set_level(logging.INFO, logger="functacc")
     for i, (x, y) in enumerate(data(4)):
         if i == 2:
