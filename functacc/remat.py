@@ -99,14 +99,16 @@ _calls = itertools.count()
 RematPolicy = Literal["full", "save_matmuls", "selective"]
 POLICIES = ("full", "save_matmuls", "selective")
 # What "save_matmuls" keeps from forward instead of recomputing: the ops that dominate a
-# block's compute. Their inputs (norms, activations, dropout) are recomputed.
-_MATMULS = (
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-    torch.ops.aten.convolution.default,
-)
+# block's compute (their inputs: norms, activations, dropout, are recomputed), each with the
+# positions of its matrix operands (addmm's and baddbmm's first argument is the bias).
+_OPERANDS = {
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+    torch.ops.aten.bmm.default: (0, 1),
+    torch.ops.aten.baddbmm.default: (1, 2),
+    torch.ops.aten.convolution.default: (0, 1),
+}
+_MATMULS = tuple(_OPERANDS)
 
 
 def _regions(gm: GraphModule, key: str) -> dict[int, list[Node]]:
@@ -161,16 +163,6 @@ def save_matmuls(gm: GraphModule, *, batch_inputs: int | None = None) -> int:
     if replaced:
         gm.recompile()
     return replaced
-
-
-# The matrix operands of each matmul (addmm's and baddbmm's first argument is the bias).
-_OPERANDS = {
-    torch.ops.aten.mm.default: (0, 1),
-    torch.ops.aten.addmm.default: (1, 2),
-    torch.ops.aten.bmm.default: (0, 1),
-    torch.ops.aten.baddbmm.default: (1, 2),
-    torch.ops.aten.convolution.default: (0, 1),
-}
 
 
 def _computed_from_batch(gm: GraphModule, batch_inputs: int) -> set[Node]:
