@@ -43,13 +43,12 @@ def both_step(step, ref: nn.Module, ref_opt, x, y, seed: int = 0, loss_fn=None) 
     return loss, ref_loss.detach()
 
 
-def with_eager_twin(model: nn.Module, loss_fn: nn.Module) -> tuple:
-    """An SGD step on ``model`` (eager backend) and an eager copy with its own SGD:
-    ``(step, ref, ref_opt)``."""
+def with_eager_twin(model: nn.Module, loss_fn: nn.Module, backend: str = "eager") -> tuple:
+    """An SGD step on ``model`` and an eager copy with its own SGD: ``(step, ref, ref_opt)``."""
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    return functacc.compile_step(model, loss_fn, opt, backend="eager"), ref, ref_opt
+    return functacc.compile_step(model, loss_fn, opt, backend=backend), ref, ref_opt
 
 
 def make(opt_cls=torch.optim.AdamW, **opt_kwargs):
@@ -806,3 +805,20 @@ def test_a_counter_kept_on_the_model_retraces_with_a_fix_unless_private(caplog) 
     assert warning.levelno == logging.WARNING
     assert "module attributes model.scale: 2.0 -> 3.0" in warning.getMessage()
     assert "name starting with '_'" in warning.getMessage()
+
+
+@pytest.mark.inductor
+def test_changed_module_attribute_retraces_under_inductor() -> None:
+    # The same retrace with Inductor's graphs: the second graph computes without the ReLU,
+    # as eager does after the flag changed (float32 rounding of fused kernels only).
+    torch.manual_seed(0)
+    model = Switchable()
+    model.drop.p = 0.0
+    step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss(), backend="inductor")
+    for i, (x, y) in enumerate(data(4)):
+        if i == 2:
+            model.use_relu = ref.use_relu = False
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, seed=i)
+        assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, what=f"loss {i}")
+    assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
+    assert step.num_traces == 2
