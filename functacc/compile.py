@@ -8,12 +8,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.fx import GraphModule, Node
+
+from .errors import TraceError
 
 __all__ = [
     "Backend",
     "Compiled",
+    "check_generators",
     "check_inductor_options",
     "compile_graph",
     "views_that_may_copy",
@@ -33,6 +36,62 @@ def check_backend(backend: str) -> None:
             f"backend must be one of {BACKENDS}; got {backend!r}. Use 'inductor' for speed and "
             "'eager' to run the traced graph as is (debugging, fast tests)."
         )
+
+
+def check_generators(gm: GraphModule, backend: str, model: nn.Module | None = None) -> None:
+    """Refuse, under Inductor, a step that draws from a ``torch.Generator`` of its own.
+
+    A draw such as ``torch.randn(shape, generator=self.g)`` keeps the generator object in
+    the traced graph. The eager backend calls the op with that object, as eager does, so
+    the draws and the generator's state after each step are eager's. Inductor writes the
+    object into its generated code as a pickled copy: every step would draw from that
+    copy, and the generator you hold would never advance (seen: its state unchanged after
+    three steps, where eager's had moved three times). Draws from PyTorch's default
+    generator (dropout, ``torch.randn`` without ``generator=``) are not affected.
+
+    Example:
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> g = torch.Generator().manual_seed(0)
+        >>> gm = make_fx(lambda x: x + torch.randn(2, generator=g))(torch.ones(2))
+        >>> check_generators(gm, "eager")  # the eager backend draws from g itself
+        >>> check_generators(gm, "inductor")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        functacc.errors.TraceError: ...torch.Generator...
+    """
+    if backend != "inductor":
+        return
+    for node in gm.graph.nodes:
+        generator = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if not isinstance(generator, torch.Generator):
+            continue
+        ops = sorted({str(user.target) for user in node.users})
+        raise TraceError(
+            f"the step draws random numbers from {_owner(generator, model)} "
+            f"({', '.join(ops)}). Inductor compiles a generator into its code as a copy of "
+            "its state at compile time, so every step would draw from that copy and your "
+            "generator would never advance, unlike eager. Draw from PyTorch's default "
+            "generator instead (leave out generator=, seed with torch.manual_seed), or "
+            'build the step with backend="eager", which draws from your generator as eager '
+            "does."
+        )
+
+
+def _owner(generator: torch.Generator, model: nn.Module | None) -> str:
+    """Where the model keeps ``generator`` (``model.noise.g``), or what it is.
+
+    The traced graph holds another Python object for the same generator, so the model's
+    generators are matched by device and state (two seeded alike match both; the first is
+    named)."""
+    state = generator.get_state()
+    for prefix, module in model.named_modules() if model is not None else ():
+        for name, value in vars(module).items():
+            if (
+                isinstance(value, torch.Generator)
+                and value.device == generator.device
+                and torch.equal(value.get_state(), state)
+            ):
+                return f"the torch.Generator {'.'.join(['model', *filter(None, [prefix, name])])}"
+    return f"a torch.Generator of your own (on {generator.device})"
 
 
 def compile_graph(

@@ -26,7 +26,14 @@ from torch import Tensor, nn
 
 from ._env import env_flag
 from .cache import ProgramCache, SizeGuard, TraceRecord
-from .compile import Backend, Compiled, check_backend, check_inductor_options, compile_graph
+from .compile import (
+    Backend,
+    Compiled,
+    check_backend,
+    check_generators,
+    check_inductor_options,
+    compile_graph,
+)
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
 from .functional import check_dense_gradients, swap_attributes, tensor_attributes
@@ -769,6 +776,7 @@ class Step:
         if self.remat_policy != "full":
             selective = self.remat_policy == "selective"
             save_matmuls(graph, batch_inputs=len(tensors) if selective else None)
+        check_generators(graph, self.backend, self.model)
         run = compile_graph(
             graph, example, self.backend, fakes=traced.fakes, options=self.inductor_options
         )

@@ -340,6 +340,62 @@ def test_parameters_replaced_by_module_apply_are_an_error() -> None:
     snap.assert_unchanged()
 
 
+class Noise(nn.Module):
+    """Adds noise drawn from a generator of its own (reproducible noise injection)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.g = torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        return x + torch.randn(x.shape, generator=self.g)
+
+
+def noisy_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 8), Noise(7), nn.ReLU(), nn.Linear(8, 5))
+
+
+def test_an_own_generator_under_inductor_is_an_error() -> None:
+    # Inductor writes the generator into its code as a pickled copy: every step drew from
+    # that copy and model.1.g never advanced (before this check: its state was the same
+    # after 3 steps, eager's had moved 3 times, and the next draw from it differed).
+    model = noisy_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="inductor")
+    x, y = torch.randn(8, 16), torch.randn(8, 5)
+    snap, generator = Snapshot(model, opt, step), model[1].g.get_state()
+    with pytest.raises(
+        TraceError, match=r'torch.Generator model.1.g \(aten.randn.generator\).*backend="eager"'
+    ):
+        step(x, y)
+    snap.assert_unchanged()
+    assert torch.equal(model[1].g.get_state(), generator)
+
+
+def test_an_own_generator_with_the_eager_backend_matches_eager() -> None:
+    # The eager backend calls the op with the generator itself: the same draws, and the
+    # generator left where eager leaves it (the next draw from it is eager's too).
+    x, y = torch.randn(8, 16), torch.randn(8, 5)
+    results = []
+    for compiled in (False, True):
+        model = noisy_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+        losses = []
+        for _ in range(3):
+            if compiled:
+                losses.append(step(x, y))
+            else:
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+        results.append((losses, model.state_dict(), torch.randn(4, generator=model[1].g)))
+    assert_close(results[1], results[0], rtol=0, atol=0, what="explicit generator")
+
+
 def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
     model, _, step = trained()
     model[0].weight = model[0].weight
