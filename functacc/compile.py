@@ -235,6 +235,12 @@ def _inductor(
         # them back and forth every call: measured here on ResNet-18 (2-core CPU, batch 32)
         # 138 ms/step with it, 58 ms without (eager: 77 ms).
         options["layout_optimization"] = False
+        # Random ops (torch.randn, rand, randint, randperm inside forward) drawn by eager's
+        # own kernels from PyTorch's generator, so they are eager's numbers and leave the
+        # generator where eager leaves it. Inductor's own CPU generator drew other numbers
+        # (a noisy model's losses differed from eager's from the first step). Dropout's
+        # bernoulli_ has no Inductor CPU kernel and was eager's already.
+        options["fallback_random"] = True
     # bf16/fp16 compute rounded as eager rounds it (every op's result to its dtype), not
     # kept in float32 across a fused kernel: a bf16 model's step then equals eager's bit
     # for bit (tested on CPU); measured on the bench Transformer with precision="bf16":

@@ -128,9 +128,10 @@ def test_eager_backend_with_dropout_equals_eager_pytorch(eager, strategy) -> Non
 @pytest.mark.inductor
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_inductor_with_dropout_equals_eager(inductor, eager, strategy) -> None:
-    # Under fallback_random Inductor draws dropout's masks with eager's kernel from eager's
-    # generator in eager's order: the same seeds give the same masks, and only the float32
-    # arithmetic differs (different masks would move the losses by ~0.1, not 1e-7).
+    # functacc compiles CPU graphs with fallback_random: Inductor draws dropout's masks with
+    # eager's kernel from eager's generator in eager's order. The same seeds give the same
+    # masks, and only the float32 arithmetic differs (different masks would move the losses
+    # by ~0.1, not 1e-7).
     result = run(inductor, strategy)
     assert result["traces"] == [(1, "first call", {})]
     assert result["random"]  # the compiled graph draws dropout masks
