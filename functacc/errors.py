@@ -2,7 +2,9 @@
 
 - :class:`TraceError` (a ``RuntimeError``): the training step could not be traced into a
   graph — data-dependent Python control flow, a model that rejects the inputs' shapes, dtypes
-  or devices, or any other error raised by the model or the loss while tracing — or the
+  or devices, a forward that draws from Python's ``random`` or NumPy's ``np.random`` (the
+  draw would be taken once and replayed), a draw from a ``torch.Generator`` of the model's
+  own under Inductor, or any other error raised by the model or the loss while tracing — or the
   traced graph failed while running for these inputs. The message names the module and the
   source line where it can, what was expected and what came.
 - :class:`RetraceError` (a :class:`TraceError`): a new input signature would exceed the
@@ -65,4 +67,19 @@ def attribute_change_error(names: list[str]) -> Exception:
         "hold a value). Keep per-step state in a registered buffer updated in place "
         "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)) and "
         "self.calls.add_(1)), or outside the model."
+    )
+
+
+def host_random_error(generators: list[str]) -> TraceError:
+    """The forward or the loss drew from Python's or NumPy's global generator while traced."""
+    labels = {"random": "Python's random module", "numpy.random": "NumPy's np.random"}
+    names = " and ".join(labels.get(g, g) for g in generators)
+    return TraceError(
+        f"the forward or the loss drew random numbers from {names} while it was traced: a "
+        "compiled step runs their Python code once, when it traces, so every step would "
+        "reuse the numbers drawn then (a layer-drop or stochastic-depth decision taken once "
+        "for the whole run), where eager PyTorch draws new ones at every step. Draw them with "
+        "torch instead (torch.rand, torch.bernoulli, torch.randint): they are part of the "
+        "graph, new at every step, and eager's numbers. A decision that skips a layer can be "
+        "a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep."
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
+import sys
 import traceback
 from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .errors import TraceError, attribute_change_error
+from .errors import TraceError, attribute_change_error, host_random_error
 
 __all__ = ["Traced", "describe_tensor", "run_error", "trace"]
 
@@ -129,7 +131,7 @@ def trace(
     """
     devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
     detached = [t.detach() for t in example_inputs]
-    with _AttributeWatch(model), _quiet_fake_tensor_log():
+    with _AttributeWatch(model), _HostRandomWatch(), _quiet_fake_tensor_log():
         return _trace(fn, detached, devices, model, signature, dynamic)
 
 
@@ -223,6 +225,48 @@ class _AttributeWatch:
                     del attrs[k]
         if changed and kind is None:
             raise attribute_change_error(changed)
+
+
+class _HostRandomWatch:
+    """Refuses a forward (or loss) that draws from Python's or NumPy's global generator.
+
+    A compiled step runs the forward's Python code once, when it traces: a layer-drop or
+    stochastic-depth decision taken with ``random.random()`` would be taken once and
+    replayed at every step, where eager takes a new one each step. Draws from torch's
+    generators are ops in the graph and are drawn again at every step. The generators are
+    put back, so the failed call changes nothing.
+    """
+
+    def __enter__(self) -> None:
+        self.before = _host_rng_states()
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        after = _host_rng_states()
+        changed = [name for name, state in self.before.items() if not _same(state, after[name])]
+        if not changed:
+            return
+        random.setstate(self.before["random"])
+        if "numpy.random" in self.before:
+            sys.modules["numpy"].random.set_state(self.before["numpy.random"])
+        if kind is None:
+            raise host_random_error(changed)
+
+
+def _host_rng_states() -> dict[str, Any]:
+    """The states of the global generators outside torch (NumPy's only if it is loaded)."""
+    states: dict[str, Any] = {"random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy.random"] = numpy.random.get_state()
+    return states
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "tobytes") and hasattr(b, "tobytes"):  # NumPy's key array
+        return a.tobytes() == b.tobytes()
+    return a == b
 
 
 def _size(value: object) -> int | None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import random
 
 import models
+import numpy as np
 import pytest
 import torch
 from helpers import Snapshot, assert_close
@@ -394,6 +396,40 @@ def test_an_own_generator_with_the_eager_backend_matches_eager() -> None:
                 losses.append(loss.detach())
         results.append((losses, model.state_dict(), torch.randn(4, generator=model[1].g)))
     assert_close(results[1], results[0], rtol=0, atol=0, what="explicit generator")
+
+
+class PythonLayerDrop(nn.Module):
+    """Skips its first layer at random, decided with Python's or NumPy's generator."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        if self.training and self.draw() < 0.5:
+            return self.b(x)
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    ("draw", "source"),
+    [(random.random, "Python's random module"), (np.random.rand, "NumPy's np.random")],
+)
+def test_a_forward_drawing_from_python_or_numpy_random_is_an_error(draw, source) -> None:
+    # The trace would take the decision once and every step would replay it; eager takes
+    # a new one each step. Before this check the step silently kept one branch for good.
+    torch.manual_seed(0)
+    model = PythonLayerDrop(draw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    snap, states = Snapshot(model, opt, step), (random.getstate(), np.random.get_state())
+    with pytest.raises(TraceError, match=rf"{source} while it was traced.*torch.bernoulli"):
+        step(x, y)
+    snap.assert_unchanged()
+    assert random.getstate() == states[0]
+    assert np.array_equal(np.random.get_state()[1], states[1][1])
 
 
 def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
