@@ -12,7 +12,9 @@ import logging
 import os
 import random
 import sys
+import threading
 import traceback
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -235,21 +237,36 @@ class _HostRandomWatch:
     replayed at every step, where eager takes a new one each step. Draws from torch's
     generators are ops in the graph and are drawn again at every step. The generators are
     put back, so the failed call changes nothing.
+
+    Another Python thread may draw from the same generators meanwhile (a dataset's
+    augmentations on a loader's prefetch thread): then the change cannot be blamed on the
+    forward, and putting the state back would repeat that thread's numbers, so it is a
+    warning and the state stays.
     """
 
     def __enter__(self) -> None:
         self.before = _host_rng_states()
+        self.alone = threading.active_count() == 1
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         after = _host_rng_states()
         changed = [name for name, state in self.before.items() if not _same(state, after[name])]
         if not changed:
             return
+        error = host_random_error(changed)
+        if not (self.alone and threading.active_count() == 1):
+            warnings.warn(
+                f"{error} (Other Python threads were running, and one of them may have drawn "
+                "instead; if none of your forward and loss code uses these generators, "
+                "ignore this.)",
+                stacklevel=4,
+            )
+            return
         random.setstate(self.before["random"])
         if "numpy.random" in self.before:
             sys.modules["numpy"].random.set_state(self.before["numpy.random"])
         if kind is None:
-            raise host_random_error(changed)
+            raise error
 
 
 def _host_rng_states() -> dict[str, Any]:

@@ -6,6 +6,7 @@ import copy
 import logging
 import math
 import random
+import threading
 
 import models
 import numpy as np
@@ -430,6 +431,32 @@ def test_a_forward_drawing_from_python_or_numpy_random_is_an_error(draw, source)
     snap.assert_unchanged()
     assert random.getstate() == states[0]
     assert np.array_equal(np.random.get_state()[1], states[1][1])
+
+
+def test_another_thread_drawing_from_python_random_is_only_a_warning() -> None:
+    # A dataset's augmentations on a loader's prefetch thread draw from the same global
+    # generator while the step traces: the change cannot be blamed on the forward, and
+    # putting the state back would make that thread repeat its numbers.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 5))
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    stop, drawn = threading.Event(), []
+
+    def augment() -> None:
+        while not stop.is_set():
+            drawn.append(random.random())
+
+    thread = threading.Thread(target=augment)
+    thread.start()
+    try:
+        with pytest.warns(UserWarning, match=r"Python's random module.*Other Python threads"):
+            step(torch.randn(8, 16), torch.randint(0, 5, (8,)))
+    finally:
+        stop.set()
+        thread.join()
+    assert step.count == 1 and len(set(drawn)) == len(drawn)  # stepped; no number repeated
 
 
 def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
