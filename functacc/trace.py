@@ -8,6 +8,7 @@ fail loudly instead of being silently baked into the graph.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -235,38 +236,95 @@ class _HostRandomWatch:
     A compiled step runs the forward's Python code once, when it traces: a layer-drop or
     stochastic-depth decision taken with ``random.random()`` would be taken once and
     replayed at every step, where eager takes a new one each step. Draws from torch's
-    generators are ops in the graph and are drawn again at every step. The generators are
-    put back, so the failed call changes nothing.
+    generators are ops in the graph and are drawn again at every step.
 
-    Another Python thread may draw from the same generators meanwhile (a dataset's
-    augmentations on a loader's prefetch thread): then the change cannot be blamed on the
-    forward, and putting the state back would repeat that thread's numbers, so it is a
-    warning and the state stays.
+    Other Python threads may draw from the same generators meanwhile (a dataset's
+    augmentations on a loader's prefetch thread; Inductor's and tqdm's threads live on in
+    most processes). So while tracing, the module functions (``random.random``,
+    ``np.random.rand``, ...) note whether the tracing thread calls them: that is an error
+    whatever else runs. A changed state with no such call (a function imported by name
+    before, ``from random import random``) is an error only when no other Python thread
+    runs, and a warning otherwise. The generators are put back when no other thread runs;
+    otherwise that would make the other threads repeat their numbers, and they stay.
     """
 
     def __enter__(self) -> None:
         self.before = _host_rng_states()
         self.alone = threading.active_count() == 1
+        self.tracer = threading.get_ident()
+        self.called: set[str] = set()
+        self.patched = []
+        for label, module in _host_random_modules():
+            for name in _DRAWING[label]:
+                original = getattr(module, name, None)
+                if callable(original):
+                    self.patched.append((module, name, original))
+                    setattr(module, name, self._noting(label, original))
+
+    def _noting(self, label: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == self.tracer:
+                self.called.add(label)
+            return original(*args, **kwargs)
+
+        return draw
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        for module, name, original in self.patched:
+            setattr(module, name, original)
         after = _host_rng_states()
         changed = [name for name, state in self.before.items() if not _same(state, after[name])]
         if not changed:
             return
-        error = host_random_error(changed)
-        if not (self.alone and threading.active_count() == 1):
+        alone = self.alone and threading.active_count() == 1
+        if alone:
+            random.setstate(self.before["random"])
+            if "numpy.random" in self.before:
+                sys.modules["numpy"].random.set_state(self.before["numpy.random"])
+        drawn = [g for g in changed if alone or g in self.called]
+        if drawn and kind is None:
+            raise host_random_error(drawn)
+        if not drawn:
             warnings.warn(
-                f"{error} (Other Python threads were running, and one of them may have drawn "
-                "instead; if none of your forward and loss code uses these generators, "
-                "ignore this.)",
-                stacklevel=4,
+                f"{host_random_error(changed)} (Other Python threads were running, and one "
+                "of them may have drawn instead; if your forward and loss do not use these "
+                "generators, ignore this.)",
+                stacklevel=_caller_level(),
             )
-            return
-        random.setstate(self.before["random"])
-        if "numpy.random" in self.before:
-            sys.modules["numpy"].random.set_state(self.before["numpy.random"])
-        if kind is None:
-            raise error
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside functacc (the user's ``step(...)``),
+    counted from the function that calls ``warnings.warn``."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+# The module functions that draw from the global generators (NumPy's legacy RandomState).
+# fmt: off
+_DRAWING = {
+    "random": (
+        "random", "uniform", "triangular", "randint", "randrange", "choice", "choices",
+        "sample", "shuffle", "gauss", "normalvariate", "lognormvariate", "expovariate",
+        "vonmisesvariate", "gammavariate", "betavariate", "paretovariate", "weibullvariate",
+        "getrandbits", "randbytes", "binomialvariate",
+    ),
+    "numpy.random": (
+        "rand", "randn", "random", "random_sample", "ranf", "sample", "randint",
+        "random_integers", "choice", "shuffle", "permutation", "uniform", "normal",
+        "standard_normal", "binomial", "poisson", "beta", "gamma", "exponential", "bytes",
+    ),
+}
+# fmt: on
+
+
+def _host_random_modules() -> list[tuple[str, Any]]:
+    numpy = sys.modules.get("numpy")
+    return [("random", random)] + ([("numpy.random", numpy.random)] if numpy else [])
 
 
 def _host_rng_states() -> dict[str, Any]:

@@ -415,7 +415,11 @@ class PythonLayerDrop(nn.Module):
 
 @pytest.mark.parametrize(
     ("draw", "source"),
-    [(random.random, "Python's random module"), (np.random.rand, "NumPy's np.random")],
+    [
+        (lambda: random.random(), "Python's random module"),
+        (lambda: np.random.rand(), "NumPy's np.random"),
+    ],
+    ids=["random", "numpy"],
 )
 def test_a_forward_drawing_from_python_or_numpy_random_is_an_error(draw, source) -> None:
     # The trace would take the decision once and every step would replay it; eager takes
@@ -433,12 +437,14 @@ def test_a_forward_drawing_from_python_or_numpy_random_is_an_error(draw, source)
     assert np.array_equal(np.random.get_state()[1], states[1][1])
 
 
-def test_another_thread_drawing_from_python_random_is_only_a_warning() -> None:
+@pytest.mark.parametrize("forward_draws", [False, True])
+def test_another_thread_drawing_from_python_random(forward_draws) -> None:
     # A dataset's augmentations on a loader's prefetch thread draw from the same global
-    # generator while the step traces: the change cannot be blamed on the forward, and
-    # putting the state back would make that thread repeat its numbers.
+    # generator while the step traces. A forward that draws itself is still an error (the
+    # module functions note the tracing thread's calls); a changed state alone is only a
+    # warning, and the state stays: putting it back would make that thread repeat numbers.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 5))
+    model = PythonLayerDrop(lambda: random.random()) if forward_draws else nn.Linear(16, 5)
     step = functacc.compile_step(
         model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
     )
@@ -450,13 +456,19 @@ def test_another_thread_drawing_from_python_random_is_only_a_warning() -> None:
 
     thread = threading.Thread(target=augment)
     thread.start()
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     try:
-        with pytest.warns(UserWarning, match=r"Python's random module.*Other Python threads"):
-            step(torch.randn(8, 16), torch.randint(0, 5, (8,)))
+        if forward_draws:
+            with pytest.raises(TraceError, match=r"Python's random module while it was traced"):
+                step(x, y)
+        else:
+            with pytest.warns(UserWarning, match=r"Python's random module.*Other Python threads"):
+                step(x, y)
     finally:
         stop.set()
         thread.join()
-    assert step.count == 1 and len(set(drawn)) == len(drawn)  # stepped; no number repeated
+    assert step.count == (0 if forward_draws else 1)
+    assert len(set(drawn)) == len(drawn)  # the thread's numbers were not repeated
 
 
 def test_assigning_the_same_tensor_again_is_not_a_replacement() -> None:
