@@ -244,15 +244,17 @@ class _HostRandomWatch:
     ``np.random.rand``, ...) note whether the tracing thread calls them: that is an error
     whatever else runs. A changed state with no such call (a function imported by name
     before, ``from random import random``) is an error only when no other Python thread
-    runs, and a warning otherwise. The generators are put back when no other thread runs;
-    otherwise that would make the other threads repeat their numbers, and they stay.
+    runs, and a warning otherwise. The generators are put back when no other thread runs,
+    or when the tracing thread drew and no other thread called these functions meanwhile;
+    otherwise putting them back would make the other threads repeat their numbers.
     """
 
     def __enter__(self) -> None:
         self.before = _host_rng_states()
         self.alone = threading.active_count() == 1
         self.tracer = threading.get_ident()
-        self.called: set[str] = set()
+        self.called: set[str] = set()  # generators the tracing thread drew from
+        self.others: set[str] = set()  # ... and other threads, through the same functions
         self.patched = []
         for label, module in _host_random_modules():
             for name in _DRAWING[label]:
@@ -264,8 +266,8 @@ class _HostRandomWatch:
     def _noting(self, label: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def draw(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == self.tracer:
-                self.called.add(label)
+            tracing = threading.get_ident() == self.tracer
+            (self.called if tracing else self.others).add(label)
             return original(*args, **kwargs)
 
         return draw
@@ -278,11 +280,11 @@ class _HostRandomWatch:
         if not changed:
             return
         alone = self.alone and threading.active_count() == 1
-        if alone:
+        drawn = [g for g in changed if alone or g in self.called]
+        if alone or (drawn and not self.others):
             random.setstate(self.before["random"])
             if "numpy.random" in self.before:
                 sys.modules["numpy"].random.set_state(self.before["numpy.random"])
-        drawn = [g for g in changed if alone or g in self.called]
         if drawn and kind is None:
             raise host_random_error(drawn)
         if not drawn:

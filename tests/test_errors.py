@@ -421,17 +421,28 @@ class PythonLayerDrop(nn.Module):
     ],
     ids=["random", "numpy"],
 )
-def test_a_forward_drawing_from_python_or_numpy_random_is_an_error(draw, source) -> None:
+@pytest.mark.parametrize("idle_thread", [False, True], ids=["", "idle thread"])
+def test_a_forward_drawing_from_python_or_numpy_random_is_an_error(
+    draw, source, idle_thread
+) -> None:
     # The trace would take the decision once and every step would replay it; eager takes
     # a new one each step. Before this check the step silently kept one branch for good.
+    # An idle thread (Inductor's pools live on in most processes) changes nothing: the
+    # generators are still put back.
+    stop = threading.Event()
+    if idle_thread:
+        threading.Thread(target=stop.wait, daemon=True).start()
     torch.manual_seed(0)
     model = PythonLayerDrop(draw)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     snap, states = Snapshot(model, opt, step), (random.getstate(), np.random.get_state())
-    with pytest.raises(TraceError, match=rf"{source} while it was traced.*torch.bernoulli"):
-        step(x, y)
+    try:
+        with pytest.raises(TraceError, match=rf"{source} while it was traced.*torch.bernoulli"):
+            step(x, y)
+    finally:
+        stop.set()
     snap.assert_unchanged()
     assert random.getstate() == states[0]
     assert np.array_equal(np.random.get_state()[1], states[1][1])
