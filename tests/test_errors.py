@@ -12,7 +12,7 @@ import models
 import numpy as np
 import pytest
 import torch
-from helpers import Snapshot, assert_close
+from helpers import Snapshot, assert_close, eager_train, functacc_train
 from torch import nn
 
 import functacc
@@ -379,22 +379,16 @@ def test_an_own_generator_under_inductor_is_an_error() -> None:
 def test_an_own_generator_with_the_eager_backend_matches_eager() -> None:
     # The eager backend calls the op with the generator itself: the same draws, and the
     # generator left where eager leaves it (the next draw from it is eager's too).
-    x, y = torch.randn(8, 16), torch.randn(8, 5)
+    batches = [(torch.randn(8, 16), torch.randn(8, 5))] * 3
     results = []
     for compiled in (False, True):
         model = noisy_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
-        losses = []
-        for _ in range(3):
-            if compiled:
-                losses.append(step(x, y))
-            else:
-                loss = nn.functional.mse_loss(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.detach())
+        if compiled:
+            step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+            losses = functacc_train(step, batches)
+        else:
+            losses = eager_train(model, opt, nn.MSELoss(), batches)
         results.append((losses, model.state_dict(), torch.randn(4, generator=model[1].g)))
     assert_close(results[1], results[0], rtol=0, atol=0, what="explicit generator")
 

@@ -297,17 +297,9 @@ def test_random_ops_under_inductor_draw_eagers_numbers() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         if compiled:
             step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="inductor")
-        torch.manual_seed(5)
-        losses = []
-        for x, y in data:
-            if compiled:
-                losses.append(step(x, y))
-            else:
-                loss = nn.functional.cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.detach())
+            losses = functacc_train(step, data)  # both seed each step alike
+        else:
+            losses = eager_train(model, opt, nn.CrossEntropyLoss(), data)
         runs.append((torch.stack(losses), model.state_dict(), torch.get_rng_state()))
     (eager_losses, eager_state, eager_rng), (losses, state, rng) = runs
     assert torch.equal(rng, eager_rng), "the generator is not where eager leaves it"
