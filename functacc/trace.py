@@ -299,9 +299,8 @@ class _HostRandomWatch:
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside functacc (the user's ``step(...)``),
     counted from the function that calls ``warnings.warn``."""
-    package = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(2), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FUNCTACC_DIR):
         frame, level = frame.f_back, level + 1
     return level
 
