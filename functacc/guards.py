@@ -44,9 +44,13 @@ class ModelGuard:
         return self._root.check(self._watched)
 
 
-def model_guard(modules: Sequence[nn.Module], params: Sequence[Tensor]) -> ModelGuard | None:
+def model_guard(
+    modules: Sequence[nn.Module], params: Sequence[Tensor], contents: Sequence[Any] = ()
+) -> ModelGuard | None:
     """The check for these modules and parameters as they are now (``None`` where Dynamo's
-    guard managers are unavailable).
+    guard managers are unavailable). ``contents``: dicts, lists and plain objects (their
+    ``__dict__``) the modules hold whose insides are part of the signature; writes to them
+    fail the check too.
 
     Example:
         >>> import torch
@@ -92,6 +96,24 @@ def model_guard(modules: Sequence[nn.Module], params: Sequence[Tensor]) -> Model
             watch(entries, f"{where}.{table}").add_dict_version_guard(
                 entries, [f"{where}.{table} unchanged"], None
             )
+    for i, value in enumerate(contents):
+        where = f"{type(value).__name__} {i} held by the model"
+        if isinstance(value, list):
+            # A list has no version: its length, and each item by value (numbers, strings)
+            # or by identity (what it holds is in ``contents`` itself), up to a bound.
+            items = watch(value, where)
+            items.add_length_check_guard(len(value), [f"len({where})"], None)
+            for k, item in enumerate(value[:_LIST_ITEMS_CHECKED]):
+                entry = items.list_getitem_manager(
+                    key=k, source=f"{where}[{k}]", example_value=item, guard_manager_enum=plain
+                )
+                if item is None or isinstance(item, (bool, int, float, str)):
+                    entry.add_equals_match_guard(item, [f"{where}[{k}] == {item!r}"], None)
+                else:
+                    entry.add_id_match_guard(id(item), [f"{where}[{k}] is the same"], None)
+        else:
+            fields = value if isinstance(value, dict) else vars(value)
+            watch(fields, where).add_dict_version_guard(fields, [f"{where} unchanged"], None)
     for i, p in enumerate(params):
         unchecked = [None] * p.dim()  # sizes and strides: the compiled graph asserts them
         watch(p, f"parameter {i}").add_tensor_match_guard(
@@ -105,6 +127,11 @@ def model_guard(modules: Sequence[nn.Module], params: Sequence[Tensor]) -> Model
             _dispatch_keys(p),
         )
     return ModelGuard(root, watched)
+
+
+# Items of a list checked one by one per call; a longer list's later items are read only
+# when something else fails the check (a per-call cost that grows with the list otherwise).
+_LIST_ITEMS_CHECKED = 64
 
 
 @functools.cache

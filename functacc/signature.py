@@ -15,6 +15,8 @@ differs only in those sizes (:func:`family_key` erases sizes, keeps the rest).
 
 from __future__ import annotations
 
+import functools
+import types
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -119,13 +121,16 @@ class ModelWatch:
     def key(self) -> tuple:
         if self._guard is not None and self._guard.passes():
             return self._key
-        key = self._read()
+        contents: dict[int, Any] = {}
+        key = self._read(contents)
         if key != self._key:  # a table written with the same tensors keeps the key
             self._key = key
-        self._guard = model_guard(self.modules, self.params)
+        self._guard = model_guard(self.modules, self.params, list(contents.values()))
         return self._key
 
-    def _read(self) -> tuple:
+    def _read(self, contents: dict[int, Any]) -> tuple:
+        """The key as the model is now; ``contents`` receives the containers and objects
+        whose insides the key holds, for the check to watch."""
         tables = [table for m in self.modules for table in (m._parameters, m._buffers) if table]
         return (
             ("train mode", tuple(m.training for m in self.modules)),
@@ -137,7 +142,7 @@ class ModelWatch:
             (
                 "module attributes",
                 tuple(
-                    (name, _value_key(vars(module).get(attr, _MISSING)))
+                    (name, _value_key(vars(module).get(attr, _MISSING), contents))
                     for name, module, attr in self._attributes
                 ),
             ),
@@ -150,18 +155,65 @@ def _plain_attribute(attr: str, value: Any) -> bool:
     return not attr.startswith("_") and attr != "training" and not isinstance(value, Tensor)
 
 
-def _value_key(value: Any) -> Any:
+def _value_key(value: Any, contents: dict[int, Any] | None = None, depth: int = 0) -> Any:
     """``value`` as a key: numbers, strings and the like by value (NaN as a string, since
-    NaN != NaN), sequences element by element, any other object by identity."""
+    NaN != NaN), sequences element by element, and what a forward may read inside a plain
+    container or object (a ``dict`` of options, a ``types.SimpleNamespace`` or dataclass
+    of settings, a Hugging Face ``config``) by value too, ``_MAX_DEPTH`` levels deep: eager
+    reads ``self.config.scale`` again on every call, a trace once. Modules, tensors,
+    functions and classes, and anything deeper, by identity. Each container or object
+    looked into goes into ``contents`` by id (the check watches it for writes)."""
     if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device)):
         return value
     if isinstance(value, float):
         return value if value == value else "nan"
-    if type(value) in (tuple, list):
-        return (type(value).__name__, tuple(map(_value_key, value)))
     if value is _MISSING:
         return "(deleted)"
-    return ("object", type(value).__qualname__, id(value))
+    kind = _inside(value) if depth < _MAX_DEPTH else None
+    if kind is None or (contents is not None and id(value) in contents):
+        # Too deep, opaque, or met before (a cycle, or one object reached twice): by identity.
+        return ("object", type(value).__qualname__, id(value))
+    if contents is not None and kind != "tuple":  # a tuple cannot change; its items can
+        contents[id(value)] = value
+    if kind == "dict":
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif kind == "object":
+        items = [(k, v) for k, v in vars(value).items() if not k.startswith("_")]
+    else:
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    inner = tuple((label, _value_key(v, contents, depth + 1)) for label, v in items)
+    return (type(value).__name__, inner)
+
+
+# How deep a key looks into containers and objects held by a module: a module's
+# ``config``, a sub-config in it, the dict in that. Deeper values are keyed by identity.
+_MAX_DEPTH = 3
+
+# What holds no setting a forward reads, or is watched elsewhere: keyed by identity.
+_OPAQUE = (
+    nn.Module,
+    Tensor,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    functools.partial,
+)
+
+
+def _inside(value: Any) -> str | None:
+    """How :func:`_value_key` looks inside ``value``: ``"tuple"``, ``"list"``, ``"dict"``,
+    ``"object"`` (its public ``__dict__`` entries), or ``None`` (by identity)."""
+    if type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        return "tuple"  # named tuples too
+    if type(value) is list:
+        return "list"
+    if isinstance(value, dict):
+        return "dict"
+    if isinstance(value, _OPAQUE) or not isinstance(getattr(value, "__dict__", None), dict):
+        return None
+    return "object"
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -442,6 +494,14 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
                 if a != b:
                     inner = f"{path}[{i}]" if path and _is_sequence_of_specs(old) else path
                     return describe_difference(a, b, inner)
+        elif _is_labelled(old) and _is_labelled(new):  # entries added or removed
+            before, after = dict(old), dict(new)
+            added = [label for label in after if label not in before]
+            removed = [label for label in before if label not in after]
+            where = f"{path}: " if path else ""
+            return where + "; ".join(
+                [*(f"{label} added" for label in added), *(f"{label} removed" for label in removed)]
+            )
     where = f"{path}: " if path else ""
     return f"{where}{old!r} -> {new!r}"
 
@@ -460,3 +520,8 @@ def hashable_constant(x: Any) -> Any:
     except TypeError:
         return repr(x)
     return (type(x), x)
+
+
+def _is_labelled(key: tuple) -> bool:
+    """A tuple of ``(label, value)`` pairs, as keys hold a container's entries."""
+    return all(type(x) is tuple and len(x) == 2 and isinstance(x[0], str) for x in key)

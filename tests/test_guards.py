@@ -121,3 +121,30 @@ def test_batch_watch_keeps_its_key_for_a_tensor_passed_twice() -> None:
     assert watch.key((shorter, shorter)) != key
     strided = torch.randint(0, 10, (64, 8)).t()
     assert watch.key((strided, strided)) != key
+
+
+def test_model_watch_looks_inside_held_objects_once_and_survives_cycles() -> None:
+    import types
+
+    model = small()
+    shared = types.SimpleNamespace(scale=1.0, extra={"k": [1, 2]})
+    shared.me = shared  # a cycle: keyed by identity where it is met again
+    loop: list = [0.5]
+    loop.append(loop)
+    for m in (model[0], model[3]):  # one object held by two modules
+        m.cfg = shared
+    model[2].loop = loop
+    params = dict(model.named_parameters())
+    watch = ModelWatch(list(model.modules()), params, list(params.values()))
+    key = watch.key()
+    assert watch.key() is key
+    shared.extra["k"].append(3)  # two levels inside: a list in a dict in the object
+    grown = watch.key()
+    assert grown != key
+    shared.extra["k"].pop()
+    assert watch.key() == key
+    loop[0] = 0.25
+    assert watch.key() != key
+    loop[0] = 0.5
+    shared._private = 1  # a private attribute of a held object is not part of the key
+    assert watch.key() == key

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import types
 
 import models
 import pytest
 import torch
+import transformers
 from helpers import Snapshot, assert_close
 from torch import nn
 
@@ -762,6 +765,77 @@ def test_changed_module_attributes_retrace_and_match_eager(change, caplog) -> No
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
     assert step.num_traces == 2
     assert "module attributes model." in caplog.records[-1].getMessage()
+
+
+@dataclasses.dataclass
+class Settings:
+    shift: float = 0.0
+    table: dict = dataclasses.field(default_factory=lambda: {"gain": 1.0})
+
+
+class Configured(nn.Module):
+    """A forward that reads settings held inside containers and objects on the module: a
+    Hugging Face config, a namespace, a dict, a list, a dataclass and a dict inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 5)
+        self.config = transformers.PretrainedConfig(scale=1.0)
+        self.ns = types.SimpleNamespace(use_relu=True)
+        self.opts = {"bias": 0.0}
+        self.factors = [1.0]
+        self.settings = Settings()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x.flatten(1)[:, :12]) * self.config.scale * self.factors[0]
+        h = (h + self.opts["bias"] + self.settings.shift) * self.settings.table["gain"]
+        return torch.relu(h) if self.ns.use_relu else h
+
+
+NESTED_CHANGES = {
+    "HF config attribute": lambda m: setattr(m.config, "scale", 3.0),
+    "namespace flag": lambda m: setattr(m.ns, "use_relu", False),
+    "dict entry": lambda m: m.opts.__setitem__("bias", 0.5),
+    "list item": lambda m: m.factors.__setitem__(0, 0.5),
+    "dataclass field": lambda m: setattr(m.settings, "shift", -0.25),
+    "dict in a dataclass": lambda m: m.settings.table.__setitem__("gain", 2.0),
+}
+
+
+@pytest.mark.parametrize("change", NESTED_CHANGES)
+def test_settings_inside_containers_and_objects_retrace_and_match_eager(change, caplog) -> None:
+    # Eager reads self.config.scale again on every forward. The model's check watched only
+    # the modules' own attributes, so a value changed inside an object or container they
+    # hold went unseen: the step went on with the traced value (at c6955df every one of
+    # these changes left the loss at its old value while eager's moved).
+    torch.manual_seed(0)
+    model = Configured()
+    step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss())
+    caplog.set_level(logging.INFO, logger="functacc")
+    for i, (x, y) in enumerate(data(4)):
+        if i == 2:
+            NESTED_CHANGES[change](model)
+            NESTED_CHANGES[change](ref)
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, seed=i)
+        assert torch.equal(loss, ref_loss), i
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    assert step.num_traces == 2
+    assert "module attributes model." in caplog.records[-1].getMessage()
+
+
+def test_a_list_grown_on_the_model_names_the_new_item(caplog) -> None:
+    torch.manual_seed(0)
+    model = Configured()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+    )
+    caplog.set_level(logging.INFO, logger="functacc")
+    (x, y), (x2, y2) = data(2)
+    step(x, y)
+    model.factors.append(2.0)  # forward reads factors[0] only; the step cannot know that
+    step(x2, y2)
+    assert step.num_traces == 2
+    assert "model.factors list: [1] added" in caplog.records[-1].getMessage()
 
 
 def test_train_every_step_and_a_cache_built_by_the_forward_do_not_retrace() -> None:
