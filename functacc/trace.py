@@ -134,7 +134,12 @@ def trace(
     """
     devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
     detached = [t.detach() for t in example_inputs]
-    with _AttributeWatch(model), _HostRandomWatch(), _quiet_fake_tensor_log():
+    with (
+        _AttributeWatch(model),
+        _HostRandomWatch(),
+        _HeldRandomWatch(model),
+        _quiet_fake_tensor_log(),
+    ):
         return _trace(fn, detached, devices, model, signature, dynamic)
 
 
@@ -296,6 +301,97 @@ class _HostRandomWatch:
             )
 
 
+class _HeldRandomWatch:
+    """Refuses a forward that draws from a Python or NumPy generator the model holds
+    (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``; in a module's
+    attributes, private ones too, or in a dict, list or plain object there, three levels
+    deep). As with the global generators, the trace would draw once and every step would
+    replay those numbers. The generator is the model's own, so no other thread is assumed to
+    draw from it: any change of its state while tracing is the forward's. Its state is put
+    back."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.held = _held_generators(self.model)
+        self.before = {where: _generator_state(g) for where, g in self.held.items()}
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        drawn = [
+            where
+            for where, g in self.held.items()
+            if not _same(self.before[where], _generator_state(g))
+        ]
+        for where in drawn:
+            _set_generator_state(self.held[where], self.before[where])
+        if drawn and kind is None:
+            raise host_random_error(
+                [f"the model's {type(self.held[w]).__name__} {w}" for w in drawn]
+            )
+
+
+def _held_generators(model: nn.Module) -> dict[str, Any]:
+    """The Python and NumPy generators the model's modules hold, by where they sit."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+
+    def visit(value: Any, where: str, depth: int) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if _is_host_generator(value):
+            found[where] = value
+        elif depth < _HELD_DEPTH:
+            if isinstance(value, dict):
+                items = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+            elif isinstance(value, (list, tuple)):
+                items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+            elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(
+                value, (nn.Module, Tensor, type)
+            ):
+                items = [(f"{where}.{k}", v) for k, v in vars(value).items()]
+            else:
+                return
+            for inner, v in items:
+                visit(v, inner, depth + 1)
+
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr not in _MODULE_INTERNALS:
+                visit(value, f"{name}.{attr}" if name else attr, 0)
+    return found
+
+
+_HELD_DEPTH = 3  # as deep as the model's signature looks into what modules hold
+
+
+def _is_host_generator(value: Any) -> bool:
+    if isinstance(value, random.Random):
+        return not isinstance(value, random.SystemRandom)  # stateless: nothing to replay
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(
+        value, (numpy.random.Generator, numpy.random.RandomState)
+    )
+
+
+def _generator_state(g: Any) -> Any:
+    if isinstance(g, random.Random):
+        return g.getstate()
+    if hasattr(g, "bit_generator"):  # numpy.random.Generator
+        return g.bit_generator.state
+    return g.get_state()  # numpy.random.RandomState
+
+
+def _set_generator_state(g: Any, state: Any) -> None:
+    if isinstance(g, random.Random):
+        g.setstate(state)
+    elif hasattr(g, "bit_generator"):
+        g.bit_generator.state = state
+    else:
+        g.set_state(state)
+
+
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside functacc (the user's ``step(...)``),
     counted from the function that calls ``warnings.warn``."""
@@ -338,6 +434,8 @@ def _host_rng_states() -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):  # a NumPy bit generator's state
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if hasattr(a, "tobytes") and hasattr(b, "tobytes"):  # NumPy's key array

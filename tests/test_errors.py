@@ -6,6 +6,7 @@ import copy
 import logging
 import math
 import random
+import re
 import threading
 
 import models
@@ -440,6 +441,40 @@ def test_a_forward_drawing_from_python_or_numpy_random_is_an_error(
     snap.assert_unchanged()
     assert random.getstate() == states[0]
     assert np.array_equal(np.random.get_state()[1], states[1][1])
+
+
+HELD_GENERATORS = {
+    "random.Random": (lambda: random.Random(0), lambda g: g.random(), "Random rng"),
+    "numpy Generator": (lambda: np.random.default_rng(0), lambda g: g.random(), "Generator rng"),
+    "numpy RandomState in a dict": (
+        lambda: {"drop": np.random.RandomState(0)},
+        lambda g: g["drop"].rand(),
+        "RandomState rng['drop']",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", HELD_GENERATORS)
+def test_a_forward_drawing_from_a_generator_the_model_holds_is_an_error(kind) -> None:
+    # The same replay as with the global generators, from a generator kept on the module
+    # (self.rng = np.random.default_rng(seed)): before this check the step kept the traced
+    # branch for good. The generator's state is put back; one the forward does not draw
+    # from is no error.
+    make, draw, where = HELD_GENERATORS[kind]
+    torch.manual_seed(0)
+    model = PythonLayerDrop(lambda: draw(model.rng))
+    model.rng = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    snap, fresh = Snapshot(model, opt, step), draw(make())
+    with pytest.raises(TraceError, match=rf"the model's {re.escape(where)} while it was traced"):
+        step(x, y)
+    snap.assert_unchanged()
+    assert draw(model.rng) == fresh  # the first number again: the trace's draw was undone
+    model.eval()  # PythonLayerDrop draws only in training
+    step(x, y)
+    assert step.num_traces == 1
 
 
 @pytest.mark.parametrize("forward_draws", [False, True])
