@@ -15,6 +15,7 @@ differs only in those sizes (:func:`family_key` erases sizes, keeps the rest).
 
 from __future__ import annotations
 
+import enum
 import functools
 import types
 import weakref
@@ -169,6 +170,8 @@ def _value_key(value: Any, contents: dict[int, Any] | None = None, depth: int = 
         return value if value == value else "nan"
     if value is _MISSING:
         return "(deleted)"
+    if isinstance(value, enum.Enum):
+        return ("enum", str(value))
     kind = _inside(value) if depth < _MAX_DEPTH else None
     if kind is None or (contents is not None and id(value) in contents):
         # Too deep, opaque, or met before (a cycle, or one object reached twice): by identity.
@@ -182,6 +185,10 @@ def _value_key(value: Any, contents: dict[int, Any] | None = None, depth: int = 
     else:
         items = [(f"[{i}]", v) for i, v in enumerate(value)]
     inner = tuple((label, _value_key(v, contents, depth + 1)) for label, v in items)
+    if kind == "object":
+        # And by identity: another object in its place is another setting even where their
+        # public fields agree (an enum member's are all private).
+        return (type(value).__qualname__, ("object", id(value)), inner)
     return (type(value).__name__, inner)
 
 

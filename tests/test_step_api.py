@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import logging
 import types
 
@@ -821,6 +822,37 @@ def test_settings_inside_containers_and_objects_retrace_and_match_eager(change, 
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
     assert step.num_traces == 2
     assert "module attributes model." in caplog.records[-1].getMessage()
+
+
+class Mode(enum.Enum):
+    PLAIN = 1
+    SCALED = 2
+
+
+def test_an_enum_flag_switched_on_the_model_retraces_and_matches_eager(caplog) -> None:
+    # An enum member is an object whose fields are all private: keyed by its public
+    # fields alone (as b49865f did), both members looked the same and the switch went
+    # unseen (this test fails there). Objects are keyed by identity too, enums by name.
+    class WithMode(Configured):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mode = Mode.PLAIN
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * (3.0 if self.mode is Mode.SCALED else 1.0)
+
+    torch.manual_seed(0)
+    model = WithMode()
+    step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss())
+    caplog.set_level(logging.INFO, logger="functacc")
+    for i, (x, y) in enumerate(data(3)):
+        if i == 1:
+            model.mode = Mode.SCALED
+            ref.mode = Mode.SCALED
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, seed=i)
+        assert torch.equal(loss, ref_loss), i
+    assert step.num_traces == 2
+    assert "model.mode enum: 'Mode.PLAIN' -> 'Mode.SCALED'" in caplog.records[-1].getMessage()
 
 
 def test_a_list_grown_on_the_model_names_the_new_item(caplog) -> None:
