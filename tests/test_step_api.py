@@ -754,7 +754,12 @@ def test_changed_module_attributes_retrace_and_match_eager(change, caplog) -> No
     # the modules' attributes were part of the signature, the step silently kept the old
     # values (loss 0.8387 where eager gave another).
     torch.manual_seed(0)
-    model = Switchable()
+    assert "module attributes model." in retraced_like_eager(Switchable(), change, caplog)
+
+
+def retraced_like_eager(model: nn.Module, change, caplog) -> str:
+    """Trains ``model`` and its eager twin for 4 steps, ``change`` applied to both before
+    the third; asserts equal losses and weights and one retrace, returns what it logged."""
     step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss())
     caplog.set_level(logging.INFO, logger="functacc")
     for i, (x, y) in enumerate(data(4)):
@@ -765,7 +770,7 @@ def test_changed_module_attributes_retrace_and_match_eager(change, caplog) -> No
         assert torch.equal(loss, ref_loss), i
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
     assert step.num_traces == 2
-    assert "module attributes model." in caplog.records[-1].getMessage()
+    return caplog.records[-1].getMessage()
 
 
 @dataclasses.dataclass
@@ -810,18 +815,8 @@ def test_settings_inside_containers_and_objects_retrace_and_match_eager(change, 
     # hold went unseen: the step went on with the traced value (at c6955df every one of
     # these changes left the loss at its old value while eager's moved).
     torch.manual_seed(0)
-    model = Configured()
-    step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss())
-    caplog.set_level(logging.INFO, logger="functacc")
-    for i, (x, y) in enumerate(data(4)):
-        if i == 2:
-            NESTED_CHANGES[change](model)
-            NESTED_CHANGES[change](ref)
-        loss, ref_loss = both_step(step, ref, ref_opt, x, y, seed=i)
-        assert torch.equal(loss, ref_loss), i
-    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
-    assert step.num_traces == 2
-    assert "module attributes model." in caplog.records[-1].getMessage()
+    logged = retraced_like_eager(Configured(), NESTED_CHANGES[change], caplog)
+    assert "module attributes model." in logged
 
 
 class Mode(enum.Enum):
@@ -842,32 +837,15 @@ def test_an_enum_flag_switched_on_the_model_retraces_and_matches_eager(caplog) -
             return super().forward(x) * (3.0 if self.mode is Mode.SCALED else 1.0)
 
     torch.manual_seed(0)
-    model = WithMode()
-    step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss())
-    caplog.set_level(logging.INFO, logger="functacc")
-    for i, (x, y) in enumerate(data(3)):
-        if i == 1:
-            model.mode = Mode.SCALED
-            ref.mode = Mode.SCALED
-        loss, ref_loss = both_step(step, ref, ref_opt, x, y, seed=i)
-        assert torch.equal(loss, ref_loss), i
-    assert step.num_traces == 2
-    assert "model.mode enum: 'Mode.PLAIN' -> 'Mode.SCALED'" in caplog.records[-1].getMessage()
+    logged = retraced_like_eager(WithMode(), lambda m: setattr(m, "mode", Mode.SCALED), caplog)
+    assert "model.mode enum: 'Mode.PLAIN' -> 'Mode.SCALED'" in logged
 
 
 def test_a_list_grown_on_the_model_names_the_new_item(caplog) -> None:
     torch.manual_seed(0)
-    model = Configured()
-    step = functacc.compile_step(
-        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
-    )
-    caplog.set_level(logging.INFO, logger="functacc")
-    (x, y), (x2, y2) = data(2)
-    step(x, y)
-    model.factors.append(2.0)  # forward reads factors[0] only; the step cannot know that
-    step(x2, y2)
-    assert step.num_traces == 2
-    assert "model.factors list: [1] added" in caplog.records[-1].getMessage()
+    # forward reads factors[0] only, which the step cannot know: it retraces
+    logged = retraced_like_eager(Configured(), lambda m: m.factors.append(2.0), caplog)
+    assert "model.factors list: [1] added" in logged
 
 
 def test_train_every_step_and_a_cache_built_by_the_forward_do_not_retrace() -> None:
