@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .guards import ModelGuard, model_guard
 
 __all__ = [
+    "HELD_DEPTH",
     "AmbientWatch",
     "BatchWatch",
     "HookWatch",
@@ -39,6 +40,7 @@ __all__ = [
     "batch_names",
     "describe_difference",
     "family_key",
+    "held_items",
     "size_changes",
 ]
 
@@ -160,7 +162,7 @@ def _value_key(value: Any, contents: dict[int, Any] | None = None, depth: int = 
     """``value`` as a key: numbers, strings and the like by value (NaN as a string, since
     NaN != NaN), sequences element by element, and what a forward may read inside a plain
     container or object (a ``dict`` of options, a ``types.SimpleNamespace`` or dataclass
-    of settings, a Hugging Face ``config``) by value too, ``_MAX_DEPTH`` levels deep: eager
+    of settings, a Hugging Face ``config``) by value too, ``HELD_DEPTH`` levels deep: eager
     reads ``self.config.scale`` again on every call, a trace once. Modules, tensors,
     functions and classes, and anything deeper, by identity. Each container or object
     looked into goes into ``contents`` by id (the check watches it for writes)."""
@@ -172,18 +174,13 @@ def _value_key(value: Any, contents: dict[int, Any] | None = None, depth: int = 
         return "(deleted)"
     if isinstance(value, enum.Enum):
         return ("enum", str(value))
-    kind = _inside(value) if depth < _MAX_DEPTH else None
-    if kind is None or (contents is not None and id(value) in contents):
+    inside = held_items(value) if depth < HELD_DEPTH else None
+    if inside is None or (contents is not None and id(value) in contents):
         # Too deep, opaque, or met before (a cycle, or one object reached twice): by identity.
         return ("object", type(value).__qualname__, id(value))
+    kind, items = inside
     if contents is not None and kind != "tuple":  # a tuple cannot change; its items can
         contents[id(value)] = value
-    if kind == "dict":
-        items = [(f"[{k!r}]", v) for k, v in value.items()]
-    elif kind == "object":
-        items = [(k, v) for k, v in vars(value).items() if not k.startswith("_")]
-    else:
-        items = [(f"[{i}]", v) for i, v in enumerate(value)]
     inner = tuple((label, _value_key(v, contents, depth + 1)) for label, v in items)
     if kind == "object":
         # And by identity: another object in its place is another setting even where their
@@ -192,9 +189,10 @@ def _value_key(value: Any, contents: dict[int, Any] | None = None, depth: int = 
     return (type(value).__name__, inner)
 
 
-# How deep a key looks into containers and objects held by a module: a module's
-# ``config``, a sub-config in it, the dict in that. Deeper values are keyed by identity.
-_MAX_DEPTH = 3
+HELD_DEPTH = 3
+"""How deep functacc looks into the containers and objects a module holds (a module's
+``config``, a sub-config in it, the dict in that): for settings in the signature, for
+generators a forward must not draw from. Deeper values are keyed by identity."""
 
 # What holds no setting a forward reads, or is watched elsewhere: keyed by identity.
 _OPAQUE = (
@@ -209,18 +207,29 @@ _OPAQUE = (
 )
 
 
-def _inside(value: Any) -> str | None:
-    """How :func:`_value_key` looks inside ``value``: ``"tuple"``, ``"list"``, ``"dict"``,
-    ``"object"`` (its public ``__dict__`` entries), or ``None`` (by identity)."""
+def held_items(value: Any, *, private: bool = False) -> tuple[str, list[tuple[str, Any]]] | None:
+    """What a container or plain object held by a module holds: its kind (``"tuple"``,
+    ``"list"``, ``"dict"`` or ``"object"``) and its entries as ``(label, value)``, labelled
+    ``[0]``, ``['key']`` or by attribute name (private attributes only with ``private``).
+    ``None`` for what is not looked into (modules, tensors, functions, scalars).
+
+    Example:
+        >>> import types
+        >>> held_items(types.SimpleNamespace(scale=2.0, _cache=None))
+        ('object', [('scale', 2.0)])
+        >>> held_items({"p": 0.1}), held_items(print)
+        (('dict', [("['p']", 0.1)]), None)
+    """
     if type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        return "tuple"  # named tuples too
+        return "tuple", [(f"[{i}]", v) for i, v in enumerate(value)]  # named tuples too
     if type(value) is list:
-        return "list"
+        return "list", [(f"[{i}]", v) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return "dict"
-    if isinstance(value, _OPAQUE) or not isinstance(getattr(value, "__dict__", None), dict):
+        return "dict", [(f"[{k!r}]", v) for k, v in value.items()]
+    fields = getattr(value, "__dict__", None)
+    if isinstance(value, _OPAQUE) or not isinstance(fields, dict):
         return None
-    return "object"
+    return "object", [(k, v) for k, v in fields.items() if private or not k.startswith("_")]
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

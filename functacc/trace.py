@@ -26,6 +26,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import TraceError, attribute_change_error, host_random_error
+from .signature import HELD_DEPTH, held_items
 
 __all__ = ["Traced", "describe_tensor", "run_error", "trace"]
 
@@ -342,28 +343,18 @@ def _held_generators(model: nn.Module) -> dict[str, Any]:
         seen.add(id(value))
         if _is_host_generator(value):
             found[where] = value
-        elif depth < _HELD_DEPTH:
-            if isinstance(value, dict):
-                items = [(f"{where}[{k!r}]", v) for k, v in value.items()]
-            elif isinstance(value, (list, tuple)):
-                items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
-            elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(
-                value, (nn.Module, Tensor, type)
-            ):
-                items = [(f"{where}.{k}", v) for k, v in vars(value).items()]
-            else:
-                return
-            for inner, v in items:
-                visit(v, inner, depth + 1)
+            return
+        inside = held_items(value, private=True) if depth < HELD_DEPTH else None
+        if inside is not None:
+            kind, items = inside
+            for label, v in items:
+                visit(v, f"{where}.{label}" if kind == "object" else f"{where}{label}", depth + 1)
 
     for name, module in model.named_modules():
         for attr, value in vars(module).items():
             if attr not in _MODULE_INTERNALS:
                 visit(value, f"{name}.{attr}" if name else attr, 0)
     return found
-
-
-_HELD_DEPTH = 3  # as deep as the model's signature looks into what modules hold
 
 
 def _is_host_generator(value: Any) -> bool:

@@ -454,8 +454,14 @@ HELD_GENERATORS = {
 }
 
 
-@pytest.mark.parametrize("kind", HELD_GENERATORS)
-def test_a_forward_drawing_from_a_generator_the_model_holds_is_an_error(kind) -> None:
+@pytest.mark.parametrize(
+    ("kind", "backend"),
+    [
+        *((kind, "eager") for kind in HELD_GENERATORS),
+        pytest.param("numpy Generator", "inductor", marks=pytest.mark.inductor),
+    ],
+)
+def test_a_forward_drawing_from_a_generator_the_model_holds_is_an_error(kind, backend) -> None:
     # The same replay as with the global generators, from a generator kept on the module
     # (self.rng = np.random.default_rng(seed)): before this check the step kept the traced
     # branch for good. The generator's state is put back; one the forward does not draw
@@ -465,7 +471,7 @@ def test_a_forward_drawing_from_a_generator_the_model_holds_is_an_error(kind) ->
     model = PythonLayerDrop(lambda: draw(model.rng))
     model.rng = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend=backend)
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     snap, fresh = Snapshot(model, opt, step), draw(make())
     with pytest.raises(TraceError, match=rf"the model's {re.escape(where)} while it was traced"):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import functacc.guards
+import functacc.signature
 from functacc.guards import model_guard
 from functacc.signature import BatchWatch, ModelWatch
 
@@ -104,8 +105,9 @@ def test_without_working_dict_versions_the_watch_rereads_every_call(monkeypatch)
     assert watch.key() != key
 
 
-def test_docstring_example() -> None:
+def test_docstring_examples() -> None:
     assert doctest.testmod(functacc.guards).failed == 0
+    assert doctest.testmod(functacc.signature).failed == 0
 
 
 def test_batch_watch_keeps_its_key_for_a_tensor_passed_twice() -> None:

@@ -819,6 +819,22 @@ def test_settings_inside_containers_and_objects_retrace_and_match_eager(change, 
     assert "module attributes model." in logged
 
 
+@pytest.mark.inductor
+def test_a_changed_config_field_retraces_under_inductor() -> None:
+    # The same retrace with Inductor's graphs: after the namespace flag flips, the second
+    # graph computes without the ReLU, as eager does (float32 rounding of fused kernels).
+    torch.manual_seed(0)
+    model = Configured()
+    step, ref, ref_opt = with_eager_twin(model, nn.CrossEntropyLoss(), backend="inductor")
+    for i, (x, y) in enumerate(data(3)):
+        if i == 1:
+            model.ns.use_relu = ref.ns.use_relu = False
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, seed=i)
+        assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, what=f"loss {i}")
+    assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
+    assert step.num_traces == 2
+
+
 class Mode(enum.Enum):
     PLAIN = 1
     SCALED = 2
