@@ -5,8 +5,9 @@
     python benchmarks/step_breakdown.py transformer 300
 
 Parts: the step's own Python before the graphs run (signature check, program lookup), the
-two compiled graphs (gradients, update) as Inductor's ``CompiledFxGraph`` runs them, the
-wrappers around each graph (AOTAutograd's runtime wrapper, Dynamo's disable), freeing what
+two compiled graphs (gradients, update) as Inductor's generated code runs them, the
+wrappers around each graph (functacc's grad-mode and autocast switch; where functacc keeps
+them, Inductor's ``CompiledFxGraph``, AOTAutograd's runtime wrapper, Dynamo's disable), freeing what
 the graphs returned, and the rest. It wraps private functacc and Inductor functions with
 timers (about 0.1 us each), so it is a measurement script, not an API.
 """
@@ -21,6 +22,7 @@ import torch
 from torch._inductor.output_code import CompiledFxGraph
 
 import functacc
+import functacc.inductor_call
 import functacc.split
 from functacc.bench.models import build
 
@@ -52,6 +54,27 @@ def main(name: str = "mlp", steps: int = 1000) -> None:
             graphs[id(self)] = graphs.get(id(self), 0.0) + clock() - start
 
     CompiledFxGraph.__call__ = timed_graph
+    # Where functacc calls the generated code directly (functacc/inductor_call.py), time it
+    # there: the direct caller reads ``current_callable`` from what this returns.
+    output_codes = functacc.inductor_call._output_codes
+
+    def timed_codes(compiled):
+        found = output_codes(compiled)
+        for code in found:
+            code.current_callable = timed_code(code, code.current_callable)
+        return found
+
+    def timed_code(code, call):
+        def run(inputs):
+            start = clock()
+            try:
+                return call(inputs)
+            finally:
+                graphs[id(code)] = graphs.get(id(code), 0.0) + clock() - start
+
+        return run
+
+    functacc.inductor_call._output_codes = timed_codes
     runner = functacc.split.Split.runner
 
     def timed_runner(self, gradients, update):

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 from .errors import TraceError
+from .inductor_call import direct_call
 
 __all__ = [
     "Backend",
@@ -265,7 +266,14 @@ def _inductor(
     _views_to_reshapes(graph)
     with inductor_config.patch(options), tracing(TracingContext(fake_mode)):
         compiled = compile_fx(graph, list(fakes))
-    # compile_fx returns what Dynamo would call: a function of the unpacked inputs.
+    # compile_fx returns what Dynamo would call: a function of the unpacked inputs, inside
+    # wrappers that have nothing to do for a static step graph; called directly where that
+    # holds. Not for symbolic sizes: there the generated code takes more size inputs than
+    # the graph (AOTAutograd's wrappers supply them).
+    if not sizes:
+        direct = direct_call(compiled, gm, example_inputs)
+        if direct is not None:
+            return direct
     if sizes:
         return lambda args: compiled(*[args[i].shape[d] for i, d in sizes], *args)
     return lambda args: compiled(*args)
