@@ -108,3 +108,12 @@ def test_a_step_runs_its_graphs_directly_and_matches_eager(monkeypatch) -> None:
         assert_close(loss, ref_loss.detach(), **INDUCTOR, what="loss")
     assert made == [True, True], f"gradients and update graphs called directly: {made}"
     assert_close(model.state_dict(), ref.state_dict(), **INDUCTOR, what="model")
+
+
+def test_docstring_example() -> None:
+    import doctest
+
+    import functacc.inductor_call
+
+    assert doctest.testmod(functacc.inductor_call).attempted > 0
+    assert doctest.testmod(functacc.inductor_call).failed == 0
