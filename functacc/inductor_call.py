@@ -22,7 +22,9 @@ which AOTAutograd's inference path adds nothing (``torch/_functorch/_aot_autogra
   ``resize_``: AOTAutograd would replay those outside the graph);
 - no op with side effects that AOTAutograd threads tokens through, and no grad-mode
   switch inside the graph;
-- AOTAutograd's debug asserts and RNG functionalization are off.
+- AOTAutograd's debug asserts and RNG functionalization are off;
+- the graph runs on the CPU (a CUDA step replays a CUDA graph, where the wrappers cost
+  nothing).
 
 Example:
     >>> import torch
@@ -107,6 +109,10 @@ def _wrappers_idle(gm: GraphModule, example_inputs: Sequence[Any]) -> bool:
         if not isinstance(value, Tensor):
             continue
         if type(value) not in (Tensor, torch.nn.Parameter) or value.layout != torch.strided:
+            return False
+        # CPU only: a CUDA step replays a captured CUDA graph, where the wrappers' Python
+        # does not run, and their other work there was not measured.
+        if value.device.type != "cpu":
             return False
         if value.numel():
             storage = value.untyped_storage().data_ptr()
