@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functacc
+from functacc import bernoulli
 from functacc.masks import draw_masks_as_bytes
 from functacc.memory import peak_memory
 
@@ -24,6 +27,8 @@ LAYOUTS = {
     "channels_last": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
     "size_one_dims": lambda: torch.randn(5, 1, 7).transpose(0, 2),
     "empty": lambda: torch.randn(0, 3),
+    # 6000 elements: drawn by functacc's kernel (functacc/bernoulli.py), not eager's.
+    "large_transposed": lambda: torch.randn(40, 50, 3).transpose(0, 1),
 }
 
 
@@ -34,8 +39,11 @@ def test_rewritten_draws_are_eagers_bit_for_bit(layout: str, dtype: torch.dtype,
     x = LAYOUTS[layout]().to(dtype)
     gm = make_fx(dropout_like_eager, tracing_mode=mode)(x)
     assert draw_masks_as_bytes(gm) == 1
-    draws = [n for n in gm.graph.nodes if n.target is torch.ops.aten.bernoulli_.float]
+    targets = (torch.ops.aten.bernoulli_.float, bernoulli.OP)
+    draws = [n for n in gm.graph.nodes if n.target in targets]
     assert [n.meta["val"].dtype for n in draws] == [torch.uint8]
+    fast = x.numel() >= 4096 and mode != "symbolic" and bernoulli.available()
+    assert (draws[0].target is bernoulli.OP) == fast
     torch.manual_seed(7)
     expected = dropout_like_eager(x)
     after_eager = torch.rand(3)
@@ -87,3 +95,29 @@ def test_inductor_step_keeps_the_mask_in_one_byte_per_element() -> None:
     elements = 512 * 2048
     needed = 4 * elements + 1 * elements
     assert peak_memory(lambda: step(x, y)) <= needed + 64 * 1024
+
+
+@pytest.mark.inductor
+def test_inductor_step_draws_eagers_masks_and_leaves_the_generator_where_eager_does() -> None:
+    # Masks of a million elements (functacc's kernel where it builds): the losses match
+    # eager's only if every mask does, and the generator must end where eager's does.
+    torch.manual_seed(0)
+    model = WideDropout()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="inductor")
+    for i in range(3):
+        x, y = torch.randn(512, 32), torch.randn(512, 1)
+        torch.manual_seed(10 + i)
+        loss = step(x, y)
+        state = torch.get_rng_state()
+        torch.manual_seed(10 + i)
+        ref_opt.zero_grad()
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(state, torch.get_rng_state()), f"step {i}: generator state"
+        # Inductor's tolerance (its fused kernels sum in another order than eager's).
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
