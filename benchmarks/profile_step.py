@@ -1,5 +1,5 @@
 """Where a bench model's functacc step spends its time, per step (``torch.profiler`` with
-Inductor's kernel profiling on): matmuls, dropout's ``bernoulli_``, the rest, and the
+Inductor's kernel profiling on): matmuls, dropout's mask draws, the rest, and the
 events that take the most time::
 
     python benchmarks/profile_step.py transformer
@@ -18,6 +18,8 @@ from functacc.bench.models import build
 
 TOP = 6
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution")
+# Dropout's mask draws: eager's kernel, and functacc's (functacc/bernoulli.py) where it runs.
+DRAWS = ("aten::bernoulli_", "functacc::bernoulli_bytes")
 
 
 def main(name: str = "transformer", steps: int = 5) -> None:
@@ -35,9 +37,9 @@ def main(name: str = "transformer", steps: int = 5) -> None:
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
     matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / steps / 1e3
-    draws = sum(e.self_cpu_time_total for e in events if e.key == "aten::bernoulli_") / steps / 1e3
+    draws = sum(e.self_cpu_time_total for e in events if e.key in DRAWS) / steps / 1e3
     print(
-        f"{name}: {total:.1f} ms per step; matmuls {matmul:.1f} ms, bernoulli_ {draws:.1f} ms, "
+        f"{name}: {total:.1f} ms per step; matmuls {matmul:.1f} ms, mask draws {draws:.1f} ms, "
         f"the rest {total - matmul - draws:.1f} ms"
     )
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:TOP]:

@@ -16,7 +16,9 @@ Inductor's cache directory.
 
 The masks pass (``masks.py``) draws a compiled step's dropout masks with it through the
 operator ``functacc::bernoulli_bytes``; where the kernel cannot be built, it keeps eager's
-``bernoulli_``.
+``bernoulli_``. One difference from eager: eager holds the generator's lock while it draws;
+this reads the state, draws and writes the state back, so another thread drawing from the
+same default generator at the same moment would see the state of before the draw.
 
 Example:
     >>> import torch
