@@ -13,6 +13,10 @@ are exactly 0.0 and 1.0 as before, and Inductor fuses the cast into the kernels 
 the mask, in forward and in backward, so only the 1-byte mask is kept between them.
 (``uint8``, not ``bool``: Inductor's CPU kernels write bool vectors element by element;
 measured on the bench Transformer, bool masks made the step 16% slower, uint8 3% faster.)
+
+A mask of 4096 elements or more, with a constant probability and the default generator, is
+drawn by functacc's kernel instead (``bernoulli.py``: the same bytes, five times faster),
+also with symbolic sizes where the buffer is contiguous.
 """
 
 from __future__ import annotations
@@ -58,8 +62,17 @@ def draw_masks_as_bytes(gm: GraphModule) -> int:
         buffer = draw.args[0]
         val = buffer.meta["val"]
         order = _memory_order(val)
+        p = draw.args[1] if len(draw.args) > 1 else draw.kwargs.get("p", 0.5)
         with graph.inserting_before(draw):
-            if order is None:  # symbolic or not dense: the same buffer, in bytes
+            sizes = None
+            if order is None and _fast(val, p, draw):
+                sizes = _symbolic_contiguous_sizes(graph, buffer)
+            if sizes is not None:
+                # Symbolic sizes, contiguous: functacc's kernel draws the whole buffer in order.
+                mask = None
+                drawn = graph.call_function(bernoulli.OP, (sizes, float(p)))
+                drawn.meta["val"] = val.new_empty(val.shape, dtype=torch.uint8)
+            elif order is None:  # symbolic or not dense: the same buffer, in bytes
                 mask = graph.call_function(
                     buffer.target, buffer.args, {**buffer.kwargs, "dtype": torch.uint8}
                 )
@@ -67,7 +80,6 @@ def draw_masks_as_bytes(gm: GraphModule) -> int:
             else:
                 shape = [val.shape[d] for d in order]
                 mask = None
-                p = draw.args[1] if len(draw.args) > 1 else draw.kwargs.get("p", 0.5)
                 if _fast(val, p, draw):
                     # The same draw by functacc's kernel (bernoulli.py), five times faster.
                     drawn = graph.call_function(bernoulli.OP, (shape, float(p)))
@@ -106,14 +118,45 @@ generator's 5 KB state) is about 7 us, eager's draw 4.7 ns per element."""
 
 def _fast(val: torch.Tensor, p: object, draw: Node) -> bool:
     """Whether ``draw`` (of the dense buffer ``val``) can use functacc's kernel: a constant
-    probability, the default generator, enough elements, and the kernel built here."""
+    probability, the default generator, enough elements, and the kernel built here. With
+    symbolic sizes, the count is the traced example's (a choice of speed, not of values:
+    both kernels draw the same bits; no guard is added on the sizes)."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    elements = optimization_hint(val.numel(), fallback=0)
     return (
         isinstance(p, float | int)
         and 0 <= p <= 1
         and draw.kwargs.get("generator") is None
-        and val.numel() >= _FAST_MIN_ELEMENTS
+        and elements >= _FAST_MIN_ELEMENTS
         and bernoulli.available()
     )
+
+
+def _symbolic_contiguous_sizes(graph: torch.fx.Graph, buffer: Node) -> list | None:
+    """The sizes of ``buffer`` as graph values, if it is contiguous (known without a guard
+    on its symbolic sizes) and made by ``empty_like(x)`` or ``empty(sizes)``; else None.
+    For ``empty_like`` the symbolic sizes are read from ``x`` (``sym_size`` nodes)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    val = buffer.meta["val"]
+    expected: object = 1
+    for size, stride in reversed(list(zip(val.shape, val.stride(), strict=True))):
+        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+            return None
+        expected = expected * size
+    if buffer.target is torch.ops.aten.empty.memory_format:
+        return list(buffer.args[0])
+    source = buffer.args[0]
+    sizes: list = []
+    for d, size in enumerate(val.shape):
+        if isinstance(size, int):
+            sizes.append(size)
+            continue
+        node = graph.call_function(torch.ops.aten.sym_size.int, (source, d))
+        node.meta["val"] = size
+        sizes.append(node)
+    return sizes
 
 
 def _rewritable(buffer: object) -> bool:

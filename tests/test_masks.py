@@ -27,8 +27,10 @@ LAYOUTS = {
     "channels_last": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
     "size_one_dims": lambda: torch.randn(5, 1, 7).transpose(0, 2),
     "empty": lambda: torch.randn(0, 3),
-    # 6000 elements: drawn by functacc's kernel (functacc/bernoulli.py), not eager's.
+    # 6000 elements: drawn by functacc's kernel (functacc/bernoulli.py), not eager's; with
+    # symbolic sizes only where the buffer is contiguous.
     "large_transposed": lambda: torch.randn(40, 50, 3).transpose(0, 1),
+    "large_contiguous": lambda: torch.randn(30, 40, 5),
 }
 
 
@@ -42,7 +44,8 @@ def test_rewritten_draws_are_eagers_bit_for_bit(layout: str, dtype: torch.dtype,
     targets = (torch.ops.aten.bernoulli_.float, bernoulli.OP)
     draws = [n for n in gm.graph.nodes if n.target in targets]
     assert [n.meta["val"].dtype for n in draws] == [torch.uint8]
-    fast = x.numel() >= 4096 and mode != "symbolic" and bernoulli.available()
+    large = x.numel() >= 4096 and (mode != "symbolic" or x.is_contiguous())
+    fast = large and bernoulli.available()
     assert (draws[0].target is bernoulli.OP) == fast
     torch.manual_seed(7)
     expected = dropout_like_eager(x)
@@ -98,17 +101,22 @@ def test_inductor_step_keeps_the_mask_in_one_byte_per_element() -> None:
 
 
 @pytest.mark.inductor
-def test_inductor_step_draws_eagers_masks_and_leaves_the_generator_where_eager_does() -> None:
-    # Masks of a million elements (functacc's kernel where it builds): the losses match
-    # eager's only if every mask does, and the generator must end where eager's does.
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_inductor_step_draws_eagers_masks_and_leaves_the_generator_where_eager_does(
+    dynamic: bool,
+) -> None:
+    # Masks of up to a million elements (functacc's kernel where it builds; with symbolic
+    # batch sizes too): the losses match eager's only if every mask does, and the generator
+    # must end where eager's does.
     torch.manual_seed(0)
     model = WideDropout()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
-    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="inductor")
-    for i in range(3):
-        x, y = torch.randn(512, 32), torch.randn(512, 1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend="inductor", dynamic=dynamic)
+    batches = [512, 384, 200] if dynamic else [512, 512, 512]
+    for i, n in enumerate(batches):
+        x, y = torch.randn(n, 32), torch.randn(n, 1)
         torch.manual_seed(10 + i)
         loss = step(x, y)
         state = torch.get_rng_state()
