@@ -61,3 +61,40 @@ def test_docstring_example() -> None:
 
     result = doctest.testmod(bernoulli)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_without_a_compiler_the_kernel_is_unavailable_and_masks_keep_eagers_draw(
+    monkeypatch, caplog
+) -> None:
+    import logging
+
+    import torch._inductor.cpp_builder as cpp_builder
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from functacc.masks import draw_masks_as_bytes
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "/nonexistent/c++")
+    bernoulli._kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="functacc"):
+            assert not bernoulli.available()
+        assert "could not be built" in caplog.text
+        with pytest.raises(RuntimeError, match="not available"):
+            bernoulli.draw_bytes([8], 0.5)
+
+        def dropout(x):
+            return x * torch.empty_like(x).bernoulli_(0.7).div_(0.7)
+
+        x = torch.randn(64, 100)
+        gm = make_fx(dropout)(x)
+        assert draw_masks_as_bytes(gm) == 1
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert bernoulli.OP not in targets and torch.ops.aten.bernoulli_.float in targets
+        torch.manual_seed(5)
+        expected = dropout(x)
+        torch.manual_seed(5)
+        assert torch.equal(gm(x), expected)
+    finally:
+        monkeypatch.undo()
+        bernoulli._kernel.cache_clear()
+    assert bernoulli.available()
