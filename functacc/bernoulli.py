@@ -150,6 +150,8 @@ def _kernel() -> ctypes._CFuncPtr | None:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+        # Built here rather than by Inductor's CppPythonBindingsCodeCache: its build of
+        # this source ran at 6.9 ns per element (the twister not vectorized), this one at 0.6.
         compiler = get_cpp_compiler()
         flags = ["-O3", "-shared", "-fPIC", *pick_vec_isa().build_arch_flags().split()]
         key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags]).encode()).hexdigest()[:24]

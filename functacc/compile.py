@@ -28,7 +28,9 @@ log = logging.getLogger("functacc")
 Backend = Literal["inductor", "eager"]
 BACKENDS = ("inductor", "eager")
 Compiled = Callable[[list[Tensor]], Sequence[Tensor]]
-"""A compiled graph, called with a list of input tensors (which it may clear)."""
+"""A compiled graph, called with a list of input tensors (which it may clear), with grad
+mode off: its in-place writes reach tensors that require grad (the step turns it off around
+the call)."""
 
 
 def check_backend(backend: str) -> None:
@@ -270,13 +272,10 @@ def _inductor(
     # wrappers that have nothing to do for a static step graph; called directly where that
     # holds. Not for symbolic sizes: there the generated code takes more size inputs than
     # the graph (AOTAutograd's wrappers supply them).
-    if not sizes:
-        direct = direct_call(compiled, gm, example_inputs)
-        if direct is not None:
-            return direct
     if sizes:
         return lambda args: compiled(*[args[i].shape[d] for i, d in sizes], *args)
-    return lambda args: compiled(*args)
+    direct = direct_call(compiled, gm, example_inputs)
+    return direct if direct is not None else lambda args: compiled(*args)
 
 
 def _size_inputs(

@@ -26,6 +26,9 @@ which AOTAutograd's inference path adds nothing (``torch/_functorch/_aot_autogra
 - the graph runs on the CPU (a CUDA step replays a CUDA graph, where the wrappers cost
   nothing).
 
+The wrappers also turn grad mode off around the graph; functacc's step does that around
+both of its graphs already (``compile.Compiled``), so the direct call does not repeat it.
+
 Example:
     >>> import torch
     >>> from torch.fx.experimental.proxy_tensor import make_fx
@@ -61,10 +64,10 @@ def direct_call(
     compiled: Callable[..., Any], gm: GraphModule, example_inputs: Sequence[Any]
 ) -> Callable[[list], Any] | None:
     """A function of the graph's input list (which it empties) that runs ``compiled``'s
-    generated code directly;
-    ``None`` where AOTAutograd's wrappers may have work to do for ``gm`` or the generated
-    code cannot be found. ``gm`` must have static sizes (the generated code of a graph with
-    symbolic sizes takes extra size inputs that the wrappers supply)."""
+    generated code directly, to be called with grad mode off (``compile.Compiled``); ``None``
+    where AOTAutograd's wrappers may have work to do for ``gm`` or the generated code cannot
+    be found. ``gm`` must have static sizes (the generated code of a graph with symbolic
+    sizes takes extra size inputs that the wrappers supply)."""
     if not _wrappers_idle(gm, example_inputs):
         return None
     found = _output_codes(compiled)
@@ -73,22 +76,15 @@ def direct_call(
     call = found[0].current_callable
     if call is None:
         return None
-    set_grad = torch._C._set_grad_enabled
     no_autocast = torch._C._DisableAutocast
 
     def run(args: list) -> Any:
-        # What AOTAutograd's inference wrapper does around the graph: its extern kernels
-        # (``mm(..., out=buf)``) must neither record autograd history for inputs that
-        # require grad nor be recast by an ambient torch.autocast. The generated code
-        # empties the list it is given, freeing each input after its last use where that
-        # was the last reference (``compile.Compiled``'s contract).
-        grad = torch.is_grad_enabled()
-        set_grad(False)
-        try:
-            with no_autocast():
-                return call(args)
-        finally:
-            set_grad(grad)
+        # What AOTAutograd's inference wrapper does around the graph besides turning grad
+        # mode off (the step already has): the extern kernels it calls must not be recast
+        # by an ambient torch.autocast. The generated code empties the list it is given,
+        # freeing each input after its last use where that was the last reference.
+        with no_autocast():
+            return call(args)
 
     return run
 

@@ -64,34 +64,15 @@ def draw_masks_as_bytes(gm: GraphModule) -> int:
         order = _memory_order(val)
         p = draw.args[1] if len(draw.args) > 1 else draw.kwargs.get("p", 0.5)
         with graph.inserting_before(draw):
-            sizes = None
-            if order is None and _fast(val, p, draw):
-                sizes = _symbolic_contiguous_sizes(graph, buffer)
+            sizes = _kernel_sizes(graph, buffer, order) if _fast(val, p, draw) else None
             if sizes is not None:
-                # Symbolic sizes, contiguous: functacc's kernel draws the whole buffer in order.
-                mask = None
+                # The same draw by functacc's kernel (bernoulli.py), five times faster, in
+                # memory order like the byte buffer of eager's kernel below.
                 drawn = graph.call_function(bernoulli.OP, (sizes, float(p)))
-                drawn.meta["val"] = val.new_empty(val.shape, dtype=torch.uint8)
-            elif order is None:  # symbolic or not dense: the same buffer, in bytes
-                mask = graph.call_function(
-                    buffer.target, buffer.args, {**buffer.kwargs, "dtype": torch.uint8}
-                )
-                mask.meta["val"] = val.to(torch.uint8)
+                shape = val.shape if order is None else sizes  # concrete where ordered
+                drawn.meta["val"] = val.new_empty(shape, dtype=torch.uint8)
             else:
-                shape = [val.shape[d] for d in order]
-                mask = None
-                if _fast(val, p, draw):
-                    # The same draw by functacc's kernel (bernoulli.py), five times faster.
-                    drawn = graph.call_function(bernoulli.OP, (shape, float(p)))
-                    drawn.meta["val"] = val.new_empty(shape, dtype=torch.uint8)
-                else:
-                    mask = graph.call_function(
-                        torch.ops.aten.empty.memory_format,
-                        (shape,),
-                        {"dtype": torch.uint8, "device": val.device, "pin_memory": False},
-                    )
-                    mask.meta["val"] = val.new_empty(shape, dtype=torch.uint8)
-            if mask is not None:
+                mask = _byte_buffer(graph, buffer, order)
                 drawn = graph.call_function(_BERNOULLI_, (mask, *draw.args[1:]), draw.kwargs)
                 drawn.meta["val"] = mask.meta["val"]
             if order is not None and order != sorted(order):
@@ -133,13 +114,37 @@ def _fast(val: torch.Tensor, p: object, draw: Node) -> bool:
     )
 
 
-def _symbolic_contiguous_sizes(graph: torch.fx.Graph, buffer: Node) -> list | None:
-    """The sizes of ``buffer`` as graph values, if it is contiguous (known without a guard
-    on its symbolic sizes) and made by ``empty_like(x)`` or ``empty(sizes)``; else None.
-    For ``empty_like`` the symbolic sizes are read from ``x`` (``sym_size`` nodes)."""
+def _byte_buffer(graph: torch.fx.Graph, buffer: Node, order: list[int] | None) -> Node:
+    """A fresh ``uint8`` buffer for eager's kernel to draw into: contiguous in ``order``
+    (the float buffer's memory order) where that is known, else the float buffer's own
+    allocation in bytes (symbolic or not dense)."""
+    val = buffer.meta["val"]
+    if order is None:
+        mask = graph.call_function(
+            buffer.target, buffer.args, {**buffer.kwargs, "dtype": torch.uint8}
+        )
+        mask.meta["val"] = val.to(torch.uint8)
+        return mask
+    shape = [val.shape[d] for d in order]
+    mask = graph.call_function(
+        torch.ops.aten.empty.memory_format,
+        (shape,),
+        {"dtype": torch.uint8, "device": val.device, "pin_memory": False},
+    )
+    mask.meta["val"] = val.new_empty(shape, dtype=torch.uint8)
+    return mask
+
+
+def _kernel_sizes(graph: torch.fx.Graph, buffer: Node, order: list[int] | None) -> list | None:
+    """The sizes, as graph values, for functacc's kernel to draw ``buffer`` in memory order:
+    the dimensions in ``order`` where it is known; with symbolic sizes, the buffer's own if
+    it is contiguous (known without a guard on them) and made by ``empty_like(x)`` (its
+    symbolic sizes read from ``x`` by ``sym_size`` nodes) or ``empty(sizes)``; else None."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     val = buffer.meta["val"]
+    if order is not None:
+        return [val.shape[d] for d in order]
     expected: object = 1
     for size, stride in reversed(list(zip(val.shape, val.stride(), strict=True))):
         if not statically_known_true(size == 1) and not statically_known_true(stride == expected):

@@ -81,13 +81,12 @@ class Split:
         def run(args: list[Tensor]) -> list[Tensor]:
             picked = [args[i] for i in self.update_inputs]
             first = gradients(args)
-            carried = [*first[:n_carried], *picked]
-            parts = {"gradients": first[n_carried:]}
+            carried, computed = [*first[:n_carried], *picked], first[n_carried:]
             # The update's list holds the only reference to each gradient, so Inductor's
             # code frees each one right after its last use (a lower peak of memory; the time
             # is the same, measured on the bench MLP: about 30 us for its 18 gradients).
             del first
-            parts["update"] = update(carried)
+            parts = {"gradients": computed, "update": update(carried)}
             return [parts[where][i] for where, i in self.outputs]
 
         return run

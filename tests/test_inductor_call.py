@@ -45,10 +45,10 @@ def _conv_linear(x, w, v):
 
 
 def test_direct_call_returns_what_the_wrappers_return() -> None:
-    # Grad mode on and inputs that require grad (the step's parameters do): the generated
-    # code's ``mm(..., out=)`` refuses those unless grad mode is off. Ambient autocast: the
-    # convolution and matmul stay float32, as the wrappers keep them (torch 2.14's autocast
-    # does not reach the kernels Inductor calls; the caller turns it off all the same).
+    # Inputs that require grad (the step's parameters do), called with grad mode off as the
+    # step calls its graphs (``compile.Compiled``). Ambient autocast: the convolution and
+    # matmul stay float32, as the wrappers keep them (torch 2.14's autocast does not reach
+    # the kernels Inductor calls; the direct call turns it off all the same).
     torch.manual_seed(0)
     x, w = torch.randn(8, 3, 16), torch.randn(4, 3, 5, requires_grad=True)
     v = torch.randn(48, 6, requires_grad=True)
@@ -56,7 +56,7 @@ def test_direct_call_returns_what_the_wrappers_return() -> None:
     run = direct_call(compiled, gm, [x, w, v])
     assert run is not None, "a plain static graph must be called directly"
     for autocast in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             args = [x, w, v]
             got = run(args)
             want = compiled(x, w, v)
