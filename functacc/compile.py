@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
+from .bias_add import BiasAfterMatmul
 from .errors import TraceError
 from .inductor_call import direct_call
 
@@ -244,6 +245,10 @@ def _inductor(
         # (a noisy model's losses differed from eager's from the first step). Dropout's
         # bernoulli_ has no Inductor CPU kernel and was eager's already.
         options["fallback_random"] = True
+        # A linear layer's bias added in the kernel of the activation after it, not by
+        # ATen's addmm (which copies it into the output first): bias_add.py. A
+        # post_grad_custom_post_pass of the caller's replaces it.
+        options["post_grad_custom_post_pass"] = BiasAfterMatmul()
     # bf16/fp16 compute rounded as eager rounds it (every op's result to its dtype), not
     # kept in float32 across a fused kernel: a bf16 model's step then equals eager's bit
     # for bit (tested on CPU); measured on the bench Transformer with precision="bf16":
