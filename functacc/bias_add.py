@@ -9,7 +9,8 @@ instead be one more term of the kernel Inductor generates for them: a plain ``mm
 (``should_prefer_unfused_addmm``), not on CPU.
 
 Measured on the bench MLP (8 x Linear(256, 256) + ReLU, batch 32, 2-core CPU,
-``benchmarks/step_breakdown.py``): the gradients graph ran 0.668 ms instead of 0.694 ms.
+``benchmarks/step_breakdown.py``, three runs each, interleaved): the gradients graph ran
+0.65-0.67 ms instead of 0.69-0.71 ms.
 
 It is done for float32 and float64 only: in bf16 or fp16, rounding the product before the
 bias is added would round twice where ``addmm`` rounds once. The sum itself is the same

@@ -146,7 +146,11 @@ def compile_graph(
         # A worker process compiles the update into Inductor's cache meanwhile.
         worker = start_worker(split.update, update_examples, options or {})
         try:
-            gradients = _inductor(split.gradients, example_inputs, fakes, options)
+            slots = split.slots
+            if fakes is not None and slots:
+                fake_mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
+                fakes = [*fakes, *(fake_mode.from_tensor(s, static_shapes=True) for s in slots)]
+            gradients = _inductor(split.gradients, [*example_inputs, *slots], fakes, options)
         except BaseException:
             if worker is not None:
                 worker.stop()
