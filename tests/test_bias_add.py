@@ -4,17 +4,15 @@ runs."""
 
 from __future__ import annotations
 
-import copy
 import uuid
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_adamw_step_matches_eager, assert_close
 from models import mlp
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import functacc
 from functacc.bias_add import BiasAfterMatmul
 
 # As the parity tests: Inductor's fused kernels sum in another order than eager's.
@@ -91,19 +89,6 @@ def test_an_inductor_step_adds_biases_in_its_kernels(monkeypatch) -> None:
         BiasAfterMatmul, "__call__", lambda self, g: counts.append(original(self, g)) or 0
     )
     torch.manual_seed(0)
-    model = mlp()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt)
-    for _ in range(3):
-        x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
-        loss = step(x, y)
-        ref_opt.zero_grad()
-        ref_loss = nn.functional.cross_entropy(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert_close(loss, ref_loss.detach(), **INDUCTOR, what="loss")
+    assert_adamw_step_matches_eager(mlp(), **INDUCTOR)
     # Two hidden layers feed a ReLU; the classifier feeds cross-entropy and keeps addmm.
     assert 2 in counts, f"biases moved per compiled graph: {counts}"
-    assert_close(model.state_dict(), ref.state_dict(), **INDUCTOR, what="model")

@@ -7,9 +7,8 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_adamw_step_matches_eager, assert_close
 from models import mlp
-from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functacc
@@ -93,21 +92,8 @@ def test_a_step_runs_its_graphs_directly_and_matches_eager(monkeypatch) -> None:
 
     monkeypatch.setattr(functacc.compile, "direct_call", spy)
     torch.manual_seed(0)
-    model = mlp()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt)
-    for _ in range(3):
-        x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
-        loss = step(x, y)
-        ref_opt.zero_grad()
-        ref_loss = nn.functional.cross_entropy(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert_close(loss, ref_loss.detach(), **INDUCTOR, what="loss")
+    assert_adamw_step_matches_eager(mlp(), **INDUCTOR)
     assert made == [True, True], f"gradients and update graphs called directly: {made}"
-    assert_close(model.state_dict(), ref.state_dict(), **INDUCTOR, what="model")
 
 
 def test_docstring_example() -> None:
