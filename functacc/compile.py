@@ -253,6 +253,13 @@ def _inductor(
         # ATen's addmm (which copies it into the output first): bias_add.py. A
         # post_grad_custom_post_pass of the caller's replaces it.
         options["post_grad_custom_post_pass"] = BiasAfterMatmul()
+        # A kernel runs on one thread unless each thread gets 8192 elements or more
+        # (Inductor's default: 512). Below that, OpenMP's fork and join cost more than
+        # the second core gives: the bench MLP's 32 x 256 activations and their
+        # gradients. Measured per step with benchmarks/step_breakdown.py, interleaved
+        # (2-core CPU): MLP 0.92 vs 0.98 ms, GPT-2 41.3-42.0 vs 42.6-43.5 ms; the
+        # Transformer, ResNet-18 and ResNet-50 within noise.
+        options["cpp.min_chunk_size"] = 8192
     # bf16/fp16 compute rounded as eager rounds it (every op's result to its dtype), not
     # kept in float32 across a fused kernel: a bf16 model's step then equals eager's bit
     # for bit (tested on CPU); measured on the bench Transformer with precision="bf16":

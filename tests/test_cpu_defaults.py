@@ -1,0 +1,36 @@
+"""functacc's Inductor settings for CPU graphs (functacc/compile.py), seen in the code
+Inductor generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import functacc.compile
+from functacc.inductor_call import _output_codes
+
+pytestmark = pytest.mark.inductor
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 or more CPU threads")
+def test_small_kernels_run_on_one_thread(monkeypatch) -> None:
+    # 8192 elements over 2 threads is 4096 each: below the 8192 per thread that functacc
+    # asks for, one thread; 65536 elements: OpenMP's parallel region.
+    compiled = []
+    real = functacc.compile.direct_call
+
+    def spy(fn, gm, inputs):
+        compiled.append(fn)
+        return real(fn, gm, inputs)
+
+    monkeypatch.setattr(functacc.compile, "direct_call", spy)
+    parallel = {}
+    for size in (8192, 65536):
+        x = torch.randn(size)
+        gm = make_fx(lambda a: torch.relu(a) * 2)(x)
+        run = functacc.compile.compile_graph(gm, [x], "inductor")
+        assert torch.equal(run([x.clone()])[0], torch.relu(x) * 2)
+        (code,) = _output_codes(compiled[-1])
+        parallel[size] = "#pragma omp parallel" in code.source_code
+    assert parallel == {8192: False, 65536: True}, parallel
