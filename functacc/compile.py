@@ -141,6 +141,7 @@ def compile_graph(
 
         update_examples = [
             *split.update_examples,
+            *split.slots,
             *(example_inputs[i] for i in split.update_inputs),
         ]
         # A worker process compiles the update into Inductor's cache meanwhile.
@@ -249,8 +250,8 @@ def _inductor(
         # (a noisy model's losses differed from eager's from the first step). Dropout's
         # bernoulli_ has no Inductor CPU kernel and was eager's already.
         options["fallback_random"] = True
-        # A linear layer's bias added in the kernel of the activation after it, not by
-        # ATen's addmm (which copies it into the output first): bias_add.py. A
+        # A linear layer's bias added in the kernel of what reads the layer's output, not
+        # by ATen's addmm (which copies it into the output first): bias_add.py. A
         # post_grad_custom_post_pass of the caller's replaces it.
         options["post_grad_custom_post_pass"] = BiasAfterMatmul()
         # A kernel runs on one thread unless each thread gets 8192 elements or more

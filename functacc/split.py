@@ -79,13 +79,13 @@ class Split:
     gradients: GraphModule
     update: GraphModule
     update_inputs: list[int]  # indices of step inputs the update reads
-    update_examples: list[Tensor]  # example tensors for the carried values, then slots
+    update_examples: list[Tensor]  # example tensors for the carried values
     slots: list[Tensor]  # example tensors for the slots
     outputs: list[tuple[str, int]]  # for each step output: ("gradients" | "update", index)
 
     def runner(self, gradients: Callable, update: Callable) -> Callable[[list[Tensor]], list]:
         """Run the two compiled graphs as the step: ``run(inputs) -> outputs``."""
-        n_carried = len(self.update_examples) - len(self.slots)
+        n_carried = len(self.update_examples)
         slots = [torch.empty_like(s) for s in self.slots]
 
         def run(args: list[Tensor]) -> list[Tensor]:
@@ -183,13 +183,12 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
     gradients.graph_copy(gm.graph, copies)
     kept = [r for r, u in zip(results, from_update, strict=True) if not u]
     # Each scalar written into its slot: an input after the step's.
-    slots: list[Node] = []
+    last = copies[placeholders[-1]]
     for i, n in enumerate(scalars):
-        with gradients.inserting_after(gradients.find_nodes(op="placeholder")[-1]):
-            slots.append(gradients.placeholder(f"slot_{i}"))
-        slots[-1].meta["val"] = n.meta["val"]
-    for slot, n in zip(slots, scalars, strict=True):
-        gradients.call_function(torch.ops.aten.copy_.default, (slot, copies[n]))
+        with gradients.inserting_after(last):
+            last = gradients.placeholder(f"slot_{i}")
+        last.meta["val"] = n.meta["val"]
+        gradients.call_function(torch.ops.aten.copy_.default, (last, copies[n]))
     gradients.output(
         tuple(copies[n] for n in carried)
         + tuple(copies[resolve(r)] if isinstance(r, Node) else r for r in kept)
@@ -209,7 +208,7 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
         gradients=GraphModule(gm, gradients),
         update=GraphModule(gm, update),
         update_inputs=[placeholders.index(p) for p in update_reads],
-        update_examples=[_example(n) for n in (*carried, *scalars)],
+        update_examples=[_example(n) for n in carried],
         slots=[_example(n) for n in scalars],
         outputs=outputs,
     )
