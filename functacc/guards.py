@@ -93,6 +93,13 @@ def model_guard(
             flag.add_equals_match_guard(module.training, [f"{where}.training"], None)
         for table in ("_parameters", "_buffers"):
             entries = fields[table]
+            if not entries:
+                # Nothing to replace in an empty table (what ``Module._apply`` does), and an
+                # entry added goes through ``register_parameter``/``register_buffer``, whose
+                # global hooks ``signature.StructureWatch`` installs. A check skipped is a
+                # cache miss saved: the step's checks run with cold caches (after the
+                # update streamed the optimizer state), and half the tables are empty.
+                continue
             watch(entries, f"{where}.{table}").add_dict_version_guard(
                 entries, [f"{where}.{table} unchanged"], None
             )

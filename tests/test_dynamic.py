@@ -522,15 +522,22 @@ def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
     # Adam's bias corrections (pow of a 0-dim step count) are computed before the update,
     # which only reads them: inlined into its kernels they ran once per vector.
     assert not any("pow" in t for t in targets), sorted(targets)
+    slots = [n for n in split.update.graph.nodes if n.op == "placeholder" and "scalars" in n.name]
+    read = {u for slot in slots for u in slot.users}  # slot[i]: one scalar handed over
     scalars = [
-        n for n in split.update.graph.nodes if n.op == "call_function" and n.meta["val"].dim() == 0
+        n
+        for n in split.update.graph.nodes
+        if n.op == "call_function" and n.meta["val"].dim() == 0 and n not in read
     ]
     feeding = [(n, u) for n in scalars for u in n.users if u.meta["val"].dim() > 0]
     assert scalars and not feeding, feeding  # what stays is 0-dim state: counts, flags
     # The scalars cross in slots the gradients graph writes, allocated once, not as
-    # tensors it returns (each allocated and freed on every call).
+    # tensors it returns (each allocated and freed on every call): one 1-D slot per dtype.
     returned = split.update_examples
     assert split.slots and all(e.dim() > 0 for e in returned), [e.shape for e in returned]
+    assert len(slots) == len(split.slots) and all(s.dim() == 1 for s in split.slots)
+    assert len({s.dtype for s in split.slots}) == len(split.slots)
+    assert read and all(r.target is torch.ops.aten.select.int for r in read)
 
     def run_whole(inputs):
         whole = copy.deepcopy(gm)
