@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -9,11 +10,13 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import GraphModule, Node
 
 from .bias_add import BiasAfterMatmul
 from .errors import TraceError
 from .inductor_call import direct_call
+from .input_checks import input_checks_first, input_checks_hash
 
 __all__ = [
     "Backend",
@@ -32,6 +35,19 @@ Compiled = Callable[[list[Tensor]], Sequence[Tensor]]
 """A compiled graph, called with a list of input tensors (which it may clear), with grad
 mode off: its in-place writes reach tensors that require grad (the step turns it off around
 the call)."""
+
+
+class CpuPasses(CustomGraphPass):
+    """What functacc changes in Inductor's code for a CPU graph: the bias rule
+    (:class:`~functacc.bias_add.BiasAfterMatmul`, a post-grad pass) and, while the graph
+    compiles, the input checks in one call (:func:`~functacc.input_checks.input_checks_first`,
+    which changes code generation only, so its file is part of this pass's cache key)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        return BiasAfterMatmul()(graph)
+
+    def uuid(self) -> bytes:
+        return BiasAfterMatmul().uuid() + input_checks_hash()
 
 
 def check_backend(backend: str) -> None:
@@ -251,9 +267,10 @@ def _inductor(
         # bernoulli_ has no Inductor CPU kernel and was eager's already.
         options["fallback_random"] = True
         # A linear layer's bias added in the kernel of what reads the layer's output, not
-        # by ATen's addmm (which copies it into the output first): bias_add.py. A
-        # post_grad_custom_post_pass of the caller's replaces it.
-        options["post_grad_custom_post_pass"] = BiasAfterMatmul()
+        # by ATen's addmm (which copies it into the output first): bias_add.py. The input
+        # checks made in one call before the first kernel (input_checks.py). A
+        # post_grad_custom_post_pass of the caller's replaces both.
+        options["post_grad_custom_post_pass"] = CpuPasses()
         # A kernel runs on one thread unless each thread gets 8192 elements or more
         # (Inductor's default: 512). Below that, OpenMP's fork and join cost more than
         # the second core gives: the bench MLP's 32 x 256 activations and their
@@ -283,7 +300,9 @@ def _inductor(
         fake_mode = fakes[0].fake_mode
         sizes, fakes = _size_inputs(graph, fakes)
     _views_to_reshapes(graph)
-    with inductor_config.patch(options), tracing(TracingContext(fake_mode)):
+    cpu = isinstance(options.get("post_grad_custom_post_pass"), CpuPasses)
+    checks = input_checks_first() if cpu else contextlib.nullcontext()
+    with inductor_config.patch(options), tracing(TracingContext(fake_mode)), checks:
         compiled = compile_fx(graph, list(fakes))
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs, inside
     # wrappers that have nothing to do for a static step graph; called directly where that

@@ -887,7 +887,8 @@ def compile_step(
         inductor_options: ``torch._inductor.config`` settings for this step's compiles,
             as ``torch.compile(options=...)`` takes them, e.g. ``{"cpp_wrapper": True}``;
             they override functacc's defaults (on CPU, a ``post_grad_custom_post_pass``
-            of yours replaces functacc's, :mod:`functacc.bias_add`).
+            of yours replaces functacc's: :mod:`functacc.bias_add` and
+            :mod:`functacc.input_checks`).
         grad_accum_steps: split each batch into this many micro-batches inside the graph,
             sum their gradients (of ``loss / k``), update once.
         max_grad_norm: clip the global gradient norm, as ``clip_grad_norm_``.
