@@ -181,13 +181,16 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
     for i, n in enumerate(carried):
         env[n] = update.placeholder(f"carried_{i}")
     packed = []
-    for k, val in enumerate(slot_vals):
+    for k in range(len(slot_vals)):
+        # No value on the update's placeholders: like the others, it takes its inputs from
+        # the examples compile.py gives (with cpp_wrapper, Inductor reads the placeholders'
+        # values instead where any has one).
         packed.append(update.placeholder(f"scalars_{k}"))
-        packed[-1].meta["val"] = val
     for p in update_reads:
         env[p] = update.placeholder(f"input_{placeholders.index(p)}")
     for n in scalars:
-        env[n] = _select(update, packed[place[n][0]], place[n][1])
+        slot, index = place[n]
+        env[n] = _select(update, packed[slot], slot_vals[slot], index)
     for n in nodes:
         if n.op == "get_attr" and n in read:  # constants: the new module keeps them
             env[n] = update.get_attr(n.target)
@@ -214,7 +217,7 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
         slot_inputs.append(last)
     for n in scalars:
         slot, index = place[n]
-        view = _select(gradients, slot_inputs[slot], index)
+        view = _select(gradients, slot_inputs[slot], slot_vals[slot], index)
         gradients.call_function(torch.ops.aten.copy_.default, (view, copies[n]))
     gradients.output(
         tuple(copies[n] for n in carried)
@@ -309,10 +312,11 @@ def _packed_val(member: Node, size: int) -> Tensor:
         return torch.empty(size, dtype=value.dtype, device=value.device)
 
 
-def _select(graph: Graph, slot: Node, index: int) -> Node:
-    """``slot[index]`` as a node of ``graph`` (appended), with its value."""
+def _select(graph: Graph, slot: Node, value: Tensor, index: int) -> Node:
+    """``slot[index]`` as a node of ``graph`` (appended), with its value (``slot``'s is
+    ``value``)."""
     node = graph.call_function(torch.ops.aten.select.int, (slot, 0, index))
-    node.meta["val"] = slot.meta["val"].select(0, index)
+    node.meta["val"] = value.select(0, index)
     return node
 
 

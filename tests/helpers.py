@@ -169,7 +169,9 @@ class Snapshot:
         assert torch.equal(torch.get_rng_state(), self.rng)
 
 
-def assert_adamw_step_matches_eager(model: nn.Module, *, rtol: float, atol: float) -> None:
+def assert_adamw_step_matches_eager(
+    model: nn.Module, *, rtol: float, atol: float, inductor_options: dict | None = None
+) -> None:
     """Three steps of ``functacc.compile_step`` (Inductor, AdamW lr=1e-2, cross-entropy on
     random 8 x 16 batches) against the same eager loop on a copy: losses and final weights."""
     import functacc
@@ -177,7 +179,9 @@ def assert_adamw_step_matches_eager(model: nn.Module, *, rtol: float, atol: floa
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, inductor_options=inductor_options
+    )
     for _ in range(3):
         x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
         loss = step(x, y)

@@ -96,6 +96,17 @@ def test_a_step_runs_its_graphs_directly_and_matches_eager(monkeypatch) -> None:
     assert made == [True, True], f"gradients and update graphs called directly: {made}"
 
 
+@pytest.mark.inductor
+def test_a_cpp_wrapper_step_matches_eager(tmp_path, monkeypatch) -> None:
+    # inductor_options={"cpp_wrapper": True}: Inductor generates C++ for the graphs' calls
+    # too, and compiles each graph from its placeholders' values where any has one (the
+    # update's slot placeholder once had one, and the other inputs came out as None). An
+    # empty cache: a graph found there is not compiled, and would not fail.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    assert_adamw_step_matches_eager(mlp(), **INDUCTOR, inductor_options={"cpp_wrapper": True})
+
+
 def test_docstring_example() -> None:
     import doctest
 
