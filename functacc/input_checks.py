@@ -62,8 +62,12 @@ def input_checks_first() -> Iterator[None]:
         scheduler = getattr(V.graph, "scheduler", None)
         if not pending or scheduler is None:
             return deferred(self, input_names)
+        # Once per graph: the inputs no kernel reads leave the pending checks (Inductor never
+        # writes those either), so that later calls find nothing pending and cost nothing.
         read = {dep.name for node in scheduler.nodes for dep in node.read_writes.reads}
-        return deferred(self, [name for name in pending if name in read])
+        for name in [name for name in pending if name not in read]:
+            del pending[name]
+        return deferred(self, list(pending))
 
     PythonWrapperCodegen.codegen_deferred_input_asserts = all_at_first_use
     try:
