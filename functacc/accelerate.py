@@ -14,7 +14,6 @@ optimizer and the collectives into the one graph; ``accelerate`` compiles the mo
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,16 +25,10 @@ from torch.utils.checkpoint import checkpoint
 from .config import Config
 from .data import DeviceLoader
 from .functional import check_module_classes
-from .parallel.mesh import init_distributed, world_size
+from .parallel.mesh import default_device, init_distributed, world_size
 from .parallel.strategy import sync_from_rank0
 
 __all__ = ["accelerate"]
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def _low_precision(config: Config) -> torch.dtype | None:
@@ -155,7 +148,11 @@ def _compile_options(device: torch.device) -> dict[str, Any]:
 
 
 def accelerate(
-    model: nn.Module, dataloader: Iterable | None = None, config: Config | None = None
+    model: nn.Module,
+    dataloader: Iterable | None = None,
+    config: Config | None = None,
+    *,
+    device: torch.device | str | None = None,
 ) -> nn.Module | tuple[nn.Module, DeviceLoader]:
     """Prepare ``model`` (and ``dataloader``) for fast, possibly distributed, eager training.
 
@@ -163,7 +160,9 @@ def accelerate(
     ``(model, loader)`` when a dataloader is given; the loader yields batches already on the
     device. Under ``torchrun`` the process group is started here (gloo on CPU, NCCL on CUDA),
     so ``torch.distributed.get_rank()`` works afterwards; the default is data parallelism
-    over all ranks.
+    over all ranks. ``device`` is where the model trains; ``None`` (the default) is this
+    process's own GPU (``cuda:LOCAL_RANK`` under torchrun) where the node has one for every
+    process, else the CPU (:func:`functacc.parallel.mesh.device_for`).
 
     Example:
         >>> import torch, functacc
@@ -182,7 +181,7 @@ def accelerate(
     init_distributed()
     world = world_size()
     config.validate(world_size=world)
-    device = _device()
+    device = torch.device(device) if device is not None else default_device()
     model.to(device)
     dtype = _low_precision(config)
     if world > 1:

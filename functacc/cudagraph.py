@@ -36,6 +36,7 @@ __all__ = [
     "GraphFactory",
     "TorchCudaGraph",
     "check_cuda_graphs",
+    "cuda_backend",
 ]
 
 
@@ -77,16 +78,52 @@ def _default_pool() -> Any:
     return torch.cuda.graph_pool_handle()
 
 
-def check_cuda_graphs(enabled: bool | None, device: torch.device) -> bool:
-    """``None``: on for CUDA, off elsewhere; ``True`` off CUDA is an error."""
-    if enabled is None:
-        return device.type == "cuda"
+def check_cuda_graphs(
+    enabled: bool | None, device: torch.device, collectives: str | None = None
+) -> bool:
+    """``None``: on for CUDA, off elsewhere; ``True`` off CUDA is an error.
+
+    ``collectives`` is the process group's backend when the step communicates (``None`` for
+    one process). A CUDA graph can capture NCCL's collectives but not gloo's, which run on
+    the host: with CUDA tensors and a group whose CUDA backend is not NCCL (``"gloo"``, as
+    :func:`functacc.init_distributed` picks with more processes than GPUs), ``None`` means
+    off and ``True`` is an error, where the capture would fail with CUDA's
+    ``cudaErrorStreamCaptureInvalidated``.
+
+    Example:
+        >>> check_cuda_graphs(None, torch.device("cuda", 0), collectives="gloo")
+        False
+    """
     if enabled and device.type != "cuda":
         raise ValueError(
             f"cuda_graphs=True needs the model on a CUDA device; it is on {device}. CUDA "
             "graphs replay GPU kernels; on CPU use cuda_graphs=None (the default) or False."
         )
+    capturable = collectives is None or cuda_backend(collectives) == "nccl"
+    if enabled and not capturable:
+        raise ValueError(
+            f"cuda_graphs=True cannot capture this step's collectives: the process group's "
+            f"backend for CUDA tensors is {cuda_backend(collectives)!r} ({collectives!r}), and "
+            "a CUDA graph captures only NCCL's. Launch one process per GPU so that "
+            "functacc.init_distributed() picks NCCL, or pass cuda_graphs=None or False."
+        )
+    if enabled is None:
+        return device.type == "cuda" and capturable
     return bool(enabled)
+
+
+def cuda_backend(backend: str | None) -> str | None:
+    """The backend that serves CUDA tensors in a ``torch.distributed`` backend string:
+    ``"cpu:gloo,cuda:nccl"`` -> ``"nccl"``, ``"gloo"`` -> ``"gloo"``.
+
+    Example:
+        >>> cuda_backend("cpu:gloo,cuda:nccl"), cuda_backend("gloo")
+        ('nccl', 'gloo')
+    """
+    if backend is None or ":" not in backend:
+        return backend
+    pairs = dict(part.split(":", 1) for part in backend.split(","))
+    return pairs.get("cuda")
 
 
 @dataclass

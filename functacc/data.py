@@ -22,7 +22,7 @@ from torch.utils.data import (
 )
 
 from .buckets import make_padder
-from .parallel.mesh import GroupRef, rank, world_size
+from .parallel.mesh import GroupRef, default_device, rank, world_size
 from .sampling import (
     EpochPlan,
     RandomStates,
@@ -36,12 +36,6 @@ from .sampling import (
 __all__ = ["DeviceLoader"]
 
 _DONE = object()
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class DeviceLoader:
@@ -67,6 +61,9 @@ class DeviceLoader:
       torchrun, so it is the union of what the ranks of a sharded run with that seed see.
     - **Device placement**: batches are moved to ``device`` (pinned memory and
       ``non_blocking`` copies on CUDA), ``prefetch`` batches ahead on a background thread.
+      ``device=None`` is this process's own GPU where the node has one for every process,
+      else the CPU (:func:`functacc.parallel.mesh.device_for`); pass ``device=`` to train
+      a model on another device.
     - **Buckets** (``buckets=`` or ``max_length=``): the last dimension of the keys in
       ``pad_values`` is padded up to the smallest bucket that holds it, on the host before
       the copy, so a compiled step sees a few shapes; see :mod:`functacc.buckets`.
@@ -105,7 +102,7 @@ class DeviceLoader:
             raise ValueError(f"prefetch must be an int >= 0; got {prefetch!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an int or None; got {seed!r}")
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         self.padder = make_padder(
             buckets=buckets,
             max_length=max_length,

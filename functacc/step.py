@@ -170,7 +170,9 @@ class Step:
         self.precision = resolve_precision(precision)
         self._device = next((t.device for t in self._params.values()), torch.device("cpu"))
         self._ambient = AmbientWatch(self._device.type)
-        self._cuda_graphs = check_cuda_graphs(cuda_graphs, self._device)
+        self._cuda_graphs = check_cuda_graphs(
+            cuda_graphs, self._device, dist.get_backend_config() if self._distributed else None
+        )
         if not isinstance(cuda_graph_cache_size, int) or cuda_graph_cache_size < 1:
             raise ValueError(
                 f"cuda_graph_cache_size must be an int >= 1; got {cuda_graph_cache_size!r}"
@@ -908,8 +910,10 @@ def compile_step(
             with the softmax and dropout around them, as Megatron-LM's selective
             recomputation.
         cuda_graphs: capture the compiled step as a CUDA graph and replay it; ``None`` means
-            on for CUDA models, off elsewhere. With symbolic sizes, one capture per concrete
-            size.
+            on for CUDA models, off elsewhere, and off for a distributed step whose process
+            group does not use NCCL for CUDA tensors (a CUDA graph cannot capture gloo's
+            collectives; ``True`` is then an error). With symbolic sizes, one capture per
+            concrete size.
         dynamic: input sizes traced symbolically. ``None`` (automatic, as torch.compile):
             the first call is static; a later call whose batch differs only in some sizes
             retraces once with those dimensions symbolic, and that graph serves every later

@@ -28,7 +28,9 @@ def build():
     data = torch.utils.data.TensorDataset(
         torch.randn(40, 3, 16, 16, generator=g), torch.randint(0, 5, (40,), generator=g)
     )
-    loader = functacc.DeviceLoader(torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
+    loader = functacc.DeviceLoader(
+        torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), device="cpu"
+    )
     step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend=BACKEND)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return model, opt, loader, step, sched

@@ -51,7 +51,7 @@ def test_accelerated_eager_loop_equals_plain_loop() -> None:
     model = models.cnn_bn()
     model[9].p = 0.0
     ref = copy.deepcopy(model)
-    same = functacc.accelerate(model, config=no_compile())
+    same = functacc.accelerate(model, config=no_compile(), device="cpu")
     assert same is model and model.device == torch.device("cpu")
     assert list(model.state_dict()) == list(ref.state_dict())  # the user's own names
     assert_close(loop(model, data()), loop(ref, data()), rtol=0, atol=0, what="losses")
@@ -67,7 +67,7 @@ def test_accelerate_with_torch_compile() -> None:
     batches = [
         (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(5)
     ]
-    functacc.accelerate(model)
+    functacc.accelerate(model, device="cpu")
     # Inductor's fused kernels reorder float32 arithmetic.
     assert_close(loop(model, batches), loop(ref, batches), rtol=1e-5, atol=1e-6, what="losses")
 
@@ -85,7 +85,7 @@ def test_dataloader_yields_batches_on_the_device() -> None:
 def test_bf16_config_computes_in_bf16_returns_float32() -> None:
     config = no_compile()
     config.compute.bf16 = True
-    model = functacc.accelerate(models.mlp(), config=config)
+    model = functacc.accelerate(models.mlp(), config=config, device="cpu")
     out = model(torch.randn(4, 16))
     assert out.dtype == torch.float32 and model[0].weight.dtype == torch.float32
 
@@ -97,7 +97,7 @@ def test_gradient_checkpointing_config() -> None:
     config = no_compile()
     config.memory.gc = True
     config.memory.gc_cls = {"TransformerEncoderLayer"}
-    functacc.accelerate(model, config=config)
+    functacc.accelerate(model, config=config, device="cpu")
     g = torch.Generator().manual_seed(0)
     batches = [
         (torch.randint(0, 50, (8, 12), generator=g), torch.randint(0, 5, (8,), generator=g))
@@ -135,6 +135,9 @@ def test_unknown_config_attribute_raises() -> None:
         config.gpu = 1
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="torch.cuda.amp is a no-op only where CUDA is missing"
+)
 def test_cuda_amp_in_the_loop_is_a_noop_on_cpu() -> None:
     model = functacc.accelerate(models.mlp(), config=no_compile())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -252,7 +255,7 @@ def eager_sgd_step(model, x, y) -> None:
 
 
 def accelerate_sgd_step(model, x, y) -> None:
-    functacc.accelerate(model)  # torch.compile, Inductor
+    functacc.accelerate(model, device="cpu")  # torch.compile, Inductor
     eager_sgd_step(model, x, y)
 
 

@@ -19,6 +19,7 @@ from functacc.bench.models import POOL, _pool_size, build
 def test_bench_competitors_train_the_same_model_and_report_consistent_ratios(tmp_path, capsys):
     path = tmp_path / "mlp.json"
     argv = ["--model", "mlp", "--competitors", "eager,functacc", "--steps", "3", "--rounds", "2"]
+    argv += ["--device", "cpu"]  # host overhead and page faults are measured on CPU runs
     assert main([*argv, "--warmup", "1", "--no-progress", "--json", str(path)]) == 0
     payload = json.loads(path.read_text())
     assert payload["batches"] == POOL

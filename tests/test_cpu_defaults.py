@@ -15,8 +15,10 @@ pytestmark = pytest.mark.inductor
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 or more CPU threads")
 def test_small_kernels_run_on_one_thread(monkeypatch) -> None:
-    # 8192 elements over 2 threads is 4096 each: below the 8192 per thread that functacc
-    # asks for, one thread; 65536 elements: OpenMP's parallel region.
+    # 4096 elements per thread: below the 8192 per thread that functacc asks for, one
+    # thread; 32768 per thread: OpenMP's parallel region (sizes scale with the thread count,
+    # which Inductor reads when it compiles).
+    threads = torch.get_num_threads()
     compiled = []
     real = functacc.compile.direct_call
 
@@ -26,11 +28,12 @@ def test_small_kernels_run_on_one_thread(monkeypatch) -> None:
 
     monkeypatch.setattr(functacc.compile, "direct_call", spy)
     parallel = {}
-    for size in (8192, 65536):
+    small, large = 4096 * threads, 32768 * threads
+    for size in (small, large):
         x = torch.randn(size)
         gm = make_fx(lambda a: torch.relu(a) * 2)(x)
         run = functacc.compile.compile_graph(gm, [x], "inductor")
         assert torch.equal(run([x.clone()])[0], torch.relu(x) * 2)
         (code,) = _output_codes(compiled[-1])
         parallel[size] = "#pragma omp parallel" in code.source_code
-    assert parallel == {8192: False, 65536: True}, parallel
+    assert parallel == {small: False, large: True}, parallel

@@ -50,6 +50,21 @@ def test_cuda_graphs_true_on_cpu_is_an_error() -> None:
         )
 
 
+def test_collectives_are_captured_only_with_nccl() -> None:
+    from functacc.cudagraph import check_cuda_graphs, cuda_backend
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert cuda_backend("cpu:gloo,cuda:nccl") == "nccl" and cuda_backend("nccl") == "nccl"
+    assert cuda_backend("cpu:gloo,cuda:gloo") == "gloo" and cuda_backend("cpu:gloo") is None
+    assert check_cuda_graphs(None, gpu) and check_cuda_graphs(None, gpu, "cpu:gloo,cuda:nccl")
+    # gloo's collectives run on the host: a capture of them fails inside CUDA
+    # (cudaErrorStreamCaptureInvalidated, seen on an H100 with two ranks on one GPU).
+    assert not check_cuda_graphs(None, gpu, "cpu:gloo,cuda:gloo")
+    assert not check_cuda_graphs(None, cpu, None) and not check_cuda_graphs(False, gpu)
+    with pytest.raises(ValueError, match=r"backend for CUDA tensors is 'gloo'.*one process per"):
+        check_cuda_graphs(True, gpu, "cpu:gloo,cuda:gloo")
+
+
 def test_runner_copies_in_and_out() -> None:
     state = torch.zeros(3)
     calls = []
@@ -89,8 +104,8 @@ def test_runner_recaptures_when_the_state_moves() -> None:
 
 def test_step_with_graph_replay_matches_plain_step(monkeypatch) -> None:
     monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
-    monkeypatch.setattr(cudagraph, "check_cuda_graphs", lambda enabled, device: True)
-    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda enabled, device: True)
+    monkeypatch.setattr(cudagraph, "check_cuda_graphs", lambda *args: True)
+    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda *args: True)
     torch.manual_seed(0)
     model = models.cnn_bn()
     ref = copy.deepcopy(model)
@@ -146,7 +161,7 @@ def test_one_capture_per_size_least_recently_used_evicted_one_pool() -> None:
 def test_step_with_symbolic_sizes_captures_per_size(monkeypatch) -> None:
     monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
     monkeypatch.setattr(cudagraph, "_default_pool", object)
-    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda enabled, device: True)
+    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda *args: True)
     torch.manual_seed(0)
     model = models.mlp()
     ref = copy.deepcopy(model)

@@ -21,6 +21,8 @@ import pytest
 import torch
 from helpers import assert_close
 
+import functacc
+
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -388,3 +390,24 @@ def test_default_backend_gives_each_process_a_gpu_or_uses_gloo() -> None:
     # would put both on GPU 0, or fail to set GPU 1; gloo, with a warning that says why.
     with pytest.warns(UserWarning, match=r"1 GPU\(s\) for 2 processes"):
         assert default_backend(gpus=1, local_processes=2) == "gloo"
+
+
+def test_default_device_is_the_process_own_gpu_or_the_cpu(monkeypatch) -> None:
+    from functacc.parallel.mesh import default_device, device_for
+
+    assert device_for(0, None, None) == torch.device("cpu")
+    assert device_for(2, None, None, current=1) == torch.device("cuda", 1)  # set_device(1)
+    assert device_for(8, 3, 8) == torch.device("cuda", 3)
+    assert device_for(2, 1, None) == torch.device("cuda", 1)  # LOCAL_WORLD_SIZE unset
+    # Two processes on a one-GPU node, where default_backend picks gloo: the CPU, as the
+    # loader and accelerate then agree with the process group (found on an H100: rank 1
+    # asked for cuda:1, "invalid device ordinal"; ranks sharing cuda:0 could not capture
+    # gloo's collectives in a CUDA graph).
+    assert device_for(1, 0, 2) == torch.device("cpu")
+    assert device_for(1, 1, 2) == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    expected = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    assert default_device().type == expected
+    data = torch.utils.data.TensorDataset(torch.zeros(2))
+    assert functacc.DeviceLoader(torch.utils.data.DataLoader(data)).device.type == expected

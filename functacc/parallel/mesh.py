@@ -10,7 +10,15 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupRef", "Topology", "init_distributed", "rank", "world_size"]
+__all__ = [
+    "GroupRef",
+    "Topology",
+    "default_device",
+    "device_for",
+    "init_distributed",
+    "rank",
+    "world_size",
+]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -91,6 +99,40 @@ def default_backend(gpus: int, local_processes: int) -> str:
         )
         return "gloo"
     return "cpu:gloo,cuda:nccl"
+
+
+def default_device() -> torch.device:
+    """The device this process trains on when none is named (``DeviceLoader``,
+    ``accelerate``): see :func:`device_for`.
+
+    Example:
+        >>> default_device()  # a machine without CUDA
+        device(type='cpu')
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    current = torch.cuda.current_device() if gpus else 0
+    return device_for(gpus, _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE"), current)
+
+
+def device_for(
+    gpus: int, local_rank: int | None, local_processes: int | None, current: int = 0
+) -> torch.device:
+    """One process (no ``LOCAL_RANK``): the current CUDA device, or the CPU without one.
+    Under torchrun: GPU ``LOCAL_RANK`` when the node has a GPU for every local process, else
+    the CPU, as :func:`default_backend` picks gloo then (two processes sharing a GPU would
+    run gloo's host collectives on CUDA tensors, which a CUDA graph cannot capture).
+
+    Example:
+        >>> device_for(8, 3, 8), device_for(1, 1, 2), device_for(1, None, None)
+        (device(type='cuda', index=3), device(type='cpu'), device(type='cuda', index=0))
+    """
+    if gpus == 0:
+        return torch.device("cpu")
+    if local_rank is None:
+        return torch.device("cuda", current)
+    if (local_processes or local_rank + 1) > gpus:
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
 
 
 def world_size() -> int:

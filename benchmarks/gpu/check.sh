@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On a CUDA machine, from the repository root: versions, the CUDA tests, then the rest of the
+# suite, each log under $OUT (default out/gpu). BUDGET (seconds, default 560) bounds the whole
+# run: the CUDA tests come first, so they always finish; the rest of the suite gets what is
+# left, and its log names every test it ran (pytest -v), so a cut run still says which passed.
+#
+#   OUT=out/gpu BUDGET=560 bash benchmarks/gpu/check.sh
+#   ONLY="tests/test_data.py tests/test_accelerate.py" DIST=load bash benchmarks/gpu/check.sh
+set -u
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+# stream_failures.py (beside this script) writes each traceback to $OUT/failures.log at once.
+export OUT PYTHONPATH=$PWD:$PWD/benchmarks/gpu PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/functacc-inductor}
+end=$((SECONDS + ${BUDGET:-560}))
+workers=$(($(nproc) - 2))
+
+nvidia-smi -L
+python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__,
+"triton", triton.__version__, torch.cuda.get_device_name())'
+
+if [ -z "${ONLY:-}" ]; then
+    timeout $((end - SECONDS)) python3 -m pytest -q -rfEs -n 6 -p no:cacheprovider \
+        tests/test_cuda.py tests/test_cudagraph.py 2>&1 | tee "$OUT/cuda.log" | tail -25
+    rest=(--ignore tests/test_cuda.py --ignore tests/test_cudagraph.py)
+else
+    read -r -a rest <<<"$ONLY"
+fi
+timeout $((end - SECONDS)) python3 -m pytest -v -n "$workers" --dist "${DIST:-loadfile}" --tb=short -rfE \
+    -p no:cacheprovider -p stream_failures --timeout 240 "${rest[@]}" >"$OUT/suite.log" 2>&1
+echo "suite rc $?"
+grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/suite.log" | tail -40
+echo "tests passed: $(grep -c ' PASSED ' "$OUT/suite.log")," \
+    "failed: $(grep -c ' FAILED ' "$OUT/suite.log"), errors: $(grep -c ' ERROR ' "$OUT/suite.log")"
