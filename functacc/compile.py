@@ -15,6 +15,7 @@ from torch.fx import GraphModule, Node
 
 from .bias_add import BiasAfterMatmul
 from .errors import TraceError
+from .independent_loops import independent_loops_hash, independent_loops_nowait
 from .inductor_call import direct_call
 from .input_checks import input_checks_first, input_checks_hash
 
@@ -40,14 +41,16 @@ the call)."""
 class CpuPasses(CustomGraphPass):
     """What functacc changes in Inductor's code for a CPU graph: the bias rule
     (:class:`~functacc.bias_add.BiasAfterMatmul`, a post-grad pass) and, while the graph
-    compiles, the input checks in one call (:func:`~functacc.input_checks.input_checks_first`,
-    which changes code generation only, so its file is part of this pass's cache key)."""
+    compiles, the input checks in one call (:func:`~functacc.input_checks.input_checks_first`)
+    and no barriers between independent loop nests
+    (:func:`~functacc.independent_loops.independent_loops_nowait`); these two change code
+    generation only, so their files are part of this pass's cache key."""
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         return BiasAfterMatmul()(graph)
 
     def uuid(self) -> bytes:
-        return BiasAfterMatmul().uuid() + input_checks_hash()
+        return BiasAfterMatmul().uuid() + input_checks_hash() + independent_loops_hash()
 
 
 def check_backend(backend: str) -> None:
@@ -268,8 +271,9 @@ def _inductor(
         options["fallback_random"] = True
         # A linear layer's bias added in the kernel of what reads the layer's output, not
         # by ATen's addmm (which copies it into the output first): bias_add.py. The input
-        # checks made in one call before the first kernel (input_checks.py). A
-        # post_grad_custom_post_pass of the caller's replaces both.
+        # checks made in one call before the first kernel (input_checks.py), and independent
+        # loop nests without barriers between them (independent_loops.py). A
+        # post_grad_custom_post_pass of the caller's replaces all three.
         options["post_grad_custom_post_pass"] = CpuPasses()
         # A kernel runs on one thread unless each thread gets 8192 elements or more
         # (Inductor's default: 512). Below that, OpenMP's fork and join cost more than
@@ -301,8 +305,12 @@ def _inductor(
         sizes, fakes = _size_inputs(graph, fakes)
     _views_to_reshapes(graph)
     cpu = isinstance(options.get("post_grad_custom_post_pass"), CpuPasses)
-    checks = input_checks_first() if cpu else contextlib.nullcontext()
-    with inductor_config.patch(options), tracing(TracingContext(fake_mode)), checks:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inductor_config.patch(options))
+        stack.enter_context(tracing(TracingContext(fake_mode)))
+        if cpu:
+            stack.enter_context(input_checks_first())
+            stack.enter_context(independent_loops_nowait())
         compiled = compile_fx(graph, list(fakes))
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs, inside
     # wrappers that have nothing to do for a static step graph; called directly where that

@@ -1,0 +1,133 @@
+"""The loop nests of one CPU kernel that share no tensor run without barriers between them.
+
+Inductor's C++ backend writes consecutive loop nests into one function and, where it can,
+one OpenMP parallel region: each nest is a ``#pragma omp for`` (split over the threads) or,
+below the size worth splitting, a ``#pragma omp single`` (one thread), and each ends in
+OpenMP's implicit barrier, so that a nest that reads what an earlier one wrote finds it
+written. A training step's optimizer update is many such nests, one per parameter and
+optimizer state, and none reads what another writes: the bench MLP's AdamW update is one
+region of 38 nests, and after each bias's single-threaded nest the other thread waited.
+
+:func:`independent_loops_nowait` makes Inductor add ``nowait`` to every nest of a kernel
+whose nests are pairwise independent — no buffer that one of them writes is read or written
+by another, by the dependencies Inductor's scheduler records for them — and that has no
+reduction (whose partial results a later part of the kernel combines). The region's own
+closing barrier stays, so the kernel still returns only when every nest is done. Other
+kernels keep Inductor's code. Measured on the bench MLP (2-core CPU): see the README.
+
+Example:
+    >>> with independent_loops_nowait():
+    ...     pass  # compile_fx(...) here: independent nests of a CPU kernel without barriers
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["independent_loops_hash", "independent_loops_nowait", "pairwise_independent"]
+
+_WORKSHARE = re.compile(r"^(\s*#pragma omp (?:single|for)\b.*?)\s*$")
+
+
+def independent_loops_hash() -> bytes:
+    """A hash of this file, for Inductor's cache key (the change is to generated code, which
+    the cache would otherwise hand back from a compile without it)."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files((__file__,))
+
+
+@contextlib.contextmanager
+def independent_loops_nowait() -> Iterator[None]:
+    """While active, a CPU kernel whose loop nests are pairwise independent runs them
+    without OpenMP barriers between them."""
+    try:
+        from torch._inductor.codegen.cpp import KernelGroup
+    except ImportError:
+        yield
+        return
+    finalize, codegen = KernelGroup.finalize_kernel, KernelGroup.codegen_group
+
+    def finalize_kernel(self: Any, new_kernel: Any, nodes: Sequence[Any]) -> None:
+        # One call writes one fused node's loops: note its nodes and how many work-sharing
+        # nests it wrote (more than one: its nests may depend on each other).
+        before = _worksharing_lines(self.loops_code.getvalue())
+        finalize(self, new_kernel, nodes)
+        nests = _worksharing_lines(self.loops_code.getvalue()) - before
+        self.__dict__.setdefault("_functacc_units", []).append((list(nodes), nests))
+
+    def codegen_group(self: Any, name: str | None = None) -> str:
+        code = codegen(self, name)
+        units = self.__dict__.get("_functacc_units", [])
+        one_nest_each = all(nests <= 1 for _, nests in units)
+        if code and one_nest_each and pairwise_independent([nodes for nodes, _ in units]):
+            code = without_barriers(code)
+        return code
+
+    KernelGroup.finalize_kernel = finalize_kernel
+    KernelGroup.codegen_group = codegen_group
+    try:
+        yield
+    finally:
+        KernelGroup.finalize_kernel, KernelGroup.codegen_group = finalize, codegen
+
+
+def _worksharing_lines(code: str) -> int:
+    return sum(1 for line in code.split("\n") if _WORKSHARE.match(line))
+
+
+def without_barriers(code: str) -> str:
+    """``nowait`` on every ``omp single`` and ``omp for`` line of ``code``.
+
+    Example:
+        >>> without_barriers("#pragma omp single\\n{ x(); }")
+        '#pragma omp single nowait\\n{ x(); }'
+    """
+    lines = []
+    for line in code.split("\n"):
+        match = _WORKSHARE.match(line)
+        if match and "nowait" not in line:
+            line = match.group(1) + " nowait"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def pairwise_independent(units: Sequence[Sequence[Any]]) -> bool:
+    """Whether groups of Inductor scheduler nodes (each one loop nest) can run in any order
+    and at once: no reduction among them, and no buffer written by one group is read or
+    written by another (a mutation counts as a write to the buffer it mutates)."""
+    if len(units) < 2:
+        return False
+    written: set[str] = set()
+    read: set[str] = set()
+    for unit in units:
+        reads: set[str] = set()
+        writes: set[str] = set()
+        for node in unit:
+            if node.is_reduction():
+                return False
+            reads |= {_real(dep.name) for dep in node.read_writes.reads}
+            writes |= {_real(dep.name) for dep in node.read_writes.writes}
+            writes |= {_real(name) for name in node.get_buffer_names()}
+            for out in node.get_outputs():
+                writes |= {_real(name) for name in out.get_mutations()}
+        if (reads | writes) & written or writes & read:
+            return False
+        written |= writes
+        read |= reads
+    return True
+
+
+def _real(name: str) -> str:
+    """The buffer that ``name`` mutates, followed to its source (``buf3`` -> ``arg0_1``)."""
+    from torch._inductor.virtualized import V
+
+    real = getattr(getattr(V.graph, "scheduler", None), "mutation_real_name", {})
+    seen = set()
+    while name in real and name not in seen:
+        seen.add(name)
+        name = real[name]
+    return name

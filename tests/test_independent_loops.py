@@ -1,0 +1,103 @@
+"""No OpenMP barriers between the independent loop nests of a CPU kernel
+(functacc/independent_loops.py): the optimizer update runs its nests without them and
+trains bit for bit as with them; a nest that writes what another wrote keeps its barrier."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import doctest
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import functacc
+import functacc.compile
+import functacc.independent_loops
+from functacc.inductor_call import _output_codes
+
+pytestmark = [
+    pytest.mark.inductor,
+    pytest.mark.skipif(
+        torch.get_num_threads() < 2, reason="needs 2 or more CPU threads (one thread: no barriers)"
+    ),
+]
+
+
+def worksharing(source: str) -> list[str]:
+    return [
+        line.strip()
+        for line in source.splitlines()
+        if line.strip().startswith(("#pragma omp single", "#pragma omp for"))
+    ]
+
+
+@pytest.fixture
+def compiled(monkeypatch) -> list:
+    """The compiled graphs' code, in the order functacc compiles them."""
+    codes: list[str] = []
+    real = functacc.compile.direct_call
+
+    def spy(fn, gm, inputs):
+        codes.extend(code.source_code for code in _output_codes(fn))
+        return real(fn, gm, inputs)
+
+    monkeypatch.setattr(functacc.compile, "direct_call", spy)
+    return codes
+
+
+def train(model: nn.Module, steps: int = 3) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="inductor")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        step(torch.randn(16, 128, generator=g), torch.randint(0, 5, (16,), generator=g))
+
+
+def test_update_nests_run_without_barriers_and_train_as_with_them(compiled, monkeypatch):
+    # A 128 x 128 weight is 16384 elements, enough for both threads (omp for); the biases
+    # and step counts are one thread's work (omp single). No nest of AdamW's update reads
+    # what another writes.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+    model.append(nn.Linear(128, 5))
+    twin = copy.deepcopy(model)
+    train(model)
+    update = compiled[-1]
+    lines = worksharing(update)
+    assert any("omp for" in line for line in lines), update
+    assert sum("omp single" in line for line in lines) >= 3, update
+    assert all(line.endswith(" nowait") for line in lines), lines
+
+    # The same step with Inductor's barriers (its own cache key): the same kernels' results.
+    key = functacc.compile.CpuPasses.uuid
+    monkeypatch.setattr(functacc.compile, "independent_loops_nowait", contextlib.nullcontext)
+    monkeypatch.setattr(functacc.compile.CpuPasses, "uuid", lambda self: key(self) + b"barriers")
+    train(twin)
+    assert worksharing(compiled[-1]) and not any("nowait" in x for x in worksharing(compiled[-1]))
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def scale_then_overwrite_rows(x, rows, values):
+    # One kernel, two nests: every element of the result (omp for), then two of its rows
+    # overwritten (omp single). Without the barrier between them a thread could overwrite a
+    # row that the other thread has not written yet, and lose the new values.
+    return ((x * 2 + 1).index_put((rows,), values),)
+
+
+def test_a_nest_that_writes_what_another_wrote_keeps_its_barrier(compiled):
+    examples = [torch.randn(512, 512), torch.tensor([3, 7]), torch.randn(2, 512)]
+    gm = make_fx(scale_then_overwrite_rows)(*examples)
+    run = functacc.compile.compile_graph(gm, examples, "inductor")
+    (result,) = run(list(examples))
+    assert torch.equal(result, scale_then_overwrite_rows(*examples)[0])
+    lines = worksharing(compiled[-1])
+    assert len(lines) == 2 and not any("nowait" in line for line in lines), compiled[-1]
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(functacc.independent_loops)
+    assert result.attempted > 0 and result.failed == 0
