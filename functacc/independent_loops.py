@@ -54,9 +54,9 @@ def independent_loops_nowait() -> Iterator[None]:
     def finalize_kernel(self: Any, new_kernel: Any, nodes: Sequence[Any]) -> None:
         # One call writes one fused node's loops: note its nodes and how many work-sharing
         # nests it wrote (more than one: its nests may depend on each other).
-        before = _worksharing_lines(self.loops_code.getvalue())
+        before = len(_lines(self.loops_code))
         finalize(self, new_kernel, nodes)
-        nests = _worksharing_lines(self.loops_code.getvalue()) - before
+        nests = _worksharing_lines(_lines(self.loops_code)[before:])
         self.__dict__.setdefault("_functacc_units", []).append((list(nodes), nests))
 
     def codegen_group(self: Any, name: str | None = None) -> str:
@@ -75,8 +75,14 @@ def independent_loops_nowait() -> Iterator[None]:
         KernelGroup.finalize_kernel, KernelGroup.codegen_group = finalize, codegen
 
 
-def _worksharing_lines(code: str) -> int:
-    return sum(1 for line in code.split("\n") if _WORKSHARE.match(line))
+def _lines(buffer: Any) -> list[Any]:
+    # The buffer's lines so far (Inductor's IndentedBuffer keeps them in a list; its
+    # getvalue() would join them all again after every fused node, quadratic in the kernel).
+    return buffer._lines
+
+
+def _worksharing_lines(lines: Sequence[Any]) -> int:
+    return sum(1 for line in lines if isinstance(line, str) and _WORKSHARE.match(line))
 
 
 def without_barriers(code: str) -> str:
