@@ -10,8 +10,10 @@ region of 38 nests, and after each bias's single-threaded nest the other thread 
 
 :func:`independent_loops_nowait` makes Inductor add ``nowait`` to every nest of a kernel
 whose nests are pairwise independent — no buffer that one of them writes is read or written
-by another, by the dependencies Inductor's scheduler records for them — and that has no
-reduction (whose partial results a later part of the kernel combines). The region's own
+by another, by the dependencies Inductor's scheduler records for them, a mutation counting as
+a write to what it mutates and an output that Inductor writes in place into a dead input as a
+write to that input — and that has no reduction (whose partial results a later part of the
+kernel combines). The region's own
 closing barrier stays, so the kernel still returns only when every nest is done. Other
 kernels keep Inductor's code. Measured on the bench MLP (2-core CPU): see the README.
 
@@ -63,7 +65,8 @@ def independent_loops_nowait() -> Iterator[None]:
         code = codegen(self, name)
         units = self.__dict__.get("_functacc_units", [])
         one_nest_each = all(nests <= 1 for _, nests in units)
-        if code and one_nest_each and pairwise_independent([nodes for nodes, _ in units]):
+        shared = _inplace_aliases(self.args)
+        if code and one_nest_each and pairwise_independent([n for n, _ in units], shared):
             code = without_barriers(code)
         return code
 
@@ -73,6 +76,18 @@ def independent_loops_nowait() -> Iterator[None]:
         yield
     finally:
         KernelGroup.finalize_kernel, KernelGroup.codegen_group = finalize, codegen
+
+
+def _inplace_aliases(args: Any) -> dict[str, str]:
+    """Buffers that share memory in this kernel: Inductor writes a node's output into an
+    input that no later node reads ("in place"), and the earlier nests of the kernel that
+    read that input are no later nodes. Each name maps to the kernel argument they share."""
+    shared = {}
+    for name, buffer in getattr(args, "inplace_buffers", {}).items():
+        inner = getattr(buffer, "inner_name", None)
+        if inner is not None:
+            shared[name] = inner
+    return shared
 
 
 def _lines(buffer: Any) -> list[Any]:
@@ -101,10 +116,19 @@ def without_barriers(code: str) -> str:
     return "\n".join(lines)
 
 
-def pairwise_independent(units: Sequence[Sequence[Any]]) -> bool:
+def pairwise_independent(
+    units: Sequence[Sequence[Any]], shared: dict[str, str] | None = None
+) -> bool:
     """Whether groups of Inductor scheduler nodes (each one loop nest) can run in any order
     and at once: no reduction among them, and no buffer written by one group is read or
-    written by another (a mutation counts as a write to the buffer it mutates)."""
+    written by another (a mutation counts as a write to the buffer it mutates; buffers that
+    ``shared`` maps to one name are one buffer)."""
+    shared = shared or {}
+
+    def buffer(name: str) -> str:
+        real = _real(name)
+        return shared.get(real, shared.get(name, real))
+
     if len(units) < 2:
         return False
     written: set[str] = set()
@@ -115,11 +139,11 @@ def pairwise_independent(units: Sequence[Sequence[Any]]) -> bool:
         for node in unit:
             if node.is_reduction():
                 return False
-            reads |= {_real(dep.name) for dep in node.read_writes.reads}
-            writes |= {_real(dep.name) for dep in node.read_writes.writes}
-            writes |= {_real(name) for name in node.get_buffer_names()}
+            reads |= {buffer(dep.name) for dep in node.read_writes.reads}
+            writes |= {buffer(dep.name) for dep in node.read_writes.writes}
+            writes |= {buffer(name) for name in node.get_buffer_names()}
             for out in node.get_outputs():
-                writes |= {_real(name) for name in out.get_mutations()}
+                writes |= {buffer(name) for name in out.get_mutations()}
         if (reads | writes) & written or writes & read:
             return False
         written |= writes

@@ -98,6 +98,25 @@ def test_a_nest_that_writes_what_another_wrote_keeps_its_barrier(compiled):
     assert len(lines) == 2 and not any("nowait" in line for line in lines), compiled[-1]
 
 
+def read_then_reuse(x, y):
+    # t is a matmul's output that the kernel's first nest reads (u) and its second reads and
+    # then overwrites with v, since no later node reads t (Inductor's in-place reuse: the
+    # kernel's argument in_out_ptr0). The second nest must wait for the first.
+    t = torch.mm(x, y)
+    return t[:, :4] * 3, t * 2 + 1
+
+
+def test_a_nest_that_overwrites_what_another_reads_keeps_its_barrier(compiled):
+    examples = [torch.randn(512, 512), torch.randn(512, 512)]
+    gm = make_fx(read_then_reuse)(*examples)
+    run = functacc.compile.compile_graph(gm, examples, "inductor")
+    for result, expected in zip(run(list(examples)), read_then_reuse(*examples), strict=True):
+        assert torch.equal(result, expected)
+    kernel = compiled[-1]
+    assert "in_out_ptr0" in kernel and worksharing(kernel), kernel
+    assert not any("nowait" in line for line in worksharing(kernel)), kernel
+
+
 def test_docstring_examples() -> None:
     result = doctest.testmod(functacc.independent_loops)
     assert result.attempted > 0 and result.failed == 0
