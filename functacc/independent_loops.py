@@ -13,9 +13,10 @@ whose nests are pairwise independent — no buffer that one of them writes is re
 by another, by the dependencies Inductor's scheduler records for them, a mutation counting as
 a write to what it mutates and an output that Inductor writes in place into a dead input as a
 write to that input — and that has no reduction (whose partial results a later part of the
-kernel combines). The region's own
-closing barrier stays, so the kernel still returns only when every nest is done. Other
-kernels keep Inductor's code. Measured on the bench MLP (2-core CPU): see the README.
+kernel combines); a buffer written through a view of another (the parts of a ``torch.cat``)
+counts as that other. The region's own closing barrier stays, so the kernel still returns
+only when every nest is done. Other kernels keep Inductor's code. Measured on the bench MLP
+(2-core CPU): see the README.
 
 Example:
     >>> with independent_loops_nowait():
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["independent_loops_hash", "independent_loops_nowait", "pairwise_independent"]
@@ -126,11 +127,22 @@ def pairwise_independent(
     shared = shared or {}
 
     def buffer(name: str) -> str:
-        real = _real(name)
-        return shared.get(real, shared.get(name, real))
+        owner = _owner(_real(name))
+        return shared.get(owner, shared.get(name, owner))
 
     if len(units) < 2:
         return False
+    try:
+        return _independent(units, buffer)
+    except _UnknownAlias:
+        return False
+
+
+class _UnknownAlias(Exception):
+    """A buffer whose memory is another's in a way this module does not follow."""
+
+
+def _independent(units: Sequence[Sequence[Any]], buffer: Callable[[str], str]) -> bool:
     written: set[str] = set()
     read: set[str] = set()
     for unit in units:
@@ -151,8 +163,34 @@ def pairwise_independent(
     return True
 
 
+def _owner(name: str) -> str:
+    """The buffer whose memory ``name`` is: a part of a ``torch.cat`` result is written
+    through a view of the result (``NonOwningLayout``), a mutation through its target."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    seen = set()
+    while name not in seen:
+        seen.add(name)
+        node = V.graph.try_get_buffer(name)
+        try:
+            layout = node.get_output_spec() if isinstance(node, ir.Buffer) else None
+        except Exception as exc:
+            raise _UnknownAlias(name) from exc
+        if isinstance(layout, ir.NonOwningLayout):
+            name = layout.view.get_name()
+        elif isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+            name = layout.target.get_name()
+        elif layout is None or type(layout) in (ir.FixedLayout, ir.FlexibleLayout):
+            return name
+        else:
+            raise _UnknownAlias(name)
+    raise _UnknownAlias(name)
+
+
 def _real(name: str) -> str:
-    """The buffer that ``name`` mutates, followed to its source (``buf3`` -> ``arg0_1``)."""
+    """One name for a buffer and its mutated versions (Inductor's ``mutation_real_name``,
+    followed to its end)."""
     from torch._inductor.virtualized import V
 
     real = getattr(getattr(V.graph, "scheduler", None), "mutation_real_name", {})
