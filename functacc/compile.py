@@ -10,14 +10,15 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import GraphModule, Node
 
+from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
 from .errors import TraceError
-from .independent_loops import independent_loops_hash, independent_loops_nowait
+from .independent_loops import independent_loops_nowait
 from .inductor_call import direct_call
-from .input_checks import input_checks_first, input_checks_hash
+from .input_checks import input_checks_first
 
 __all__ = [
     "Backend",
@@ -50,7 +51,11 @@ class CpuPasses(CustomGraphPass):
         return BiasAfterMatmul()(graph)
 
     def uuid(self) -> bytes:
-        return BiasAfterMatmul().uuid() + input_checks_hash() + independent_loops_hash()
+        # The two code-generation changes are keyed by their files' contents: a graph
+        # compiled with and without them has the same key otherwise, and the cache would
+        # hand back the other's code.
+        codegen = (input_checks.__file__, independent_loops.__file__)
+        return BiasAfterMatmul().uuid() + get_hash_for_files(codegen)
 
 
 def check_backend(backend: str) -> None:

@@ -30,17 +30,9 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["independent_loops_hash", "independent_loops_nowait", "pairwise_independent"]
+__all__ = ["independent_loops_nowait", "pairwise_independent"]
 
 _WORKSHARE = re.compile(r"^(\s*#pragma omp (?:single|for)\b.*?)\s*$")
-
-
-def independent_loops_hash() -> bytes:
-    """A hash of this file, for Inductor's cache key (the change is to generated code, which
-    the cache would otherwise hand back from a compile without it)."""
-    from torch._inductor.custom_graph_pass import get_hash_for_files
-
-    return get_hash_for_files((__file__,))
 
 
 @contextlib.contextmanager

@@ -30,16 +30,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["input_checks_first", "input_checks_hash"]
-
-
-def input_checks_hash() -> bytes:
-    """A hash of this file, for Inductor's cache key: a graph compiled with and without
-    :func:`input_checks_first` has the same key otherwise, and the cache would hand back
-    the code of the other."""
-    from torch._inductor.custom_graph_pass import get_hash_for_files
-
-    return get_hash_for_files((__file__,))
+__all__ = ["input_checks_first"]
 
 
 @contextlib.contextmanager
