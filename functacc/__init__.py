@@ -17,6 +17,7 @@ from .checkpoint import load, load_model, save, save_model
 from .config import Config
 from .data import DeviceLoader
 from .errors import RetraceError, TraceError
+from .frontends.jit import Jitted, jit
 from .functional import functionalize
 from .manager import CheckpointManager
 from .parallel import init_distributed
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointManager",
     "Config",
     "DeviceLoader",
+    "Jitted",
     "Precision",
     "RetraceError",
     "Step",
@@ -42,6 +44,7 @@ __all__ = [
     "compile_step",
     "functionalize",
     "init_distributed",
+    "jit",
     "load",
     "load_model",
     "optim",

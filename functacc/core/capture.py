@@ -1,0 +1,267 @@
+"""The state a jitted step reads and writes, as one flat list of named tensors.
+
+A step body uses modules and optimizers the way eager code does: ``model(x)``,
+``loss.backward()``, ``p.grad``, ``opt.step()``, ``ema_p.mul_(0.99)``. To trace it as a pure
+function, :class:`Capture` lifts their state into graph inputs: parameters, buffers and
+plain tensor attributes of the given modules (each tensor once: tied weights and shared
+submodules too), the ``.grad`` that exists, and each optimizer's state. While tracing,
+the modules' tables, ``.grad`` and the optimizers' ``param_groups`` hold the traced
+tensors (:meth:`Capture.installed`); what the body leaves behind is read off them
+(:class:`Exit`) and, after each call, written back where eager would leave it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import argument_error
+from ..functional import check_dense_gradients, swap_attributes
+from ..signature import ModelWatch
+from ..trace import describe_tensor
+from .optimizers import LinkedOptimizer, TracedOptimizer
+
+__all__ = ["Capture", "Exit", "GradExit"]
+
+GradExit = Literal["kept", "new", "none"]
+"""What a parameter's ``.grad`` is after the body: the tensor it came in as (perhaps
+written in place), a new tensor (an output of the graph), or ``None``."""
+
+
+@dataclass
+class Exit:
+    """What the traced body left behind, beyond its return value and in-place writes."""
+
+    grads: dict[str, GradExit] = field(default_factory=dict)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    stepped: list[frozenset[str]] = field(default_factory=list)  # per optimizer
+    traced_grads: list[Tensor] = field(default_factory=list)  # while tracing: the new ones
+
+    def signature(self) -> tuple:
+        return (
+            tuple(self.grads.items()),
+            tuple(self.requires_grad.items()),
+            tuple(tuple(sorted(s)) for s in self.stepped),
+        )
+
+
+class Capture:
+    """The modules' and optimizers' state of one jitted step.
+
+    ``labels`` name the modules in messages and state names (``generator.0.weight``).
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        labels: Sequence[str],
+        optimizers: Sequence[torch.optim.Optimizer],
+        optimizer_labels: Sequence[str],
+    ):
+        self.modules = list(modules)
+        self.labels = list(labels)
+        self.params: dict[str, Tensor] = {}
+        self.buffers: dict[str, Tensor] = {}
+        seen: dict[int, str] = {}
+        for label, module in zip(self.labels, self.modules, strict=True):
+            check_dense_gradients(module)
+            for n, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen[id(p)] = f"{label}.{n}"
+                    self.params[f"{label}.{n}"] = p
+            for n, b in module.named_buffers():
+                if id(b) not in seen:
+                    seen[id(b)] = f"{label}.{n}"
+                    self.buffers[f"{label}.{n}"] = b
+        # Every submodule once, with its qualified name (for swapping table entries).
+        self.submodules: dict[int, tuple[str, nn.Module]] = {}
+        for label, module in zip(self.labels, self.modules, strict=True):
+            for n, m in module.named_modules():
+                self.submodules.setdefault(id(m), (f"{label}.{n}" if n else label, m))
+        # Plain tensor attributes (not parameters or buffers): eager reads them afresh in
+        # every forward, so they are inputs too, never constants of the graph.
+        self.attributes = [
+            (f"{qualified}.{attr}", m, attr)
+            for qualified, m in self.submodules.values()
+            for attr, value in vars(m).items()
+            if isinstance(value, Tensor)
+        ]
+        self.watch = ModelWatch(
+            [m for _, m in self.submodules.values()],
+            self.params,
+            [*self.params.values(), *self.buffers.values()],
+            names=[n for n, _ in self.submodules.values()],
+        )
+        names = {id(p): n for n, p in self.params.items()}
+        self.optimizers = [
+            LinkedOptimizer(opt, names, label)
+            for opt, label in zip(optimizers, optimizer_labels, strict=True)
+        ]
+
+    # -- per call ----------------------------------------------------------------------
+    def read(self) -> tuple[list[str], list[Tensor], tuple]:
+        """The state's names and tensors now, and what else the graph depends on (train
+        mode, trainable parameters, module attributes, optimizer structure)."""
+        names: list[str] = []
+        tensors: list[Tensor] = []
+        for n, p in self.params.items():
+            names.append(f"param {n}")
+            tensors.append(p)
+        for n, b in self.buffers.items():
+            names.append(f"buffer {n}")
+            tensors.append(b)
+        for qualified, module, attr in self.attributes:
+            value = vars(module).get(attr)
+            if not isinstance(value, Tensor):
+                raise argument_error(
+                    f"the tensor attribute {qualified!r} is now {type(value).__name__}; the "
+                    "jitted step reads it as an input on every call. Keep it a tensor, or "
+                    "build the step again."
+                )
+            names.append(f"attribute {qualified}")
+            tensors.append(value)
+        for n, p in self.params.items():
+            if p.grad is not None:
+                names.append(f"grad {n}")
+                tensors.append(p.grad)
+        structure = []
+        for opt in self.optimizers:
+            structure.append(opt.refresh())
+            paths, leaves = opt.leaves()
+            names.extend(f"{opt.label}{path}" for path in paths)
+            tensors.extend(leaves)
+        return names, tensors, (self.watch.key(), tuple(structure))
+
+    @contextlib.contextmanager
+    def installed(self, names: Sequence[str], inputs: Sequence[Tensor]) -> Iterator[Exit]:
+        """While tracing: the modules, ``.grad`` and optimizers hold the traced ``inputs``
+        (named as :meth:`read` names them). On leaving, the state the body left behind is
+        written into the inputs (the graph's final writes) and described in the yielded
+        :class:`Exit`."""
+        by_name = dict(zip(names, inputs, strict=True))
+        leaves: dict[str, Tensor] = {}
+        for n, p in self.params.items():
+            leaf = by_name[f"param {n}"]
+            if p.requires_grad:
+                leaf.requires_grad_(True)
+            grad = by_name.get(f"grad {n}")
+            if grad is not None:
+                leaf.grad = grad
+            leaves[n] = leaf
+        # Buffers run on copies written back at the end: native_batch_norm updates its
+        # running statistics without declaring the write in its schema, so a write into
+        # the input itself would be invisible to functionalization (and lost).
+        buffers = {n: by_name[f"buffer {n}"].clone() for n in self.buffers}
+        swap = {id(p): leaves[n] for n, p in self.params.items()}
+        swap.update({id(b): buffers[n] for n, b in self.buffers.items()})
+        tables = [
+            (table, key, value)
+            for _, m in self.submodules.values()
+            for table in (m._parameters, m._buffers)
+            for key, value in table.items()
+            if value is not None and id(value) in swap
+        ]
+        attribute_inputs = [by_name[f"attribute {q}"] for q, _, _ in self.attributes]
+        traced_opts = []
+        for opt in self.optimizers:
+            paths, _ = opt.leaves()
+            placeholders = [by_name[f"{opt.label}{path}"] for path in paths]
+            traced_opts.append(TracedOptimizer(opt, placeholders, leaves.__getitem__))
+        exit_ = Exit()
+        with contextlib.ExitStack() as stack:
+            for table, key, value in tables:
+                table[key] = swap[id(value)]
+            stack.callback(_restore, tables)
+            reassigned = stack.enter_context(swap_attributes(self.attributes, attribute_inputs))
+            for traced in traced_opts:
+                stack.enter_context(traced)
+            yield exit_
+            self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)
+        with torch.no_grad():
+            for i, value in reassigned.items():
+                old = attribute_inputs[i]
+                if value.shape != old.shape or value.dtype != old.dtype:
+                    raise argument_error(
+                        f"the step assigned {describe_tensor(value)} to the tensor attribute "
+                        f"{self.attributes[i][0]!r}, which holds {describe_tensor(old)}; the "
+                        "jitted step writes it back after every call, which needs the same "
+                        "shape and dtype. Register it as a buffer of that shape."
+                    )
+                old.copy_(value.detach())
+
+    def _leave(
+        self,
+        by_name: dict[str, Tensor],
+        leaves: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        tables: list,
+        traced_opts: list[TracedOptimizer],
+        exit_: Exit,
+    ) -> None:
+        name_of = {id(t): n for n, t in [*self.params.items(), *self.buffers.items()]}
+        current = dict(buffers)
+        for table, key, value in tables:
+            n, now = name_of[id(value)], table[key]
+            if n in self.params and now is not leaves[n]:
+                raise argument_error(
+                    f"the step replaced the parameter {n!r}; a jitted step updates parameters "
+                    "in place (p.copy_(...), p.add_(...) under torch.no_grad()). Assigning a "
+                    "new Parameter inside the step is not supported."
+                )
+            if n in self.buffers and now is not buffers[n]:
+                # module.running_mean = ...: eager leaves the new tensor there; the step
+                # writes its value into the buffer.
+                current[n] = now
+        with torch.no_grad():
+            for n in self.buffers:
+                value, placeholder = current[n], by_name[f"buffer {n}"]
+                if (
+                    not isinstance(value, Tensor)
+                    or value.shape != placeholder.shape
+                    or (value.dtype != placeholder.dtype)
+                ):
+                    got = describe_tensor(value) if isinstance(value, Tensor) else repr(value)
+                    raise argument_error(
+                        f"the step assigned {got} to the buffer {n!r}, which holds "
+                        f"{describe_tensor(placeholder)}; keep its shape and dtype."
+                    )
+                placeholder.copy_(value)
+        for traced in traced_opts:
+            traced.write_back()
+            exit_.stepped.append(frozenset(traced.stepped))
+        for n, leaf in leaves.items():
+            grad = leaf.grad
+            given = by_name.get(f"grad {n}")
+            if grad is None:
+                exit_.grads[n] = "none"
+            elif grad is given:
+                exit_.grads[n] = "kept"
+            else:
+                exit_.grads[n] = "new"
+                exit_.traced_grads.append(grad)
+            exit_.requires_grad[n] = leaf.requires_grad
+
+    def apply_exit(self, exit_: Exit, new_grads: Sequence[Tensor]) -> None:
+        """After a successful call: ``.grad``, ``requires_grad`` and the optimizers' state
+        as eager leaves them."""
+        fresh = iter(new_grads)
+        for n, p in self.params.items():
+            status = exit_.grads[n]
+            if status == "new":
+                p.grad = next(fresh)
+            elif status == "none":
+                p.grad = None
+            if p.requires_grad != exit_.requires_grad[n]:
+                p.requires_grad_(exit_.requires_grad[n])
+        for opt, stepped in zip(self.optimizers, exit_.stepped, strict=True):
+            opt.install(stepped)
+
+
+def _restore(tables: list) -> None:
+    for table, key, value in tables:
+        table[key] = value

@@ -1,0 +1,502 @@
+"""Trace an eager step body once per signature into one functional graph, compile, run.
+
+The body (forward passes, ``backward()``, ``torch.autograd.grad``, ``opt.step()``, in-place
+updates under ``torch.no_grad()``) is traced in two passes over fake tensors:
+
+1. ``make_fx`` of the body over the captured state (:mod:`.capture`): autograd runs while
+   tracing, so the graph holds forward, backward and update as ATen ops, with eager's
+   kernels (dropout draws eager's masks) and with the body's in-place writes;
+2. ``make_fx`` of ``torch.func.functionalize`` of that graph: every write into an input
+   becomes a ``copy_`` at the very end, after all computation that could fail, so a call
+   that fails changes nothing, and Inductor sees a functional graph.
+
+A new signature costs a trace (fake tensors, cheap) but not always a compile: a graph
+identical to one compiled already (the same code over the same named inputs, the same
+write-backs) reuses it. The usual step body starts with ``opt.zero_grad()``: its first
+call comes with no ``.grad`` and its second with one, which the body discards; both
+trace to the same graph, compiled once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..cache import ProgramCache, SizeGuard, TraceRecord
+from ..compile import Backend, Compiled, check_generators, compile_graph
+from ..errors import TraceError, argument_error
+from ..signature import AmbientWatch, TensorSpec, family_key, hashable_constant
+from ..trace import (
+    _AttributeWatch,
+    _eager_dropout,
+    _HeldRandomWatch,
+    _HostRandomWatch,
+    _quiet_fake_tensor_log,
+    _symbolic_fakes,
+    _translate,
+    describe_tensor,
+    run_error,
+)
+from .capture import Capture, Exit
+
+__all__ = ["Engine", "Program"]
+
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+@dataclass
+class Program:
+    """One traced and compiled step body, for one signature."""
+
+    run: Compiled
+    graph: GraphModule
+    used: list[int]  # which of the call's flat inputs (state, then batch) the graph reads
+    exit: Exit
+    out_spec: pytree.TreeSpec
+    out_kinds: list[Any]  # per output leaf: "tensor", ("donated", batch input), or a constant
+    n_out: int  # tensor outputs of the body (the new .grad tensors follow them)
+    fingerprint: tuple = ()
+    guard: SizeGuard | None = None
+    random: bool = False
+    donated: list[int] = field(default_factory=list)  # batch inputs whose memory is reused
+
+
+class Engine:
+    """Traces, compiles and runs one step body over a :class:`Capture`."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        capture: Capture,
+        *,
+        backend: Backend,
+        inductor_options: dict[str, Any],
+        dynamic: bool | None,
+        max_traces: int | None,
+        donate: frozenset[int],
+        what: str,
+    ):
+        self.fn = fn
+        self.capture = capture
+        self.backend = backend
+        self.inductor_options = inductor_options
+        self.donate = donate
+        self.cache = ProgramCache(what, dynamic=dynamic, max_traces=max_traces)
+        self.reused = 0  # signatures served by a graph compiled for another one
+        self._by_fingerprint: dict[tuple, Program] = {}
+        device = next((t.device for t in capture.params.values()), torch.device("cpu"))
+        self.device = device
+        self._ambient = AmbientWatch(device.type)
+        self._holder = _holder(capture)
+
+    # -- a call ------------------------------------------------------------------------
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        names, state, context = self.capture.read()
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        donated = self._donated_positions(args, leaves, spec)
+        constants = tuple(
+            hashable_constant(x) if not isinstance(x, Tensor) else None for x in leaves
+        )
+        context = (
+            tuple(names),
+            tuple(map(TensorSpec.of, state)),
+            context,
+            ("ambient", self._ambient.key()),
+            ("grad mode", torch.is_grad_enabled()),
+            ("batch", spec, constants, tuple(donated)),
+        )
+        key = (tuple(map(TensorSpec.of, tensors)), context)
+        program = self.cache.get(key)
+        if program is None:
+            family = (family_key(tensors), context)
+            program = self.cache.find(family, tensors)
+            if program is None:
+                program = self._build(key, family, names, state, leaves, spec, tensors, donated)
+        flat = [*state, *tensors]
+        inputs = [flat[i] for i in program.used]
+        rng = _rng_state(self.device) if program.random else None
+        grad_mode = torch.is_grad_enabled()
+        _set_grad_enabled(False)  # the graph writes into tensors that require grad
+        try:
+            outputs = program.run(inputs)
+        except Exception as exc:
+            if rng is not None:  # the graph may have drawn random numbers before it failed
+                _set_rng_state(rng, self.device)
+            raise run_error(exc, _describe(leaves)) from exc
+        finally:
+            _set_grad_enabled(grad_mode)
+        self.capture.apply_exit(program.exit, outputs[program.n_out :])
+        return self._outputs(program, outputs, tensors)
+
+    def _outputs(self, program: Program, outputs: Sequence[Tensor], tensors: list[Tensor]) -> Any:
+        produced = iter(outputs[: program.n_out])
+        leaves = []
+        for kind in program.out_kinds:
+            if kind == "tensor":
+                leaves.append(next(produced))
+            elif isinstance(kind, tuple) and kind[0] == "donated":
+                leaves.append(tensors[kind[1]].detach())  # a new handle on the reused memory
+            else:
+                leaves.append(kind[1])
+        for i in program.donated:
+            _poison(tensors[i])
+        return pytree.tree_unflatten(leaves, program.out_spec)
+
+    def _donated_positions(self, args: tuple, leaves: list, spec: Any) -> list[int]:
+        """Positions, among the call's tensors, of those in donated arguments."""
+        if not self.donate:
+            return []
+        positions: list[int] = []
+        index = 0
+        seen: dict[int, int] = {}
+        for i, arg in enumerate(args):
+            arg_leaves = pytree.tree_leaves(arg)
+            for leaf in arg_leaves:
+                if isinstance(leaf, Tensor):
+                    if i in self.donate:
+                        positions.append(index)
+                    seen[id(leaf)] = seen.get(id(leaf), 0) + 1
+                    index += 1
+        for leaf in leaves[len(pytree.tree_leaves(args)) :]:
+            if isinstance(leaf, Tensor):
+                seen[id(leaf)] = seen.get(id(leaf), 0) + 1
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        for i in positions:
+            if seen[id(tensors[i])] > 1:
+                raise argument_error(
+                    f"a tensor of a donated argument ({describe_tensor(tensors[i])}) is also "
+                    "passed elsewhere in the same call; a donated tensor's memory is reused "
+                    "for the outputs, so it may be passed once only. Pass a .clone()."
+                )
+        return positions
+
+    # -- tracing -----------------------------------------------------------------------
+    def _build(
+        self,
+        key: tuple,
+        family: tuple,
+        names: list[str],
+        state: list[Tensor],
+        leaves: list,
+        spec: Any,
+        tensors: list[Tensor],
+        donated: list[int],
+    ) -> Program:
+        batch_names = [f"args{pytree.keystr(p)}" for p, x in _paths(leaves, spec) if _is_t(x)]
+        described = _describe(leaves)
+        reason = self.cache.reason(key, family, batch_names, tensors)
+        dynamic = self.cache.plan(family, tensors)
+        n_state = len(state)
+        is_tensor = [isinstance(x, Tensor) for x in leaves]
+        constants = [x for x in leaves if not isinstance(x, Tensor)]
+        meta: dict[str, Any] = {}
+        grad_mode = torch.is_grad_enabled()
+
+        def body(*flat: Tensor) -> tuple[Tensor, ...]:
+            batch_in, consts = iter(flat[n_state:]), iter(constants)
+            call = [next(batch_in) if t else next(consts) for t in is_tensor]
+            call_args, call_kwargs = pytree.tree_unflatten(call, spec)
+            with self.capture.installed(names, flat[:n_state]) as exit_:
+                with torch.set_grad_enabled(grad_mode):
+                    result = self.fn(*call_args, **call_kwargs)
+            out, out_spec = pytree.tree_flatten(result)
+            kinds: list[Any] = []
+            produced: list[Tensor] = []
+            free = {i: flat[n_state + i] for i in donated}
+            for value in out:
+                if not isinstance(value, Tensor):
+                    kinds.append(("constant", value))
+                    continue
+                target = _donation_target(value, free)
+                if target is None:
+                    kinds.append("tensor")
+                    produced.append(value.detach())
+                    continue
+                placeholder = free.pop(target)
+                if value is not placeholder:
+                    with torch.no_grad():
+                        placeholder.copy_(value)  # functionalized: a write at the very end
+                kinds.append(("donated", target))
+            meta.update(exit=exit_, out_spec=out_spec, kinds=kinds, n_out=len(produced))
+            new_grads = [g.detach() for g in exit_.traced_grads]
+            exit_.traced_grads = []
+            return (*produced, *new_grads)
+
+        example = [*state, *tensors]
+        started = time.perf_counter()
+        gm, fakes, size_guard = self._trace(body, example, n_state, dynamic, described)
+        used = _drop_unused_inputs(gm)
+        traced_at = time.perf_counter()
+        exit_ = meta["exit"]
+        fingerprint = _fingerprint(
+            gm,
+            [(names[i] if i < n_state else f"batch {i - n_state}") for i in used],
+            [TensorSpec.of(example[i]) for i in used],
+            (exit_.signature(), meta["out_spec"], _kinds_key(meta["kinds"])),
+        )
+        symbolic = fakes is not None
+        reuse = None if symbolic else self._by_fingerprint.get(fingerprint)
+        if reuse is not None:
+            run = reuse.run
+            self.reused += 1
+        else:
+            check_generators(gm, self.backend, self._holder)
+            run = compile_graph(
+                gm,
+                [example[i] for i in used],
+                self.backend,
+                fakes=[fakes[i] for i in used] if symbolic else None,
+                options=self.inductor_options,
+            )
+        guard = None
+        dims: dict[str, list[int]] = {}
+        if symbolic:
+            guard = SizeGuard(fakes[n_state:], dynamic, size_guard)
+            fixed = {(i, d) for i, d, _ in guard.static}
+            for i, ds in enumerate(dynamic):
+                kept = sorted(d for d in ds if (i, d) not in fixed)
+                if kept:
+                    dims[batch_names[i]] = kept
+        program = Program(
+            run=run,
+            graph=gm,
+            used=used,
+            exit=exit_,
+            out_spec=meta["out_spec"],
+            out_kinds=meta["kinds"],
+            n_out=meta["n_out"],
+            fingerprint=fingerprint,
+            guard=guard,
+            random=_draws_random(gm),
+            donated=_donated(meta["kinds"]),
+        )
+        if reuse is not None:
+            # Not a new trace in the account (nothing was compiled): the exact key maps to
+            # the graph compiled before.
+            self.cache._exact[key] = program
+            return program
+        if not symbolic:
+            self._by_fingerprint[fingerprint] = program
+        self.cache.check_budget(reason, described)
+        record = TraceRecord(
+            number=self.cache.num_traces + 1,
+            reason=reason,
+            signature=described,
+            dynamic=dims,
+            trace_s=traced_at - started,
+            compile_s=time.perf_counter() - traced_at,
+        )
+        self.cache.add(key, family, program, names=batch_names, tensors=tensors, record=record)
+        return program
+
+    def _trace(
+        self,
+        body: Callable[..., Any],
+        example: list[Tensor],
+        n_state: int,
+        dynamic: list[frozenset[int]],
+        described: str,
+    ) -> tuple[GraphModule, list[Tensor] | None, str | None]:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        detached = [t.detach() for t in example]
+        symbolic = any(dynamic)
+        devices = sorted({t.device.index or 0 for t in example if t.is_cuda})
+        holder = self._holder
+        try:
+            with (
+                _AttributeWatch(holder),
+                _HostRandomWatch(),
+                _HeldRandomWatch(holder),
+                _quiet_fake_tensor_log(),
+                torch.random.fork_rng(devices=devices),
+            ):
+                if symbolic:
+                    fakes = _symbolic_fakes(detached, [frozenset()] * n_state + list(dynamic))
+                    mode = "symbolic"
+                else:
+                    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+                    fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in detached]
+                    mode = "fake"
+                dropout = _eager_dropout() if symbolic else contextlib.nullcontext()
+                with dropout:
+                    first = make_fx(body, tracing_mode=mode)(*fakes)
+                    functional = torch.func.functionalize(first, remove="mutations")
+                    gm = make_fx(functional, tracing_mode=mode)(*fakes)
+        except Exception as exc:
+            raise self._trace_error(exc, described) from exc
+        _bernoulli_in_place(gm)
+        if not symbolic:
+            return gm, None, None
+        shape_env = fakes[0].fake_mode.shape_env
+        batch = [f for f, dims in zip(fakes[n_state:], dynamic, strict=True) if dims]
+        return gm, fakes, shape_env.produce_guards_expression(batch)
+
+    def _trace_error(self, exc: Exception, described: str) -> Exception:
+        if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
+            return exc
+        if "convert all Tensors to FakeTensors" in str(exc):
+            return TraceError(
+                "the step read a tensor that is none of its inputs: not an argument of the "
+                f"call, not a parameter, buffer or tensor attribute of the modules "
+                f"({', '.join(self.capture.labels) or 'none given'}), not optimizer state. "
+                "functacc.jit would have to bake it into the graph as a constant, where eager "
+                "reads it afresh on every call.\n"
+                f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
+                "Fix: pass the tensor as an argument of the call, or give the module that "
+                "holds it in modules=(...) (a teacher model, an EMA copy), or give its "
+                "optimizer in optimizers=(...). A parameter list taken before the call "
+                "(params = list(model.parameters())) holds the real tensors: read them "
+                "through the module inside the step instead."
+            )
+        return _translate(exc, self._holder, described)
+
+
+# -- graph helpers -----------------------------------------------------------------------
+def _drop_unused_inputs(gm: GraphModule) -> list[int]:
+    """Remove placeholders no op reads; return the indices of those kept."""
+    used = []
+    for i, node in enumerate(list(gm.graph.find_nodes(op="placeholder"))):
+        if node.users:
+            used.append(i)
+        else:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return used
+
+
+def _bernoulli_in_place(gm: GraphModule) -> None:
+    """Functionalization turns dropout's ``empty_like(x).bernoulli_(p)`` into the
+    out-of-place ``bernoulli.p`` of the empty tensor (the same draws); put back the
+    in-place form on the fresh tensor, which the CPU masks pass (masks.py) rewrites into
+    1-byte masks drawn by functacc's kernel."""
+    aten = torch.ops.aten
+    for node in gm.graph.find_nodes(op="call_function", target=aten.bernoulli.p):
+        source = node.args[0]
+        fresh = source.op == "call_function" and source.target in (
+            aten.empty_like.default,
+            aten.empty.memory_format,
+        )
+        if fresh and len(source.users) == 1 and len(node.args) == 2 and not node.kwargs:
+            node.target = aten.bernoulli_.float
+    gm.recompile()
+
+
+_PLACEHOLDER = re.compile(r"\barg(\d+)_1\b")
+
+
+def _fingerprint(gm: GraphModule, inputs: list[str], specs: list, meta: tuple) -> tuple:
+    """What makes two graphs the same program: their code over canonically named inputs,
+    which named inputs those are, and what the call writes back."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    canonical = {name: f"in{i}" for i, name in enumerate(names)}
+    code = _PLACEHOLDER.sub(lambda m: canonical.get(m.group(0), m.group(0)), gm.code)
+    constants = tuple(
+        (name, TensorSpec.of(value), value.cpu().numpy().tobytes())
+        for name, value in sorted(gm.named_buffers())
+        if isinstance(value, Tensor)
+    ) + tuple(
+        (name, TensorSpec.of(value), value.detach().cpu().numpy().tobytes())
+        for name, value in sorted(vars(gm).items())
+        if isinstance(value, Tensor)
+    )
+    return (code, tuple(inputs), tuple(specs), meta, constants)
+
+
+def _kinds_key(kinds: list[Any]) -> tuple:
+    return tuple(
+        k if isinstance(k, str) or k[0] == "donated" else ("constant", hashable_constant(k[1]))
+        for k in kinds
+    )
+
+
+def _donated(kinds: list[Any]) -> list[int]:
+    return [k[1] for k in kinds if isinstance(k, tuple) and k[0] == "donated"]
+
+
+def _donation_target(value: Tensor, free: dict[int, Tensor]) -> int | None:
+    """The first donated input the output ``value`` can take the memory of."""
+    for i, placeholder in free.items():
+        if value is placeholder:
+            return i
+    for i, placeholder in free.items():
+        if (
+            value.shape == placeholder.shape
+            and value.dtype == placeholder.dtype
+            and value.device == placeholder.device
+        ):
+            return i
+    return None
+
+
+def _holder(capture: Capture) -> nn.Module:
+    """The modules under one root, for error messages that name a module by its label."""
+    holder = nn.Module()
+    for label, module in zip(capture.labels, capture.modules, strict=True):
+        holder.add_module(label, module)
+    return holder
+
+
+def _draws_random(gm: GraphModule) -> bool:
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _is_t(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def _paths(leaves: list, spec: Any) -> list[tuple[Any, Any]]:
+    tree = pytree.tree_unflatten(leaves, spec)
+    return pytree.tree_flatten_with_path(tree)[0]
+
+
+def _describe(leaves: list) -> str:
+    parts = [describe_tensor(x) if isinstance(x, Tensor) else repr(x) for x in leaves]
+    return "; ".join(parts) or "no inputs"
+
+
+class _Donated(Tensor):
+    """What a donated tensor becomes after the call: any use is an error."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (Tensor.__repr__, Tensor.__format__) or getattr(func, "__name__", "") in (
+            "__repr__",
+        ):
+            return "<tensor donated to functacc.jit>"
+        raise RuntimeError(
+            "this tensor was donated to a functacc.jit step (donate=...): its memory now "
+            "holds that call's outputs, and it may not be read again. Use the value the call "
+            "returned instead (state, out = step(state, batch)), or stop donating this "
+            "argument."
+        )
+
+
+def _poison(t: Tensor) -> None:
+    """Turn ``t`` (the caller's handle on a donated tensor) into a :class:`_Donated`."""
+    dead = torch.empty(0, dtype=t.dtype, device=t.device).as_subclass(_Donated)
+    torch.utils.swap_tensors(t, dead)

@@ -1,0 +1,164 @@
+"""``opt.step()`` inside a traced step: functacc's pure twin of a ``torch.optim`` optimizer.
+
+Tracing ``torch.optim``'s own ``step()`` bakes Python floats into the graph (the learning
+rate, and the step count through ``.item()``) and creates state lazily. Instead, while a
+step body is traced, the optimizer's ``step`` runs :class:`~functacc.optim._torch.TorchOptimizerLink`'s
+pure transformation (tested bit for bit against ``torch.optim``) on the parameters' current
+``.grad``, over state tensors that are inputs of the graph: hyperparameters included, so a
+learning-rate schedule never retraces. After each call the optimizer's ``state`` holds the
+very tensors the graph updates, as :func:`~functacc.compile_step` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from ..errors import argument_error
+from ..optim._torch import TorchOptimizerLink, _check_supported
+from ..optim._transform import step_params
+
+__all__ = ["LinkedOptimizer"]
+
+
+class LinkedOptimizer:
+    """One ``torch.optim`` optimizer of a jitted step and its live pure state.
+
+    ``names`` maps each parameter (by ``id``) to its name among the step's modules.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str):
+        _check_supported(optimizer)
+        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+            raise argument_error(
+                f"{label} has step hooks (register_step_pre_hook / register_step_post_hook); "
+                "a jitted step runs the optimizer's update inside its graph, where those "
+                "Python hooks would not run on every call. Remove them (handle.remove())."
+            )
+        for i, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if id(p) not in names:
+                    raise argument_error(
+                        f"{label}.param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)}) "
+                        "belongs to none of the modules given to functacc.jit. Add the module "
+                        "that owns it to modules=(...)."
+                    )
+        self.optimizer = optimizer
+        self.label = label
+        self.link = TorchOptimizerLink(optimizer, names)
+        self.state: tuple = self.link.read_state(self.link.params, copy=False)
+        self._torch_state = optimizer.state
+        self._structure = self.link.structure_key()
+        self.transform = self.link.transform()
+        self.installed: frozenset[str] = frozenset()
+
+    def refresh(self) -> tuple:
+        """Follow what changed between calls (``load_state_dict``, hyperparameters, a new
+        param group); returns the structure key (a new one: a new graph)."""
+        opt = self.optimizer
+        if opt.state is not self._torch_state:
+            # load_state_dict() replaces the state dict: its tensors are the live state now.
+            self._torch_state = opt.state
+            self.state = self.link.read_state(self.link.params, copy=False)
+            self.installed = frozenset()
+        if self.link.poll():
+            if not self.link.same_groups():
+                names = {id(p): n for n, p in self.link.params.items()}
+                self.__init__(opt, names, self.label)  # type: ignore[misc]
+                return self._structure
+            structure = self.link.structure_key()
+            if structure != self._structure:
+                self.transform = self.link.transform()
+                self._structure = structure
+            self.link.sync_hyperparams(self.state)
+        return self._structure
+
+    def leaves(self) -> tuple[list[str], list[Tensor]]:
+        """The state's tensors and their paths, in a fixed order."""
+        flat = pytree.tree_flatten_with_path(self.state)[0]
+        return [pytree.keystr(p) for p, _ in flat], [t for _, t in flat]
+
+    def install(self, names_with_grads: frozenset[str]) -> None:
+        """After a call: ``optimizer.state`` holds the state of every parameter stepped
+        so far (torch creates it at a parameter's first step)."""
+        if not names_with_grads <= self.installed:
+            self.installed = self.installed | names_with_grads
+            self.link.install(self.state, set(self.installed))
+        # What torch.optim.lr_scheduler checks to know the optimizer stepped.
+        self.optimizer._opt_called = True
+
+
+class TracedOptimizer:
+    """The optimizer while its step body is traced: ``step()`` updates the traced
+    parameters from their ``.grad`` and carries the new state; ``zero_grad()`` is torch's
+    own, over the traced parameters (``param_groups`` hold them meanwhile)."""
+
+    def __init__(self, linked: LinkedOptimizer, placeholders: list[Tensor], leaf_of: Callable):
+        self.linked = linked
+        self.placeholders = placeholders
+        spec = pytree.tree_structure(linked.state)
+        self.state = pytree.tree_unflatten(list(placeholders), spec)
+        self.leaf_of = leaf_of  # parameter name -> the traced tensor standing for it
+        self.stepped: set[str] = set()
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> TracedOptimizer:
+        opt = self.linked.optimizer
+        self._saved = {
+            "step": vars(opt).get("step"),
+            "groups": [g["params"] for g in opt.param_groups],
+        }
+        names = self.linked.link.groups
+        for group, group_names in zip(opt.param_groups, names, strict=True):
+            group["params"] = [self.leaf_of(n) for n in group_names]
+        opt.step = self.step  # an instance attribute shadows the class's step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        opt = self.linked.optimizer
+        for group, params in zip(opt.param_groups, self._saved["groups"], strict=True):
+            group["params"] = params
+        if self._saved["step"] is None:
+            del opt.step
+        else:
+            opt.step = self._saved["step"]
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise argument_error(
+                f"{self.linked.label}.step(closure) inside functacc.jit: a closure re-runs the "
+                "forward inside step(), which the traced update does not do. Compute the loss "
+                "and call backward() in the step body, then call step() without a closure."
+            )
+        params = {n: self.leaf_of(n) for g in self.linked.link.groups for n in g}
+        grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+        for n, g in grads.items():
+            if g.layout != torch.strided:
+                raise argument_error(
+                    f"the gradient of {n!r} is a {g.layout} tensor; functacc's optimizers "
+                    "take dense gradients (build embeddings with sparse=False)."
+                )
+        with torch.no_grad():
+            detached = {n: p.detach() for n, p in params.items()}
+            new_params, self.state = step_params(
+                self.linked.transform,
+                {n: g.detach() for n, g in grads.items()},
+                self.state,
+                detached,
+            )
+            for n in grads:
+                params[n].copy_(new_params[n])
+        self.stepped |= set(grads)
+
+    def write_back(self) -> None:
+        """At the end of the traced body: the new state goes into the state's inputs
+        (functionalization turns these writes into the graph's last ops)."""
+        new = pytree.tree_leaves(self.state)
+        with torch.no_grad():
+            for old, value in zip(self.placeholders, new, strict=True):
+                if value is not old:
+                    old.copy_(value)

@@ -1,0 +1,175 @@
+"""``functacc.jit``: any training step, traced once into one graph and compiled.
+
+Two forms, one engine (:mod:`functacc.core`):
+
+- **imperative**: ``jit(fn, modules=(...), optimizers=(...))`` where ``fn`` is the body of
+  an ordinary eager training step: forward passes, ``loss.backward()``,
+  ``torch.autograd.grad`` (``create_graph=True`` too), ``opt.step()``, ``opt.zero_grad()``,
+  in-place updates under ``torch.no_grad()``, reading ``p.grad``. After each call the
+  modules, ``.grad`` and the optimizers hold what the eager step leaves there.
+- **pure**: ``jit(pure_fn, donate=(0,))`` for ``pure_fn(state, batch) -> (new_state,
+  out)`` over pytrees of tensors, written with ``torch.func`` and :mod:`functacc.optim`;
+  ``donate`` lets the outputs reuse the donated arguments' memory (JAX's
+  ``donate_argnums``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cache import TraceRecord
+from ..compile import Backend, check_backend, check_inductor_options
+from ..core.capture import Capture
+from ..core.engine import Engine
+
+__all__ = ["Jitted", "jit"]
+
+
+class Jitted:
+    """A step body compiled by :func:`jit`; call it as you would call the body.
+
+    Example:
+        >>> import torch, functacc
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> def train_step(x, y):
+        ...     opt.zero_grad()
+        ...     loss = torch.nn.functional.mse_loss(model(x), y)
+        ...     loss.backward()
+        ...     opt.step()
+        ...     return loss
+        >>> step = functacc.jit(train_step, modules=[model], optimizers=[opt], backend="eager")
+        >>> losses = [step(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+        >>> step.num_traces, model.weight.grad is not None
+        (1, True)
+    """
+
+    def __init__(self, fn: Callable[..., Any], engine: Engine):
+        self.fn = fn
+        self._engine = engine
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._engine(args, kwargs)
+
+    @property
+    def num_traces(self) -> int:
+        """Graphs traced and compiled so far (one per new signature; a signature whose
+        graph is identical to a compiled one reuses it and does not count)."""
+        return self._engine.cache.num_traces
+
+    @property
+    def traces(self) -> list[TraceRecord]:
+        """Every compiled trace: why it happened, which sizes it made symbolic, its cost."""
+        return list(self._engine.cache.records)
+
+    @property
+    def graphs(self) -> list[torch.fx.GraphModule]:
+        """The traced graphs, oldest first (for inspection)."""
+        return [p.graph for p in self._engine.cache.programs()]
+
+
+def jit(
+    fn: Callable[..., Any],
+    *,
+    modules: Iterable[nn.Module] = (),
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+    donate: Collection[int] = (),
+    backend: Backend = "inductor",
+    inductor_options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+    max_traces: int | None = 32,
+) -> Jitted:
+    """Compile a whole training step, written as eager code or as a pure function.
+
+    Args:
+        fn: the step body. It may use the given modules and optimizers as eager code does
+            and take any pytree of tensors and Python values; it returns a pytree (tensors
+            come back detached).
+        modules: every module whose parameters, buffers or ``.grad`` the body reads or
+            writes (a student and its frozen teacher, a generator and a discriminator, an
+            EMA copy). Their state is read on every call; nothing is baked in.
+        optimizers: the ``torch.optim`` optimizers (SGD, Adam, AdamW) the body steps; their
+            state and ``param_groups`` stay live (schedules do not retrace).
+        donate: positions of arguments whose tensors the call may reuse for its outputs
+            (the pure form's ``state``): afterwards reading them is an error.
+        backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph run op by
+            op: bit for bit as eager PyTorch, dropout included).
+        inductor_options: ``torch._inductor.config`` settings for this step's compiles.
+        dynamic: symbolic sizes: ``None`` (automatic: after a size changes), ``True`` (from
+            the first call) or ``False`` (one graph per shape).
+        max_traces: the most graphs to compile before :class:`functacc.RetraceError`.
+
+    A tensor the body reads that is none of these (a module not in ``modules``, a global
+    tensor) is an error naming the op, never a constant baked into the graph. Python side
+    effects run once, when the body is traced.
+
+    Example (pure form):
+        >>> import torch, functacc
+        >>> def sgd_step(state, x):
+        ...     grad = torch.func.grad(lambda w: (x @ w).pow(2).mean())(state["w"])
+        ...     return {"w": state["w"] - 0.1 * grad}, grad.norm()
+        >>> step = functacc.jit(sgd_step, donate=(0,), backend="eager")
+        >>> state = {"w": torch.ones(3)}
+        >>> state, norm = step(state, torch.randn(8, 3))
+        >>> state["w"].shape
+        torch.Size([3])
+    """
+    if not callable(fn):
+        raise TypeError(f"jit() takes a callable step body; got {type(fn).__name__}")
+    check_backend(backend)
+    options = check_inductor_options(inductor_options, backend)
+    modules = list(modules)
+    optimizers = list(optimizers)
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"modules[{i}] must be a torch.nn.Module; got {type(m).__name__}")
+    for i, o in enumerate(optimizers):
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizers[{i}] must be a torch.optim.Optimizer; got {type(o).__name__}"
+            )
+    donated = frozenset(donate)
+    if any(not isinstance(i, int) or i < 0 for i in donated):
+        raise ValueError(f"donate must hold argument positions (ints >= 0); got {donate!r}")
+    labels = _labels(fn, modules, "modules")
+    opt_labels = _labels(fn, optimizers, "optimizers")
+    capture = Capture(modules, labels, optimizers, opt_labels)
+    engine = Engine(
+        fn,
+        capture,
+        backend=backend,
+        inductor_options=options,
+        dynamic=dynamic,
+        max_traces=max_traces,
+        donate=donated,
+        what=f"the jitted step {getattr(fn, '__qualname__', 'fn')}",
+    )
+    return Jitted(fn, engine)
+
+
+def _labels(fn: Callable[..., Any], objects: list[Any], what: str) -> list[str]:
+    """Names for the objects in messages: the body's own names for them (its closure and
+    globals), else ``modules[i]``."""
+    known: dict[int, str] = {}
+    try:
+        closure = inspect.getclosurevars(fn)
+        scopes = [closure.nonlocals, closure.globals]
+    except (TypeError, ValueError):
+        scopes = []
+    for scope in scopes:
+        for name, value in scope.items():
+            known.setdefault(id(value), name)
+    labels = []
+    for i, obj in enumerate(objects):
+        label = known.get(id(obj), f"{what}[{i}]")
+        if label in labels or not label.isidentifier():
+            label = f"{what}_{i}"
+        labels.append(label)
+    return labels
