@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from . import bernoulli
+from . import _compat, bernoulli
 
 __all__ = ["draw_masks_as_bytes"]
 
@@ -102,9 +102,7 @@ def _fast(val: torch.Tensor, p: object, draw: Node) -> bool:
     probability, the default generator, enough elements, and the kernel built here. With
     symbolic sizes, the count is the traced example's (a choice of speed, not of values:
     both kernels draw the same bits; no guard is added on the sizes)."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-    elements = optimization_hint(val.numel(), fallback=0)
+    elements = _compat.optimization_hint(val.numel(), fallback=0)
     return (
         isinstance(p, float | int)
         and 0 <= p <= 1

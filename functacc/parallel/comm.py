@@ -16,6 +16,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.fx import GraphModule
 
+from .. import _compat
+
 __all__ = [
     "CommStats",
     "all_gather",
@@ -37,12 +39,12 @@ def all_reduce(t: Tensor, group: Group) -> Tensor:
 
 def reduce_scatter(t: Tensor, group: Group) -> Tensor:
     """Sum over ``group`` of a 1-D tensor; this rank keeps its contiguous chunk."""
-    return funcol.reduce_scatter_single(t, "sum", 0, group)
+    return _compat.reduce_scatter_single(t, "sum", 0, group)
 
 
 def all_gather(t: Tensor, group: Group) -> Tensor:
     """Concatenate the 1-D chunks of ``group`` in rank order."""
-    return funcol.all_gather_single(t, 0, group)
+    return _compat.all_gather_single(t, 0, group)
 
 
 def bucketed_all_reduce(

@@ -1,0 +1,94 @@
+"""What differs between the torch releases functacc supports, in one place.
+
+Supported: torch 2.11 through 2.15 (``SUPPORTED``; pyproject.toml says the same). functacc
+reaches into private torch APIs (functional collectives, Inductor's code generator, the
+symbolic-shapes helpers); where one of those changed inside the range, the rest of functacc
+calls the name here, never the torch one. Each entry is a feature check where possible
+(a backport or a patch release then just works), a version gate where the difference is in
+behaviour, and says which release changed what.
+
+Importing functacc with a torch outside the range warns once, naming the range: the
+package may still work, but nothing has run it there.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+__all__ = [
+    "SUPPORTED",
+    "TORCH",
+    "all_gather_single",
+    "optimization_hint",
+    "reduce_scatter_single",
+]
+
+SUPPORTED = ((2, 11), (2, 15))
+"""The oldest and newest torch (major, minor) that the suite runs on (``make test-torch``)."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string (``"2.15.0+cu130"``, ``"2.16.0a0+git…"``)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise RuntimeError(
+            f"functacc cannot read torch's version {version!r}: expected 'MAJOR.MINOR...'. "
+            "Reinstall torch from PyPI or pytorch.org."
+        )
+    return int(match[1]), int(match[2])
+
+
+TORCH = _release(torch.__version__)
+"""The running torch's ``(major, minor)``."""
+
+
+def check_version(version: tuple[int, int] = TORCH) -> None:
+    """Warns when ``version`` lies outside :data:`SUPPORTED` (called once, at import)."""
+    (low, high) = SUPPORTED
+    if low <= version <= high:
+        return
+    warnings.warn(
+        f"functacc supports torch {low[0]}.{low[1]} through {high[0]}.{high[1]}, but this is "
+        f"torch {torch.__version__}. It may work, but nothing has tested it there: private "
+        f"torch APIs it uses change between releases. Install a supported torch "
+        f"(pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}') to be on tested "
+        "ground.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+check_version()
+
+
+# --- functional collectives -------------------------------------------------------------
+# After 2.11 (2.11 lacks them, 2.13 has them) torch renamed ``all_gather_tensor`` and
+# ``reduce_scatter_tensor`` to ``*_single`` and made the old names warn (FutureWarning,
+# outside torch.compile); the ops they trace into (``_c10d_functional.all_gather_into_tensor``,
+# ``reduce_scatter_tensor``) are the same. The old ``all_gather_tensor`` refuses a
+# non-contiguous input: every caller passes a flat 1-D chunk.
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+reduce_scatter_single = (
+    getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+)
+
+
+# --- symbolic shapes ----------------------------------------------------------------------
+def _optimization_hint():
+    from torch.fx.experimental import symbolic_shapes
+
+    # After 2.11 (2.11 lacks it, 2.13 has it) torch added ``optimization_hint`` (a size's
+    # traced value, no guard added) and removed ``size_hint``, which did the same.
+    if hasattr(symbolic_shapes, "optimization_hint"):
+        return symbolic_shapes.optimization_hint
+    return symbolic_shapes.size_hint
+
+
+def optimization_hint(size: torch.SymInt | int, *, fallback: int | None = None) -> int:
+    """The value ``size`` had in the traced example (a plain int as it is), without adding
+    a guard on it: for choices of speed, never of values."""
+    return _optimization_hint()(size, fallback=fallback)
