@@ -207,9 +207,11 @@ class Engine:
             batch_in, consts = iter(flat[n_state:]), iter(constants)
             call = [next(batch_in) if t else next(consts) for t in is_tensor]
             call_args, call_kwargs = pytree.tree_unflatten(call, spec)
-            with self.capture.installed(names, flat[:n_state]) as exit_:
-                with torch.set_grad_enabled(grad_mode):
-                    result = self.fn(*call_args, **call_kwargs)
+            with (
+                self.capture.installed(names, flat[:n_state]) as exit_,
+                torch.set_grad_enabled(grad_mode),
+            ):
+                result = self.fn(*call_args, **call_kwargs)
             out, out_spec = pytree.tree_flatten(result)
             kinds: list[Any] = []
             produced: list[Tensor] = []
@@ -332,9 +334,11 @@ class Engine:
                     mode = "fake"
                 dropout = _eager_dropout() if symbolic else contextlib.nullcontext()
                 with dropout:
-                    first = make_fx(body, tracing_mode=mode)(*fakes)
+                    # Fresh handles per pass: the body marks its parameters as requiring
+                    # grad and sets their .grad, which the second pass must not see.
+                    first = make_fx(body, tracing_mode=mode)(*[f.detach() for f in fakes])
                     functional = torch.func.functionalize(first, remove="mutations")
-                    gm = make_fx(functional, tracing_mode=mode)(*fakes)
+                    gm = make_fx(functional, tracing_mode=mode)(*[f.detach() for f in fakes])
         except Exception as exc:
             raise self._trace_error(exc, described) from exc
         _bernoulli_in_place(gm)

@@ -2,11 +2,12 @@
 
 Tracing ``torch.optim``'s own ``step()`` bakes Python floats into the graph (the learning
 rate, and the step count through ``.item()``) and creates state lazily. Instead, while a
-step body is traced, the optimizer's ``step`` runs :class:`~functacc.optim._torch.TorchOptimizerLink`'s
-pure transformation (tested bit for bit against ``torch.optim``) on the parameters' current
-``.grad``, over state tensors that are inputs of the graph: hyperparameters included, so a
-learning-rate schedule never retraces. After each call the optimizer's ``state`` holds the
-very tensors the graph updates, as :func:`~functacc.compile_step` does.
+step body is traced, the optimizer's ``step`` runs the pure transformation of
+:class:`~functacc.optim._torch.TorchOptimizerLink` (tested bit for bit against
+``torch.optim``) on the parameters' current ``.grad``, over state tensors that are inputs
+of the graph: hyperparameters included, so a learning-rate schedule never retraces. After
+each call the optimizer's ``state`` holds the very tensors the graph updates, as
+:func:`~functacc.compile_step` does.
 """
 
 from __future__ import annotations
