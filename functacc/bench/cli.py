@@ -13,6 +13,7 @@ import torch
 from ..remat import POLICIES
 from . import competitors, report, runner
 from .models import WORKLOADS, build
+from .step_bodies import STEP_WORKLOADS
 
 __all__ = ["main", "parser"]
 
@@ -30,7 +31,13 @@ def parser() -> argparse.ArgumentParser:
         description="Train one workload with eager PyTorch, torch.compile and functacc, "
         "interleaved in one process, and compare throughput, compile time and memory.",
     )
-    p.add_argument("--model", choices=WORKLOADS, default="mlp")
+    p.add_argument(
+        "--model",
+        choices=(*WORKLOADS, *STEP_WORKLOADS),
+        default="mlp",
+        help="a model trained by the standard step, or a whole step body (wgan-gp, distill: "
+        "eager vs torch.compile of the step function vs functacc.jit)",
+    )
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet models only")
     p.add_argument("--seq-len", type=int, default=None, help="transformer and gpt2 models only")
@@ -152,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cold:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="functacc-bench-")
     warm_inductor(args.device)
+    if args.model in STEP_WORKLOADS:
+        return _step_bodies(args, argv)
     workload = build(
         args.model,
         batch_size=args.batch_size,
@@ -249,4 +258,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.plot:
         report.plot(args.plot, results, title=workload.description)
+    return 0
+
+
+def _step_bodies(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--model wgan-gp`` / ``distill``: whole step bodies, eager vs torch.compile vs jit."""
+    from .step_bodies import build_step_workload, make_step_competitor
+
+    workload = build_step_workload(args.model, batch_size=args.batch_size, device=args.device)
+    names = [n.strip() for n in args.competitors.split(",") if n.strip()]
+    results = runner.run(
+        [lambda n=n: make_step_competitor(n, workload) for n in names],
+        batch_size=workload.batches[0][0].shape[0],
+        device=torch.device(args.device),
+        warmup=args.warmup,
+        steps=args.steps,
+        rounds=args.rounds,
+        progress=not args.no_progress,
+    )
+    print(f"{workload.description}; {report.machine()}")
+    print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
+    print(report.table(results))
+    if args.json:
+        report.write_json(
+            args.json,
+            {
+                "workload": workload.description,
+                "machine": report.machine(),
+                "command": "python -m functacc bench " + " ".join(argv),
+                "results": [r.as_dict() for r in results],
+            },
+        )
     return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -102,6 +102,7 @@ class Capture:
             LinkedOptimizer(opt, names, label)
             for opt, label in zip(optimizers, optimizer_labels, strict=True)
         ]
+        self.strategy: Any = None  # data parallel: functacc.parallel's Replicated strategy
 
     # -- per call ----------------------------------------------------------------------
     def read(self) -> tuple[list[str], list[Tensor], tuple]:
@@ -180,6 +181,8 @@ class Capture:
             reassigned = stack.enter_context(swap_attributes(self.attributes, attribute_inputs))
             for traced in traced_opts:
                 stack.enter_context(traced)
+            if self.strategy is not None:
+                stack.enter_context(_reducing_backward(self.strategy, leaves))
             yield exit_
             self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)
         with torch.no_grad():
@@ -217,6 +220,10 @@ class Capture:
                 # module.running_mean = ...: eager leaves the new tensor there; the step
                 # writes its value into the buffer.
                 current[n] = now
+        if self.strategy is not None and current:
+            # Every rank ends the step with the same statistics (their mean), as
+            # compile_step's data parallel does.
+            current = self.strategy.sync_buffers(current)
         with torch.no_grad():
             for n in self.buffers:
                 value, placeholder = current[n], by_name[f"buffer {n}"]
@@ -260,6 +267,39 @@ class Capture:
                 p.requires_grad_(exit_.requires_grad[n])
         for opt, stepped in zip(self.optimizers, exit_.stepped, strict=True):
             opt.install(stepped)
+
+
+@contextlib.contextmanager
+def _reducing_backward(strategy: Any, leaves: dict[str, Tensor]) -> Iterator[None]:
+    """While tracing: every ``backward()`` averages the gradients it produces over the
+    ranks (bucketed all-reduces in the graph, started as soon as their gradients exist)
+    before anything can read them, as DDP does. Only this backward's contribution is
+    reduced; ``.grad`` that was there before is added afterwards. ``torch.autograd.grad``
+    is left alone (it does not write ``.grad``; DDP does not reduce it either)."""
+    original = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> None:
+        trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
+        before = {n: leaf.grad for n, leaf in trainable.items()}
+        for leaf in trainable.values():
+            leaf.grad = None
+        try:
+            original(*args, **kwargs)
+        except BaseException:
+            for n, leaf in trainable.items():
+                leaf.grad = before[n]
+            raise
+        fresh = {n: leaf.grad for n, leaf in trainable.items() if leaf.grad is not None}
+        reduced, _ = strategy.reduce_gradients(fresh, {}, ())
+        for n, leaf in trainable.items():
+            old, new = before[n], reduced.get(n)
+            leaf.grad = old if new is None else (new if old is None else old + new)
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
 
 
 def _restore(tables: list) -> None:

@@ -85,6 +85,7 @@ def jit(
     inductor_options: dict[str, Any] | None = None,
     dynamic: bool | None = None,
     max_traces: int | None = 32,
+    parallel: Any = None,
 ) -> Jitted:
     """Compile a whole training step, written as eager code or as a pure function.
 
@@ -105,6 +106,12 @@ def jit(
         dynamic: symbolic sizes: ``None`` (automatic: after a size changes), ``True`` (from
             the first call) or ``False`` (one graph per shape).
         max_traces: the most graphs to compile before :class:`functacc.RetraceError`.
+        parallel: under ``torchrun`` (world size > 1), ``None`` or
+            :class:`functacc.parallel.DataParallel`: every ``backward()`` averages the
+            gradients it adds to the modules' ``.grad`` over the ranks, in bucketed
+            all-reduces inside the graph, before anything reads them (DDP's semantics);
+            written buffers (BatchNorm statistics) are averaged at the end of the step. The
+            modules start from rank 0's weights. Each rank passes its own part of the batch.
 
     A tensor the body reads that is none of these (a module not in ``modules``, a global
     tensor) is an error naming the op, never a constant baked into the graph. Python side
@@ -141,6 +148,7 @@ def jit(
     labels = _labels(fn, modules, "modules")
     opt_labels = _labels(fn, optimizers, "optimizers")
     capture = Capture(modules, labels, optimizers, opt_labels)
+    capture.strategy = _strategy(parallel, capture)
     engine = Engine(
         fn,
         capture,
@@ -173,3 +181,35 @@ def _labels(fn: Callable[..., Any], objects: list[Any], what: str) -> list[str]:
             label = f"{what}_{i}"
         labels.append(label)
     return labels
+
+
+def _strategy(parallel: Any, capture: Capture) -> Any:
+    """The data-parallel strategy for a step under torchrun (``None`` on one process)."""
+    from ..parallel import DataParallel, ZeRO
+    from ..parallel.mesh import world_size
+    from ..parallel.strategy import check_same_model, sync_from_rank0
+
+    if parallel is not None and not isinstance(parallel, (DataParallel, ZeRO)):
+        raise TypeError(
+            "parallel must be None or functacc.parallel.DataParallel(...); got "
+            f"{type(parallel).__name__}"
+        )
+    if isinstance(parallel, ZeRO):
+        raise ValueError(
+            "functacc.jit does not shard optimizer state yet (ZeRO); use "
+            "parallel=functacc.parallel.DataParallel(), or compile_step(..., "
+            "parallel=ZeRO(...)) for the standard step."
+        )
+    if world_size() == 1 or not capture.params:
+        return None
+    parallel = parallel or DataParallel()
+    if parallel.compression not in (None, "bf16"):
+        raise ValueError(
+            "functacc.jit's data parallel takes compression=None or 'bf16' (PowerSGD keeps "
+            "state across steps that jit does not capture yet)"
+        )
+    # A collective call: every rank builds its step at the same point of its program.
+    check_same_model(capture.params, "parameter")
+    check_same_model(capture.buffers, "buffer")
+    sync_from_rank0({**capture.params, **capture.buffers})
+    return parallel.build(capture.modules[0], None)

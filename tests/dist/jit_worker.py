@@ -1,0 +1,124 @@
+"""``functacc.jit`` under torchrun, for tests/test_jit.py: ``jit_worker.py OUT``.
+
+Every rank trains the distillation and the EMA+SAM step bodies on its half of each global
+batch with data parallel; rank 0 saves the trained tensors. The test trains the same bodies
+eagerly in one process on the full batches and compares. Per-sample models only (no
+training-mode BatchNorm, no dropout): a half batch then gives half of the full batch's
+gradient sum, so data parallel must reproduce the full-batch step up to summation order.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import functacc
+
+STEPS = 4
+B = 8  # per rank
+
+
+def distill_objects(seed: int = 0) -> tuple:
+    torch.manual_seed(seed)
+    teacher = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 5))
+    teacher.eval().requires_grad_(False)
+    student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    return student, teacher, torch.optim.AdamW(student.parameters(), lr=1e-2)
+
+
+def distill_step(student: nn.Module, teacher: nn.Module, opt) -> object:
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        with torch.no_grad():
+            soft = F.softmax(teacher(x) / 2.0, dim=-1)
+        logits = student(x)
+        kd = F.kl_div(F.log_softmax(logits / 2.0, dim=-1), soft, reduction="batchmean")
+        loss = kd + F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return body
+
+
+def ema_objects(seed: int = 0) -> tuple:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+    ema = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5)).requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    return model, ema, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def ema_step(model: nn.Module, ema: nn.Module, opt) -> object:
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()  # SAM's ascent direction from the (averaged) gradient
+        with torch.no_grad():
+            norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+            shifts = [p.grad * (0.05 / (norm + 1e-12)) for p in model.parameters()]
+            for p, e in zip(model.parameters(), shifts, strict=True):
+                p.add_(e)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            for p, e in zip(model.parameters(), shifts, strict=True):
+                p.sub_(e)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pe, p in zip(ema.parameters(), model.parameters(), strict=True):
+                pe.mul_(0.9).add_(p, alpha=0.1)
+        return loss.detach()
+
+    return body
+
+
+SCENARIOS = {"distill": (distill_objects, distill_step), "ema_sam": (ema_objects, ema_step)}
+
+
+def batches(world: int, seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(B * world, 16, generator=g), torch.randint(0, 5, (B * world,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def main(out: str) -> None:
+    functacc.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = {}
+    for name, (objects, make_step) in SCENARIOS.items():
+        # Another seed on each rank: the step must start every rank from rank 0's weights.
+        first, second, opt = objects(seed=rank)
+        step = functacc.jit(
+            make_step(first, second, opt),
+            modules=[first, second],
+            optimizers=[opt],
+            backend="eager",
+            parallel=functacc.parallel.DataParallel(),
+        )
+        losses = []
+        for x, y in batches(world):
+            part = slice(rank * B, (rank + 1) * B)
+            losses.append(step(x[part], y[part]))
+        saved[name] = {
+            "first": {k: v.clone() for k, v in first.state_dict().items()},
+            "second": {k: v.clone() for k, v in second.state_dict().items()},
+            "traces": step.num_traces,
+            "collectives": sum(
+                "all_reduce" in str(n.target) for g in step.graphs for n in g.graph.nodes
+            ),
+        }
+    if rank == 0:
+        torch.save(saved, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
