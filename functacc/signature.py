@@ -19,7 +19,7 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -40,6 +40,7 @@ __all__ = [
     "batch_names",
     "describe_difference",
     "family_key",
+    "filled_settings",
     "held_items",
     "size_changes",
 ]
@@ -131,6 +132,42 @@ class ModelWatch:
         self._guard = model_guard(self.modules, self.params, list(contents.values()))
         return self._key
 
+    def snapshot(self) -> Callable[[], None]:
+        """What the modules' plain attributes and the containers and objects the key looks
+        into hold now (each one's entries, shallowly; an object's private fields too), and a
+        function that puts them back: after a forward has run once more than eager runs it
+        (the step's check of a setting a forward filled in), so the model holds what one
+        forward left."""
+        contents: dict[int, Any] = {}
+        self._read(contents)
+        attributes = [
+            (vars(m), attr, vars(m).get(attr, _MISSING)) for _, m, attr in self._attributes
+        ]
+        held = [(value, _entries(value)) for value in contents.values()]
+
+        def restore() -> None:
+            for fields, attr, value in attributes:
+                if value is _MISSING:
+                    fields.pop(attr, None)
+                elif fields.get(attr, _MISSING) is not value:
+                    fields[attr] = value
+            for value, entries in held:
+                now = _entries(value)
+                if (
+                    len(now) == len(entries)
+                    and all(a is b for a, b in zip(_values(now), _values(entries), strict=True))
+                    and (not isinstance(now, dict) or now.keys() == entries.keys())
+                ):
+                    continue  # untouched: leave its version alone (the check stays valid)
+                if isinstance(value, list):
+                    value[:] = entries
+                else:
+                    target = value if isinstance(value, dict) else vars(value)
+                    target.clear()
+                    target.update(entries)
+
+        return restore
+
     def _read(self, contents: dict[int, Any]) -> tuple:
         """The key as the model is now; ``contents`` receives the containers and objects
         whose insides the key holds, for the check to watch."""
@@ -150,6 +187,17 @@ class ModelWatch:
                 ),
             ),
         )
+
+
+def _entries(value: Any) -> list | dict:
+    """A shallow copy of what a list, dict or plain object (its ``__dict__``) holds."""
+    if isinstance(value, list):
+        return list(value)
+    return dict(value if isinstance(value, dict) else vars(value))
+
+
+def _values(entries: list | dict) -> Any:
+    return entries.values() if isinstance(entries, dict) else entries
 
 
 def _plain_attribute(attr: str, value: Any) -> bool:
@@ -520,6 +568,51 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
             )
     where = f"{path}: " if path else ""
     return f"{where}{old!r} -> {new!r}"
+
+
+def filled_settings(old: Hashable, new: Hashable, path: str = "") -> list[str] | None:
+    """Where two signature keys differ only by settings that were ``None`` or absent in
+    ``old`` and hold a value in ``new`` (a forward's one-time lazy setting, such as a
+    Hugging Face config's ``problem_type``): their names, e.g.
+    ``["module attributes model.config problem_type"]``. ``None`` if anything else differs
+    (a value replaced by another, an entry removed).
+
+    Example:
+        >>> filled_settings((("mode", None), ("p", 0.1)), (("mode", "x"), ("p", 0.1)))
+        ['mode']
+        >>> filled_settings((("p", 0.1),), (("p", 0.2),)) is None
+        True
+    """
+    if old == new:
+        return []
+    if old is None:
+        return [path or "value"]
+    if type(old) is not tuple or type(new) is not tuple:
+        return None
+    if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
+        label = old[0] if old[0] not in _MARKERS else ""
+        return filled_settings(old[1], new[1], " ".join(filter(None, (path, label))))
+    if len(old) != len(new) and _is_labelled(old) and _is_labelled(new):
+        before = dict(old)
+        if len(before) != len(old) or not before.keys() <= dict(new).keys():
+            return None  # repeated labels, or an entry removed
+        found = []
+        for label, value in new:
+            where = " ".join(filter(None, (path, label)))
+            inner = [where] if label not in before else filled_settings(before[label], value, where)
+            if inner is None:
+                return None
+            found += inner
+        return found
+    if len(old) != len(new):
+        return None
+    found = []
+    for a, b in zip(old, new, strict=True):
+        inner = filled_settings(a, b, path)
+        if inner is None:
+            return None
+        found += inner
+    return found
 
 
 # Labels that say which kind of call a key is for, not what changed.

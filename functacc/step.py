@@ -12,10 +12,11 @@ Two forms share the same mathematics (:mod:`functacc.step_fn`):
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 import weakref
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +56,11 @@ from .signature import (
     TensorSpec,
     batch_names,
     family_key,
+    filled_settings,
     hashable_constant,
 )
 from .step_fn import LossFn, StepFunction, TrainState
-from .trace import describe_tensor, run_error, trace
+from .trace import Traced, describe_tensor, run_error, trace
 
 __all__ = ["Step", "TrainState", "compile_step"]
 
@@ -552,7 +554,7 @@ class Step:
             family = ((("inputs", family_key(tensors)), *batch_key[1:]), context)
             program = self._cache.find(family, tensors)
             if program is None:
-                program = self._build(
+                program, key = self._build(
                     key,
                     family,
                     state,
@@ -690,7 +692,10 @@ class Step:
         *,
         inplace: bool,
         count: int,
-    ) -> _Program:
+    ) -> tuple[_Program, tuple]:
+        """Trace and compile the step for this call; returns the program and the key it is
+        kept under (see :meth:`_key_left_behind`)."""
+        watched = self._model_watch.key()  # the model's part of ``key``
         names = batch_names(args, kwargs, with_targets=self.loss_fn is not None)
         described = self._describe_batch(args, kwargs)
         reason = self._cache.reason(key, family, names, tensors)
@@ -764,14 +769,19 @@ class Step:
             return (loss, *[new for new, c in zip(new_leaves, changed, strict=True) if c])
 
         example = [*state_tensors, *attributes, *tensors]
+
+        def run_trace() -> Traced:
+            return trace(
+                flat_step,
+                example,
+                model=self.model,
+                signature=described,
+                dynamic=[*[()] * n_fixed, *dynamic] if any(dynamic) else None,
+            )
+
         started = time.perf_counter()
-        traced = trace(
-            flat_step,
-            example,
-            model=self.model,
-            signature=described,
-            dynamic=[*[()] * n_fixed, *dynamic] if any(dynamic) else None,
-        )
+        traced = run_trace()
+        key, family = self._key_left_behind(key, family, count, watched, traced, run_trace, meta)
         traced_at = time.perf_counter()
         self._unalias_reassigned(meta["reassigned"])
         graph = traced.graph
@@ -809,7 +819,54 @@ class Step:
             compile_s=time.perf_counter() - traced_at,
         )
         self._cache.add(key, family, program, names=names, tensors=tensors, record=record)
-        return program
+        return program, key
+
+    def _key_left_behind(
+        self,
+        key: tuple,
+        family: tuple,
+        count: int,
+        watched: tuple,
+        traced: Traced,
+        run_trace: Callable[[], Traced],
+        meta: dict[str, Any],
+    ) -> tuple[tuple, tuple]:
+        """The key and family to keep a new program under: the call's own, or the
+        signature the forward left behind where the trace filled in settings that were
+        ``None`` or absent (Hugging Face classifiers set ``config.problem_type`` at their
+        first forward, and never again). The next call has that signature; keyed on the
+        call's own, it would be traced and compiled again for an identical graph.
+
+        Only if the forward takes the same path with the new values: a forward that read
+        the setting before filling it in holds another graph from its second call on (as
+        eager reads the new value), and one that changes it on every call has no stable
+        signature. A second trace (fake tensors, not compiled) with the new values shows
+        both; the model's settings are then put back to what one forward left, as in eager.
+        """
+        left = self._model_watch.key()
+        if left is watched or not filled_settings(watched, left):
+            return key, family
+        restore = self._model_watch.snapshot()
+        first = dict(meta)
+        try:
+            again = run_trace()
+            same = self._model_watch.key() == left and _same_graph(traced, again)
+        except Exception:  # refused or failed with the new values: keep the call's key
+            same = False
+        finally:
+            restore()
+            meta.clear()
+            meta.update(first)
+        if not same:
+            return key, family
+        log.info(
+            "functacc: the forward filled in %s while tracing, and takes the same path with "
+            "the new values: the graph is kept for the signature it leaves behind",
+            ", ".join(filled_settings(watched, left) or ()),
+        )
+        batch_key, context = key
+        context = (context[0], self._state_key(count), *context[2:])
+        return (batch_key, context), (family[0], context)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -838,6 +895,34 @@ def _nbytes(tree: Any) -> int:
     return sum(
         t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)
     )
+
+
+def _same_graph(a: Traced, b: Traced) -> bool:
+    """Two traces of the step recorded the same computation: the same code, the same
+    constants (a Python value turned into a tensor, ``torch.tensor(scale)``) and, with
+    symbolic sizes, the same guard."""
+    return a.guard == b.guard and _same_code(a.graph, b.graph)
+
+
+def _same_code(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
+    if a.code != b.code:
+        return False
+    for node in a.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        get = operator.attrgetter(node.target)  # a dotted name for a nested attribute
+        x, y = get(a), get(b)
+        if isinstance(x, torch.fx.GraphModule) and isinstance(y, torch.fx.GraphModule):
+            if not _same_code(x, y):  # a higher-order op's body (remat's checkpoint)
+                return False
+        elif isinstance(x, Tensor) and isinstance(y, Tensor):
+            if x is not y and (x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y)):
+                return False
+        elif x is not y and type(x) is type(y) and not isinstance(x, nn.Module) and x == y:
+            continue
+        elif x is not y:
+            return False
+    return True
 
 
 def _draws_random(graph: torch.fx.GraphModule) -> bool:
