@@ -91,3 +91,14 @@ def test_resumable_example_resumes_across_layouts(tmp_path) -> None:
     assert "resumed at step 10" in second and "Step: 15" in second
     third = run([script, "--ckpt", str(tmp_path), "--steps", "20", "--every", "5"])
     assert "resumed at step 15" in third and (tmp_path / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["wgan_gp", "distillation", "ema_sam", "pure_loop"])
+def test_jit_examples(name: str) -> None:
+    # Eager backend: the jitted step is eager's kernels in eager's order, so the example's
+    # two runs from the same start print the same final losses.
+    out = run([str(EXAMPLES / f"{name}.py"), "--steps", "4", "--backend", "eager"])
+    jitted = next(line for line in out.splitlines() if line.startswith("[functacc.jit]"))
+    eager = next(line for line in out.splitlines() if line.startswith("[eager]"))
+    assert jitted.removeprefix("[functacc.jit]") == eager.removeprefix("[eager]"), out
+    assert "1 trace" in out.splitlines()[-1], out
