@@ -98,6 +98,8 @@ class Engine:
         self.device = device
         self._ambient = AmbientWatch(device.type)
         self._holder = _holder(capture)
+        self._last_state: list[Tensor | None] = []
+        self._last_specs: list[TensorSpec | None] = []
 
     # -- a call ------------------------------------------------------------------------
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -110,7 +112,7 @@ class Engine:
         )
         context = (
             tuple(names),
-            tuple(map(TensorSpec.of, state)),
+            self._state_specs(names, state),
             context,
             ("ambient", self._ambient.key()),
             ("grad mode", torch.is_grad_enabled()),
@@ -138,6 +140,24 @@ class Engine:
             _set_grad_enabled(grad_mode)
         self.capture.apply_exit(program.exit, outputs[program.n_out :])
         return self._outputs(program, outputs, tensors)
+
+    def _state_specs(self, names: list[str], state: list[Tensor]) -> tuple:
+        """The state tensors' specs; those of the tensors that persist across calls
+        (parameters, buffers, optimizer state: the same objects every call) are reused."""
+        last, specs = self._last_state, self._last_specs
+        if len(last) != len(state):
+            last, specs = [None] * len(state), [None] * len(state)
+        new_specs = [
+            s if t is old else TensorSpec.of(t)
+            for t, old, s in zip(state, last, specs, strict=True)
+        ]
+        # Gradients come and go (zero_grad): not held past the call, so that eager's memory
+        # high point is not raised by keeping the last ones alive.
+        self._last_state = [
+            None if n.startswith("grad ") else t for n, t in zip(names, state, strict=True)
+        ]
+        self._last_specs = new_specs
+        return tuple(new_specs)
 
     def _outputs(self, program: Program, outputs: Sequence[Tensor], tensors: list[Tensor]) -> Any:
         produced = iter(outputs[: program.n_out])

@@ -50,26 +50,40 @@ class LinkedOptimizer:
                     )
         self.optimizer = optimizer
         self.label = label
-        self.link = TorchOptimizerLink(optimizer, names)
-        self.state: tuple = self.link.read_state(self.link.params, copy=False)
-        self._torch_state = optimizer.state
-        self._structure = self.link.structure_key()
+        self.names = names
+        self._link_up()
+
+    def _link_up(self) -> None:
+        """(Re)build the link: at the start, and after ``param_groups`` changed."""
+        self.link = TorchOptimizerLink(self.optimizer, self.names)
         self.transform = self.link.transform()
+        self._structure = self.link.structure_key()
+        self._torch_state = self.optimizer.state
+        # The optimizer's own tensors where it has state (copy=False): the graph writes
+        # into them; fresh zeros for the rest, installed once their parameter steps.
+        self.state = self.link.read_state(self.link.params, copy=False)
         self.installed: frozenset[str] = frozenset()
+
+    @property
+    def state(self) -> tuple:
+        return self._state
+
+    @state.setter
+    def state(self, value: tuple) -> None:
+        self._state = value
+        self._leaves: tuple[list[str], list[Tensor]] | None = None
 
     def refresh(self) -> tuple:
         """Follow what changed between calls (``load_state_dict``, hyperparameters, a new
         param group); returns the structure key (a new one: a new graph)."""
-        opt = self.optimizer
-        if opt.state is not self._torch_state:
+        if self.optimizer.state is not self._torch_state:
             # load_state_dict() replaces the state dict: its tensors are the live state now.
-            self._torch_state = opt.state
-            self.state = self.link.read_state(self.link.params, copy=False)
-            self.installed = frozenset()
+            self._link_up()
         if self.link.poll():
             if not self.link.same_groups():
-                names = {id(p): n for n, p in self.link.params.items()}
-                self.__init__(opt, names, self.label)  # type: ignore[misc]
+                # add_param_group(): as in eager, the new parameters train from now on; the
+                # state of those trained so far carries over (it is torch's own).
+                self._link_up()
                 return self._structure
             structure = self.link.structure_key()
             if structure != self._structure:
@@ -79,9 +93,12 @@ class LinkedOptimizer:
         return self._structure
 
     def leaves(self) -> tuple[list[str], list[Tensor]]:
-        """The state's tensors and their paths, in a fixed order."""
-        flat = pytree.tree_flatten_with_path(self.state)[0]
-        return [pytree.keystr(p) for p, _ in flat], [t for _, t in flat]
+        """The state's tensors and their paths, in a fixed order (kept until the state is
+        replaced: the hot path of every call)."""
+        if self._leaves is None:
+            flat = pytree.tree_flatten_with_path(self.state)[0]
+            self._leaves = ([pytree.keystr(p) for p, _ in flat], [t for _, t in flat])
+        return self._leaves
 
     def install(self, names_with_grads: frozenset[str]) -> None:
         """After a call: ``optimizer.state`` holds the state of every parameter stepped
