@@ -429,3 +429,22 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
                 )
         assert got[name]["traces"] == 1
         assert got[name]["collectives"] >= 1  # the gradients' all-reduce is in the graph
+
+
+def test_pure_form_with_vmap_per_sample_gradients() -> None:
+    # DP-SGD's per-sample clipping: vmap(grad(...)) inside the jitted pure step.
+    def per_sample_loss(w: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        return ((x @ w - y) ** 2).sum()
+
+    def body(state: dict, x: Tensor, y: Tensor) -> tuple[dict, Tensor]:
+        g = torch.func.vmap(torch.func.grad(per_sample_loss), in_dims=(None, 0, 0))(
+            state["w"], x, y
+        )
+        norms = g.flatten(1).norm(dim=1).clamp(min=1.0)
+        return {"w": state["w"] - 0.1 * (g / norms[:, None, None]).mean(0)}, norms.mean()
+
+    torch.manual_seed(0)
+    w, x, y = torch.randn(5, 3), torch.randn(8, 5), torch.randn(8, 3)
+    got = functacc.jit(body, backend="eager")({"w": w.clone()}, x, y)
+    expected = body({"w": w.clone()}, x, y)
+    assert torch.equal(got[0]["w"], expected[0]["w"]) and torch.equal(got[1], expected[1])

@@ -267,8 +267,11 @@ def _step_bodies(args: argparse.Namespace, argv: list[str]) -> int:
 
     workload = build_step_workload(args.model, batch_size=args.batch_size, device=args.device)
     names = [n.strip() for n in args.competitors.split(",") if n.strip()]
+    failures: dict[str, str] = {}
     results = runner.run(
         [lambda n=n: make_step_competitor(n, workload) for n in names],
+        failures=failures,
+        labels=names,
         batch_size=workload.batches[0][0].shape[0],
         device=torch.device(args.device),
         warmup=args.warmup,
@@ -279,6 +282,8 @@ def _step_bodies(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"{workload.description}; {report.machine()}")
     print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
     print(report.table(results))
+    for name, error in failures.items():
+        print(f"{name}: failed at its first step, left out: {error}")
     if args.json:
         report.write_json(
             args.json,
@@ -287,6 +292,7 @@ def _step_bodies(args: argparse.Namespace, argv: list[str]) -> int:
                 "machine": report.machine(),
                 "command": "python -m functacc bench " + " ".join(argv),
                 "results": [r.as_dict() for r in results],
+                "failures": failures,
             },
         )
     return 0

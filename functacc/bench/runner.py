@@ -58,10 +58,16 @@ def run(
     steps: int,
     rounds: int,
     progress: bool = True,
+    failures: dict[str, str] | None = None,
+    labels: Sequence[str] | None = None,
 ) -> list[Result]:
     """Build each competitor (timing its first step), warm up, then time ``rounds`` rounds of
     ``steps`` steps, rotating the order each round so that no competitor always runs first
-    (CPU frequency and cache state drift over a run)."""
+    (CPU frequency and cache state drift over a run).
+
+    With ``failures`` (and ``labels``, the competitors' names), a competitor that cannot
+    build or take its first step is recorded there (label -> the error) and left out,
+    instead of ending the run: a rival that does not support a workload is a result."""
     total = len(factories) * (1 + warmup + rounds * steps + 1)
     bar = tqdm(total=total, desc="bench", unit="step", disable=not progress, leave=False)
     competitors: list[Competitor] = []
@@ -72,8 +78,16 @@ def run(
             live = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        competitor = factory()
-        competitor.step()
+        try:
+            competitor = factory()
+            competitor.step()
+        except Exception as exc:
+            if failures is None or labels is None:
+                raise
+            label = labels[len(competitors) + len(failures)]
+            failures[label] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            bar.update(1 + warmup + rounds * steps + 1)
+            continue
         _sync(device)
         first = time.perf_counter() - start
         competitors.append(competitor)
