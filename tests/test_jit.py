@@ -448,3 +448,19 @@ def test_pure_form_with_vmap_per_sample_gradients() -> None:
     got = functacc.jit(body, backend="eager")({"w": w.clone()}, x, y)
     expected = body({"w": w.clone()}, x, y)
     assert torch.equal(got[0]["w"], expected[0]["w"]) and torch.equal(got[1], expected[1])
+
+
+def test_gradient_hooks_run_as_in_eager() -> None:
+    model, opt = linear_case()
+    ref, ref_opt = linear_case()
+    seen: list[tuple[int, ...]] = []
+    for m in (model, ref):
+        m[0].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        m[2].bias.register_post_accumulate_grad_hook(lambda p: seen.append(tuple(p.grad.shape)))
+    step = functacc.jit(accumulate(model, opt), modules=[model], backend="eager")
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        step(x)
+        accumulate(ref, ref_opt)(x)
+        assert_same(tensors_of([model], []), tensors_of([ref], []))
+    assert model[0].weight.grad.abs().max() <= 0.02  # clamped twice, accumulated

@@ -150,6 +150,13 @@ class Capture:
             leaf = by_name[f"param {n}"]
             if p.requires_grad:
                 leaf.requires_grad_(True)
+                # The parameter's gradient hooks run on the traced tensor that stands for
+                # it, as backward() runs them on the parameter: each contribution before it
+                # is accumulated (register_hook), then after (post-accumulate hooks).
+                for hook in (p._backward_hooks or {}).values():
+                    leaf.register_hook(hook)
+                for hook in (p._post_accumulate_grad_hooks or {}).values():
+                    leaf.register_post_accumulate_grad_hook(hook)
             grad = by_name.get(f"grad {n}")
             if grad is not None:
                 leaf.grad = grad
