@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -464,3 +465,35 @@ def test_gradient_hooks_run_as_in_eager() -> None:
         accumulate(ref, ref_opt)(x)
         assert_same(tensors_of([model], []), tensors_of([ref], []))
     assert model[0].weight.grad.abs().max() <= 0.02  # clamped twice, accumulated
+
+
+def test_python_side_effects_outside_the_modules_are_errors() -> None:
+    model, _opt = linear_case()
+    history: list[Tensor] = []
+    calls = 0
+
+    def appends(x: Tensor) -> Tensor:
+        loss = model(x).sum()
+        history.append(loss)
+        return loss
+
+    def counts(x: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        return model(x).sum()
+
+    for body, what in ((appends, "'history' (list changed in place)"), (counts, "'calls'")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            functacc.jit(body, modules=[model], backend="eager")(torch.randn(2, 4))
+    assert history == [] and calls == 0  # put back as they were
+
+
+def test_doctests() -> None:
+    import doctest
+
+    import functacc.core.side_effects
+    import functacc.frontends.jit
+
+    for module in (functacc.frontends.jit, functacc.core.side_effects):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

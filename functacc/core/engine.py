@@ -48,6 +48,7 @@ from ..trace import (
     run_error,
 )
 from .capture import Capture, Exit
+from .side_effects import OuterStateWatch
 
 __all__ = ["Engine", "Program"]
 
@@ -339,6 +340,7 @@ class Engine:
         holder = self._holder
         try:
             with (
+                OuterStateWatch(self.fn),
                 _AttributeWatch(holder),
                 _HostRandomWatch(),
                 _HeldRandomWatch(holder),
