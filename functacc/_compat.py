@@ -13,6 +13,7 @@ package may still work, but nothing has run it there.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -23,6 +24,7 @@ __all__ = [
     "SUPPORTED",
     "TORCH",
     "all_gather_single",
+    "inductor_defers_input_checks",
     "optimization_hint",
     "reduce_scatter_single",
 ]
@@ -92,3 +94,17 @@ def optimization_hint(size: torch.SymInt | int, *, fallback: int | None = None) 
     """The value ``size`` had in the traced example (a plain int as it is), without adding
     a guard on it: for choices of speed, never of values."""
     return _optimization_hint()(size, fallback=fallback)
+
+
+# --- Inductor's generated code ------------------------------------------------------------
+@functools.cache
+def inductor_defers_input_checks() -> bool:
+    """Whether Inductor's generated code checks each input's sizes just before the first
+    kernel that reads it, grouped per kernel (``assert_size_stride_grouped``), which
+    :mod:`functacc.input_checks` gathers into one call at the start."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    # After 2.11 (2.11 writes one ``assert_size_stride`` per input, all at the top of
+    # ``call()``; 2.13 defers them): with the old placement every check already runs before
+    # the first kernel, and there is nothing to move.
+    return hasattr(PythonWrapperCodegen, "codegen_deferred_input_asserts")
