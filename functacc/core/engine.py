@@ -364,6 +364,7 @@ class Engine:
         except Exception as exc:
             raise self._trace_error(exc, described) from exc
         _bernoulli_in_place(gm)
+        _direct_writes(gm)
         if not symbolic:
             return gm, None, None
         shape_env = fakes[0].fake_mode.shape_env
@@ -417,6 +418,30 @@ def _bernoulli_in_place(gm: GraphModule) -> None:
         )
         if fresh and len(source.users) == 1 and len(node.args) == 2 and not node.kwargs:
             node.target = aten.bernoulli_.float
+    gm.recompile()
+
+
+def _direct_writes(gm: GraphModule) -> None:
+    """Functionalization writes a mutated input as ``y = copy(x, value)`` then
+    ``copy_(x, y)``: two copies of every written tensor. Write ``value`` directly, where
+    ``value`` is computed in the graph: a view of an input (``ema_buffer.copy_(buffer)``)
+    keeps its copy, since another final write may change that input before this one."""
+    from ..compile import _root
+
+    aten = torch.ops.aten
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
+        target, source = node.args
+        if (
+            isinstance(source, torch.fx.Node)
+            and source.target is aten.copy.default
+            and source.args[0] is target
+            and len(source.users) == 1
+            and not source.kwargs
+            and isinstance(source.args[1], torch.fx.Node)
+            and _root(source.args[1]).op != "placeholder"
+        ):
+            node.args = (target, source.args[1])
+            gm.graph.erase_node(source)
     gm.recompile()
 
 
