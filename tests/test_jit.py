@@ -497,3 +497,22 @@ def test_doctests() -> None:
     for module in (functacc.frontends.jit, functacc.core.side_effects):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_a_replaced_layer_is_an_error_not_a_silent_miss() -> None:
+    model, opt = linear_case()
+    step = functacc.jit(accumulate(model, opt), modules=[model], backend="eager")
+    step(torch.randn(2, 4))
+    model[2] = nn.Linear(8, 2)
+    with pytest.raises(RuntimeError, match=r"model\.2 was replaced"):
+        step(torch.randn(2, 4))
+
+
+def test_a_forward_hook_added_later_retraces() -> None:
+    model, _opt = linear_case()
+    step = functacc.jit(lambda x: model(x).sum(), modules=[model], backend="eager")
+    x = torch.randn(2, 4)
+    before = step(x)
+    model[2].register_forward_hook(lambda m, i, o: o * 2)
+    assert torch.equal(step(x), 2 * before) and step.num_traces == 2
+    assert "hooks" in step.traces[1].reason

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..errors import argument_error
 from ..functional import check_dense_gradients, swap_attributes
-from ..signature import ModelWatch
+from ..signature import HookWatch, ModelWatch, StructureWatch
 from ..trace import describe_tensor
 from .optimizers import LinkedOptimizer, TracedOptimizer
 
@@ -103,6 +103,13 @@ class Capture:
             for opt, label in zip(optimizers, optimizer_labels, strict=True)
         ]
         self.strategy: Any = None  # data parallel: functacc.parallel's Replicated strategy
+        self._watched: tuple | None = None
+        # Submodules or tensors replaced (registration hooks), hooks added or removed.
+        self.structures = [StructureWatch(m) for m in self.modules]
+        self.hooks = [
+            HookWatch(m, {f"{label}.{n}": p for n, p in m.named_parameters()})
+            for label, m in zip(self.labels, self.modules, strict=True)
+        ]
 
     # -- per call ----------------------------------------------------------------------
     def read(self) -> tuple[list[str], list[Tensor], tuple]:
@@ -130,13 +137,33 @@ class Capture:
             if p.grad is not None:
                 names.append(f"grad {n}")
                 tensors.append(p.grad)
+        watched = self.watch.key()
+        if watched is not self._watched or any(w.replaced for w in self.structures):
+            self._check_tables()
+            self._watched = watched
         structure = []
         for opt in self.optimizers:
             structure.append(opt.refresh())
             paths, leaves = opt.leaves()
             names.extend(f"{opt.label}{path}" for path in paths)
             tensors.extend(leaves)
-        return names, tensors, (self.watch.key(), tuple(structure))
+        hooks = tuple(h.key() for h in self.hooks)
+        return names, tensors, (watched, hooks, tuple(structure))
+
+    def _check_tables(self) -> None:
+        """A parameter, buffer or submodule replaced or added after the step was built
+        (``model.fc = nn.Linear(...)``, ``model.double()``): the step would go on training
+        the old tensors while the module uses the new ones. Eager would use the new."""
+        for label, structure in zip(self.labels, self.structures, strict=True):
+            structure.rescan()
+            if structure.replaced is not None:
+                raise RuntimeError(
+                    f"{label}.{structure.replaced} was replaced or added after functacc.jit "
+                    "built this step, which captured the modules' tensors then (model.to(), "
+                    "model.double() and assigning a new submodule replace them). Change "
+                    "values in place instead (p.copy_(...), load_state_dict), or build the "
+                    "step again with functacc.jit(...)."
+                )
 
     @contextlib.contextmanager
     def installed(self, names: Sequence[str], inputs: Sequence[Tensor]) -> Iterator[Exit]:
