@@ -1,0 +1,159 @@
+"""Draw docs/architecture.png: functacc's modules grouped by the stage of the pipeline they
+belong to, with the imports between the groups read from the source (ast), so the
+picture follows the code.
+
+    python docs/architecture.py            # writes docs/architecture.png (needs matplotlib)
+    python docs/architecture.py --check    # fails if a module of functacc is in no group
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "functacc"
+
+# The stages, left to right in the picture, and the modules of each (package-relative).
+STAGES: dict[str, list[str]] = {
+    "front doors": ["frontends/jit", "step", "accelerate", "config", "__init__", "__main__"],
+    "capture + trace": [
+        "core/capture",
+        "core/optimizers",
+        "core/side_effects",
+        "core/engine",
+        "step_fn",
+        "functional",
+        "trace",
+        "signature",
+        "guards",
+        "cache",
+    ],
+    "transforms": ["parallel/*", "precision", "remat", "split"],
+    "compile": [
+        "compile",
+        "compile_worker",
+        "bias_add",
+        "independent_loops",
+        "input_checks",
+        "inductor_call",
+        "masks",
+        "bernoulli",
+    ],
+    "run": ["cudagraph", "host_memory", "memory"],
+}
+# Beside the pipeline: what the stages use.
+SUPPORT: dict[str, list[str]] = {
+    "optimizers": ["optim/*"],
+    "data": ["data", "buckets", "sampling"],
+    "state": ["checkpoint", "manager", "safe_io"],
+    "shared": ["errors", "_env", "_compat", "core/__init__", "frontends/__init__"],
+    "bench": ["bench/*"],
+}
+GROUPS = {**STAGES, **SUPPORT}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by its package-relative name without .py."""
+    return {str(p.relative_to(PACKAGE).with_suffix("")): p for p in PACKAGE.rglob("*.py")}
+
+
+def group_of(name: str) -> str | None:
+    for group, members in GROUPS.items():
+        for member in members:
+            if member == name or (member.endswith("/*") and name.startswith(member[:-1])):
+                return group
+    return None
+
+
+def imports(path: Path, name: str) -> set[str]:
+    """The package modules that ``name`` imports (relative and absolute imports)."""
+    found = set()
+    package = name.split("/")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+            elif node.module and node.module.startswith("functacc"):
+                base, node.level = [], 1
+                node.module = node.module.removeprefix("functacc").lstrip(".") or None
+            else:
+                continue
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            for alias in node.names:
+                found.add("/".join([*target, alias.name]))
+                found.add("/".join(target))
+    return found
+
+
+def edges() -> Counter:
+    """Imports between groups: (from group, to group) -> count."""
+    known = modules()
+    counted: Counter = Counter()
+    for name, path in known.items():
+        source = group_of(name)
+        for target in imports(path, name):
+            target = target if target in known else f"{target}/__init__"
+            if target in known and (group := group_of(target)) and group != source:
+                counted[source, group] += 1
+    return counted
+
+
+def draw(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    fig, ax = plt.subplots(figsize=(13, 7.2))
+    ax.set_xlim(0, 13)
+    ax.set_ylim(0, 6.9)
+    ax.axis("off")
+    boxes = {}
+    known = modules()
+
+    def box(group: str, x: float, y: float, w: float, h: float, color: str) -> None:
+        members = sorted(n for n in known if group_of(n) == group and not n.endswith("__"))
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=color, ec="k"))
+        ax.text(x + w / 2, y + h - 0.25, group, ha="center", va="top", weight="bold")
+        text = "\n".join(members[:12]) + ("\n..." if len(members) > 12 else "")
+        ax.text(x + 0.1, y + h - 0.6, text, va="top", fontsize=7, family="monospace")
+        boxes[group] = (x, y, w, h)
+
+    colors = ["#f4cccc", "#fce5cd", "#fff2cc", "#d9ead3", "#cfe2f3"]
+    for i, (group, color) in enumerate(zip(STAGES, colors, strict=True)):
+        box(group, 0.2 + i * 2.55, 2.9, 2.3, 3.6, color)
+    for i, group in enumerate(SUPPORT):
+        box(group, 0.2 + i * 2.55, 0.2, 2.3, 2.3, "#eeeeee")
+    counted = edges()
+    stages = list(STAGES)
+    for a, b in zip(stages, stages[1:], strict=False):  # the pipeline, left to right
+        xa, ya, wa, ha = boxes[a]
+        xb, _, _, _ = boxes[b]
+        ax.add_patch(
+            FancyArrowPatch(
+                (xa + wa, ya + ha / 2), (xb, ya + ha / 2), arrowstyle="-|>", mutation_scale=18
+            )
+        )
+    summary = ", ".join(f"{a} -> {b}: {n}" for (a, b), n in sorted(counted.items()) if a and b)
+    ax.text(0.2, 6.75, "imports between groups (from the source): " + summary, fontsize=6, wrap=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args()
+    missing = sorted(n for n in modules() if group_of(n) is None)
+    if missing:
+        sys.exit(f"modules in no group of docs/architecture.py: {missing}")
+    if not args.check:
+        draw(Path(__file__).with_name("architecture.png"))
+
+
+if __name__ == "__main__":
+    main()
