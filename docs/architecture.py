@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import sys
 from collections import Counter
 from pathlib import Path
@@ -131,7 +132,7 @@ def draw(out: Path) -> None:
         box(group, 0.2 + i * 2.55, 0.2, 2.3, 2.3, "#eeeeee")
     counted = edges()
     stages = list(STAGES)
-    for a, b in zip(stages, stages[1:], strict=False):  # the pipeline, left to right
+    for a, b in itertools.pairwise(stages):  # the pipeline, left to right
         xa, ya, wa, ha = boxes[a]
         xb, _, _, _ = boxes[b]
         ax.add_patch(
@@ -140,7 +141,9 @@ def draw(out: Path) -> None:
             )
         )
     summary = ", ".join(f"{a} -> {b}: {n}" for (a, b), n in sorted(counted.items()) if a and b)
-    ax.text(0.2, 6.75, "imports between groups (from the source): " + summary, fontsize=6, wrap=True)
+    ax.text(
+        0.2, 6.75, "imports between groups (from the source): " + summary, fontsize=6, wrap=True
+    )
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 

@@ -159,3 +159,14 @@ def test_a_broken_block_fails_and_names_its_line(tmp_path: Path) -> None:
     assert f"FAILED: the python block at {doc}:{line}" in result.stderr
     assert f'File "{doc}", line {line}' in result.stderr  # the traceback names the doc line
     assert "undefined_name" in result.stderr
+
+
+def test_architecture_picture_covers_every_module() -> None:
+    # docs/architecture.png groups the modules by pipeline stage; a new module must join a
+    # group (and the picture be redrawn) or this fails.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "architecture.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
