@@ -11,7 +11,7 @@ draw, the same mask bit for bit (tested against eager for many sizes, probabilit
 generator positions). It runs the twister a whole 624-word block at a time, which the
 compiler vectorizes, and compares integers (``u < p`` is ``m < ceil(p * 2**53)`` for the
 53-bit integer ``m`` of ``u = m / 2**53``): about 0.6 ns per element
-(``python benchmarks/mask_draws.py``, 1M elements: 4.61 vs 0.56 ns). The kernel is C++
+(``python benchmarks/experiments/mask_draws.py``, 1M elements: 4.61 vs 0.56 ns). The kernel is C++
 compiled once per machine with the compiler and vector flags Inductor uses, and cached in
 Inductor's cache directory.
 

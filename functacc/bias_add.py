@@ -11,8 +11,8 @@ addition is a kernel of its own, which costs what ``addmm``'s copy cost (eager
 elementwise users pay (``should_prefer_unfused_addmm``), and not on CPU.
 
 Measured on the bench MLP (8 x Linear(256, 256) + ReLU, then Linear(256, 10) into
-cross-entropy; batch 32, 2-core CPU, ``benchmarks/step_breakdown.py``): the hidden layers'
-matmuls went from 28.9 to 23.9 us each and the classifier's from 24.6 to 6.4 us.
+cross-entropy; batch 32, 2-core CPU, ``benchmarks/experiments/step_breakdown.py``): the
+hidden layers' matmuls went from 28.9 to 23.9 us each and the classifier's from 24.6 to 6.4 us.
 
 It is done for float32 and float64 only: in bf16 or fp16, rounding the product before the
 bias is added would round twice where ``addmm`` rounds once. The sum itself is the same

@@ -283,7 +283,7 @@ def _inductor(
         # A kernel runs on one thread unless each thread gets 8192 elements or more
         # (Inductor's default: 512). Below that, OpenMP's fork and join cost more than
         # the second core gives: the bench MLP's 32 x 256 activations and their
-        # gradients. Measured per step with benchmarks/step_breakdown.py, interleaved
+        # gradients. Measured per step with benchmarks/experiments/step_breakdown.py, interleaved
         # (2-core CPU): MLP 0.92 vs 0.98 ms, GPT-2 41.3-42.0 vs 42.6-43.5 ms; the
         # Transformer, ResNet-18 and ResNet-50 within noise.
         options["cpp.min_chunk_size"] = 8192

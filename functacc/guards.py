@@ -16,7 +16,7 @@ object, as ``model.train()`` on a training model does, leaves it); per parameter
 Dynamo's tensor match without sizes (dtype, device, dispatch keys, ``requires_grad``). On
 ResNet-50 (151 modules, 161 parameters; 2-core CPU) the check takes 9.0 us, against
 15.5 us for the earlier checks made from Python with C-level maps
-(``benchmarks/host_overhead.py``). A failed
+(``benchmarks/experiments/host_overhead.py``). A failed
 check says only "something may have changed": the caller re-reads everything and builds a
 new tree. The API is private; without it (or if the dict-version check does not work on
 this Python), :func:`model_guard` returns ``None`` and the caller re-reads every call.

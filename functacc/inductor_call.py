@@ -7,7 +7,7 @@ graph already contains its backward, its inputs are plain tensors compiled as
 inference inputs, so AOTAutograd dedupes nothing, regenerates no aliases that a caller could
 tell apart, and keeps every input mutation inside the graph. They still cost time: on the
 bench MLP (2-core CPU) each graph ran 25-35 us slower through them than called directly
-(about 60 us of a 1.1 ms step; ``benchmarks/step_breakdown.py``), more than their Python
+(about 60 us of a 1.1 ms step; ``benchmarks/experiments/step_breakdown.py``), more than their Python
 alone, as their code and data push the step's weights out of the core's caches.
 
 :func:`direct_call` finds the generated function and returns a caller that does what the

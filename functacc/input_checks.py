@@ -15,7 +15,7 @@ first kernel, for every input that a kernel of the graph reads: the same inputs 
 against the same sizes, and a wrong one fails before any kernel has run. (Inductor applies a
 graph's writes to its inputs at its end, so that was already true of them.) The rest of the
 generated code is unchanged. Measured per graph on the bench MLP with
-``benchmarks/step_breakdown.py``-style timers: the update graph 203-206 us instead of
+``benchmarks/experiments/step_breakdown.py``-style timers: the update graph 203-206 us instead of
 210-215 us, the gradients graph unchanged within noise. It patches a private
 method of Inductor's wrapper code generator while a graph compiles; where that method is
 missing (torch 2.11, see ``_compat.inductor_defers_input_checks``), it does nothing and

@@ -261,10 +261,10 @@ def _fence(graph: torch.fx.Graph, ready: Node, value: Node, zeros: dict) -> Node
     (dropout masks kept as ``uint8``) is read as ``value | zero``, ``zero`` a 0 of its dtype
     made from ``ready`` (``ready ^ ready``): Inductor's CPU code turns a float condition into
     a byte mask one element at a time, which made ``where`` on a ``uint8`` mask 7x slower
-    than reading the mask (1M elements, ``benchmarks/fence_read.py``: 1.69 vs 0.24 ms),
+    than reading the mask (1M elements, ``benchmarks/experiments/fence_read.py``: 1.69 vs 0.24 ms),
     while ``|`` stays vector code. On the bench Transformer this took
     ``remat_policy="selective"`` from 0.80x to 0.95x the stored-activation step's
-    throughput (``benchmarks/remat_attention.py``).
+    throughput (``benchmarks/experiments/remat_attention.py``).
     """
     val = value.meta["val"]
     if val.dtype.is_floating_point or val.dtype.is_complex:

@@ -75,11 +75,11 @@ class Split:
     corrections: three per parameter), each at its own index; the update reads them back
     with ``select``. Returned, each scalar was a tensor allocated and freed on every call
     and one more argument to two kernels: on the bench MLP (59 scalars; 2-core CPU,
-    ``benchmarks/step_breakdown.py``) the step took 1.00 ms that way, 0.95 ms with a 0-dim
-    slot per scalar. One slot for all 59 takes the update graph from 150 inputs to 93 (each
-    one a size check, an unpacking and a kernel argument in the generated code); the step
-    time stayed within the noise of a 0-dim slot per scalar (0.918 vs 0.914 ms, interleaved
-    in one process).
+    ``benchmarks/experiments/step_breakdown.py``) the step took 1.00 ms that way, 0.95 ms with a
+    0-dim slot per scalar. One slot for all 59 takes the update graph from 150 inputs to 93 (each
+    one a size check, an unpacking and a kernel argument in the generated code); the step time
+    stayed within the noise of a 0-dim slot per scalar (0.918 vs 0.914 ms, interleaved in one
+    process).
     """
 
     gradients: GraphModule

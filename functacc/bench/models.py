@@ -112,10 +112,10 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 # them). Trained on one fixed batch, the MLP memorised it within 100 steps (loss 1e-6):
 # softmax's gradients then underflow to denormal floats, which make the backward matmuls
 # up to 130x slower on x86, and the bench timed that instead of training (eager 2.56 ->
-# 3.01 ms per step: benchmarks/denormals.py). With 64 batches of random labels the loss stays
-# near ln(10) for the bench's few hundred steps. (Past about 600 steps, Adam's moments of
-# parameters whose gradient is exactly zero, such as dead ReLU units, decay into denormals
-# too; the bench runs fewer steps.)
+# 3.01 ms per step: benchmarks/experiments/denormals.py). With 64 batches of random labels the loss
+# stays near ln(10) for the bench's few hundred steps. (Past about 600 steps, Adam's moments of
+# parameters whose gradient is exactly zero, such as dead ReLU units, decay into denormals too; the
+# bench runs fewer steps.)
 POOL = 64
 POOL_BYTES = 64 * 2**20
 

@@ -1,8 +1,8 @@
 """Where a bench model's functacc step spends its wall time, per step, without a profiler
 (its per-event cost would be as large as the small parts measured here)::
 
-    python benchmarks/step_breakdown.py            # the MLP
-    python benchmarks/step_breakdown.py transformer 300
+    python benchmarks/experiments/step_breakdown.py            # the MLP
+    python benchmarks/experiments/step_breakdown.py transformer 300
 
 Parts: the step's own Python before the graphs run (signature check, program lookup), the
 two compiled graphs (gradients, update) as Inductor's generated code runs them, the

@@ -2,7 +2,7 @@
 per-call model check (functacc/guards.py), on a step built with the eager backend (no
 compile: the host work is the same)::
 
-    python benchmarks/host_overhead.py resnet50
+    python benchmarks/experiments/host_overhead.py resnet50
 """
 
 from __future__ import annotations

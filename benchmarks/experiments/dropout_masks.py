@@ -4,7 +4,7 @@ Trains the bench Transformer (4 x d256, dropout 0.1) with eager PyTorch, functac
 functacc with the byte-mask pass turned off, interleaved in one process, and prints
 throughput and peak step memory::
 
-    python benchmarks/dropout_masks.py
+    python benchmarks/experiments/dropout_masks.py
 """
 
 from __future__ import annotations

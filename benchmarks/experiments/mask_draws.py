@@ -1,8 +1,8 @@
 """Dropout mask draws: eager's CPU ``bernoulli_`` against functacc's kernel
 (``functacc/bernoulli.py``), the same bytes, interleaved in one process::
 
-    python benchmarks/mask_draws.py              # 1M elements, p = 0.9
-    python benchmarks/mask_draws.py 4096
+    python benchmarks/experiments/mask_draws.py              # 1M elements, p = 0.9
+    python benchmarks/experiments/mask_draws.py 4096
 
 Prints nanoseconds per element (best of 7 rounds) and checks that both drew the same mask
 and left the generator in the same state.

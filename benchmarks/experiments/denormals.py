@@ -5,7 +5,7 @@ one fixed batch against the pool of 64 (the fixed batch is memorised and its gra
 underflow), and the eager step over a long run on the pool (Adam's moments of parameters
 whose gradient is exactly zero decay into denormals)::
 
-    python benchmarks/denormals.py
+    python benchmarks/experiments/denormals.py
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A bench model's functacc step with and without OpenMP barriers between independent loop
 nests (functacc/independent_loops.py), two builds in one process, timed interleaved::
 
-    python benchmarks/loop_barriers.py                 # the MLP, 500 steps x 9 rounds
-    python benchmarks/loop_barriers.py transformer 30 7
+    python benchmarks/experiments/loop_barriers.py                 # the MLP, 500 steps x 9 rounds
+    python benchmarks/experiments/loop_barriers.py transformer 30 7
 
 "A" compiles with Inductor's barriers (the change turned off, and its own cache key so
 that neither build is served the other's code), "B" as functacc compiles by default. Both

@@ -8,8 +8,8 @@ start-up, and flushing switched on after the first step; one fresh process per r
 Flushing must be switched on before the first parallel region: OpenMP's worker threads
 copy the caller's floating-point mode when they start, and only then::
 
-    python benchmarks/flush_denormals.py            # 3000 steps per run
-    python benchmarks/flush_denormals.py 6000
+    python benchmarks/experiments/flush_denormals.py            # 3000 steps per run
+    python benchmarks/experiments/flush_denormals.py 6000
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The recomputation policies on the bench Transformer, interleaved in one process::
 
-    python benchmarks/remat_attention.py
+    python benchmarks/experiments/remat_attention.py
 
 ``save_matmuls`` keeps every matmul's result from forward, attention's ``bmm``s included;
 ``selective`` keeps only those with a weight operand and recomputes attention's.

@@ -4,7 +4,7 @@ Times one kernel over 1M elements, ``mask.float() / 0.9 * x``, with the mask rea
 through ``where(ready, mask, mask)`` (the fence integer values had until fe533b4) and
 through ``mask | zero`` (the fence they have now); ``ready`` is ``a[0] == a[0]``::
 
-    python benchmarks/fence_read.py
+    python benchmarks/experiments/fence_read.py
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Warms three buckets (32, 64, 128 tokens) of a small Hugging Face GPT-2 step
 same fresh cache directory: the first run compiles, the second finds the cache::
 
     export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
-    python benchmarks/warmup_cache.py   # cold
-    python benchmarks/warmup_cache.py   # a second process
+    python benchmarks/experiments/warmup_cache.py   # cold
+    python benchmarks/experiments/warmup_cache.py   # a second process
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import models  # the test suite's small random-weight GPT-2
 
 import functacc

@@ -2,8 +2,8 @@
 Inductor's kernel profiling on): matmuls, dropout's mask draws, the rest, and the
 events that take the most time::
 
-    python benchmarks/profile_step.py transformer
-    python benchmarks/profile_step.py mlp 200     # steps to profile (default 5)
+    python benchmarks/experiments/profile_step.py transformer
+    python benchmarks/experiments/profile_step.py mlp 200     # steps to profile (default 5)
 """
 
 from __future__ import annotations
