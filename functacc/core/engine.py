@@ -95,9 +95,8 @@ class Engine:
         self.cache = ProgramCache(what, dynamic=dynamic, max_traces=max_traces)
         self.reused = 0  # signatures served by a graph compiled for another one
         self._by_fingerprint: dict[tuple, Program] = {}
-        device = next((t.device for t in capture.params.values()), torch.device("cpu"))
-        self.device = device
-        self._ambient = AmbientWatch(device.type)
+        # Autocast on the CPU and, where there is one, the GPU: a body may run on either.
+        self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")
         self._holder = _holder(capture)
         self._last_state: list[Tensor | None] = []
         self._last_specs: list[TensorSpec | None] = []
@@ -128,14 +127,14 @@ class Engine:
                 program = self._build(key, family, names, state, leaves, spec, tensors, donated)
         flat = [*state, *tensors]
         inputs = [flat[i] for i in program.used]
-        rng = _rng_state(self.device) if program.random else None
+        rng = _rng_state(flat) if program.random else None
         grad_mode = torch.is_grad_enabled()
         _set_grad_enabled(False)  # the graph writes into tensors that require grad
         try:
             outputs = program.run(inputs)
         except Exception as exc:
             if rng is not None:  # the graph may have drawn random numbers before it failed
-                _set_rng_state(rng, self.device)
+                _set_rng_state(rng)
             raise run_error(exc, _describe(leaves)) from exc
         finally:
             _set_grad_enabled(grad_mode)
@@ -505,15 +504,16 @@ def _draws_random(gm: GraphModule) -> bool:
     return any(seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
 
 
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+def _rng_state(tensors: list[Tensor]) -> tuple[Tensor, dict[torch.device, Tensor]]:
+    """The CPU generator's state and that of each GPU the call's tensors are on."""
+    cuda = {t.device for t in tensors if t.is_cuda}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
 
 
-def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+def _set_rng_state(state: tuple[Tensor, dict[torch.device, Tensor]]) -> None:
     torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+    for device, cuda in state[1].items():
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _is_t(x: Any) -> bool:
