@@ -26,6 +26,8 @@ STAGES: dict[str, list[str]] = {
         "core/optimizers",
         "core/side_effects",
         "core/engine",
+        "core/graph_passes",
+        "core/donation",
         "step_fn",
         "functional",
         "trace",

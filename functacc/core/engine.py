@@ -20,7 +20,6 @@ trace to the same graph, compiled once.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..cache import ProgramCache, SizeGuard, TraceRecord
 from ..compile import Backend, Compiled, check_generators, compile_graph
-from ..errors import TraceError, argument_error
+from ..errors import TraceError
 from ..signature import AmbientWatch, TensorSpec, family_key, hashable_constant
 from ..trace import (
     _AttributeWatch,
@@ -48,6 +47,13 @@ from ..trace import (
     run_error,
 )
 from .capture import Capture, Exit
+from .donation import donated_positions, donated_targets, donation_target, poison
+from .graph_passes import (
+    bernoulli_in_place,
+    direct_writes,
+    drop_unused_inputs,
+)
+from .graph_passes import fingerprint as graph_fingerprint
 from .side_effects import OuterStateWatch
 
 __all__ = ["Engine", "Program"]
@@ -106,7 +112,7 @@ class Engine:
         names, state, context = self.capture.read()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
-        donated = self._donated_positions(args, leaves, spec)
+        donated = donated_positions(self.donate, args, leaves)
         constants = tuple(
             hashable_constant(x) if not isinstance(x, Tensor) else None for x in leaves
         )
@@ -170,36 +176,8 @@ class Engine:
             else:
                 leaves.append(kind[1])
         for i in program.donated:
-            _poison(tensors[i])
+            poison(tensors[i])
         return pytree.tree_unflatten(leaves, program.out_spec)
-
-    def _donated_positions(self, args: tuple, leaves: list, spec: Any) -> list[int]:
-        """Positions, among the call's tensors, of those in donated arguments."""
-        if not self.donate:
-            return []
-        positions: list[int] = []
-        index = 0
-        seen: dict[int, int] = {}
-        for i, arg in enumerate(args):
-            arg_leaves = pytree.tree_leaves(arg)
-            for leaf in arg_leaves:
-                if isinstance(leaf, Tensor):
-                    if i in self.donate:
-                        positions.append(index)
-                    seen[id(leaf)] = seen.get(id(leaf), 0) + 1
-                    index += 1
-        for leaf in leaves[len(pytree.tree_leaves(args)) :]:
-            if isinstance(leaf, Tensor):
-                seen[id(leaf)] = seen.get(id(leaf), 0) + 1
-        tensors = [x for x in leaves if isinstance(x, Tensor)]
-        for i in positions:
-            if seen[id(tensors[i])] > 1:
-                raise argument_error(
-                    f"a tensor of a donated argument ({describe_tensor(tensors[i])}) is also "
-                    "passed elsewhere in the same call; a donated tensor's memory is reused "
-                    "for the outputs, so it may be passed once only. Pass a .clone()."
-                )
-        return positions
 
     # -- tracing -----------------------------------------------------------------------
     def _build(
@@ -240,7 +218,7 @@ class Engine:
                 if not isinstance(value, Tensor):
                     kinds.append(("constant", value))
                     continue
-                target = _donation_target(value, free)
+                target = donation_target(value, free)
                 if target is None:
                     kinds.append("tensor")
                     produced.append(value.detach())
@@ -258,10 +236,10 @@ class Engine:
         example = [*state, *tensors]
         started = time.perf_counter()
         gm, fakes, size_guard = self._trace(body, example, n_state, dynamic, described)
-        used = _drop_unused_inputs(gm)
+        used = drop_unused_inputs(gm)
         traced_at = time.perf_counter()
         exit_ = meta["exit"]
-        fingerprint = _fingerprint(
+        fingerprint = graph_fingerprint(
             gm,
             [(names[i] if i < n_state else f"batch {i - n_state}") for i in used],
             [TensorSpec.of(example[i]) for i in used],
@@ -301,7 +279,7 @@ class Engine:
             fingerprint=fingerprint,
             guard=guard,
             random=_draws_random(gm),
-            donated=_donated(meta["kinds"]),
+            donated=donated_targets(meta["kinds"]),
         )
         if reuse is not None:
             # Not a new trace in the account (nothing was compiled): the exact key maps to
@@ -362,8 +340,8 @@ class Engine:
                     gm = make_fx(functional, tracing_mode=mode)(*[f.detach() for f in fakes])
         except Exception as exc:
             raise self._trace_error(exc, described) from exc
-        _bernoulli_in_place(gm)
-        _direct_writes(gm)
+        bernoulli_in_place(gm)
+        direct_writes(gm)
         if not symbolic:
             return gm, None, None
         shape_env = fakes[0].fake_mode.shape_env
@@ -390,105 +368,11 @@ class Engine:
         return _translate(exc, self._holder, described)
 
 
-# -- graph helpers -----------------------------------------------------------------------
-def _drop_unused_inputs(gm: GraphModule) -> list[int]:
-    """Remove placeholders no op reads; return the indices of those kept."""
-    used = []
-    for i, node in enumerate(list(gm.graph.find_nodes(op="placeholder"))):
-        if node.users:
-            used.append(i)
-        else:
-            gm.graph.erase_node(node)
-    gm.recompile()
-    return used
-
-
-def _bernoulli_in_place(gm: GraphModule) -> None:
-    """Functionalization turns dropout's ``empty_like(x).bernoulli_(p)`` into the
-    out-of-place ``bernoulli.p`` of the empty tensor (the same draws); put back the
-    in-place form on the fresh tensor, which the CPU masks pass (masks.py) rewrites into
-    1-byte masks drawn by functacc's kernel."""
-    aten = torch.ops.aten
-    for node in gm.graph.find_nodes(op="call_function", target=aten.bernoulli.p):
-        source = node.args[0]
-        fresh = source.op == "call_function" and source.target in (
-            aten.empty_like.default,
-            aten.empty.memory_format,
-        )
-        if fresh and len(source.users) == 1 and len(node.args) == 2 and not node.kwargs:
-            node.target = aten.bernoulli_.float
-    gm.recompile()
-
-
-def _direct_writes(gm: GraphModule) -> None:
-    """Functionalization writes a mutated input as ``y = copy(x, value)`` then
-    ``copy_(x, y)``: two copies of every written tensor. Write ``value`` directly, where
-    ``value`` is computed in the graph: a view of an input (``ema_buffer.copy_(buffer)``)
-    keeps its copy, since another final write may change that input before this one."""
-    from ..compile import _root
-
-    aten = torch.ops.aten
-    for node in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
-        target, source = node.args
-        if (
-            isinstance(source, torch.fx.Node)
-            and source.target is aten.copy.default
-            and source.args[0] is target
-            and len(source.users) == 1
-            and not source.kwargs
-            and isinstance(source.args[1], torch.fx.Node)
-            and _root(source.args[1]).op != "placeholder"
-        ):
-            node.args = (target, source.args[1])
-            gm.graph.erase_node(source)
-    gm.recompile()
-
-
-_PLACEHOLDER = re.compile(r"\barg(\d+)_1\b")
-
-
-def _fingerprint(gm: GraphModule, inputs: list[str], specs: list, meta: tuple) -> tuple:
-    """What makes two graphs the same program: their code over canonically named inputs,
-    which named inputs those are, and what the call writes back."""
-    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    canonical = {name: f"in{i}" for i, name in enumerate(names)}
-    code = _PLACEHOLDER.sub(lambda m: canonical.get(m.group(0), m.group(0)), gm.code)
-    constants = tuple(
-        (name, TensorSpec.of(value), value.cpu().numpy().tobytes())
-        for name, value in sorted(gm.named_buffers())
-        if isinstance(value, Tensor)
-    ) + tuple(
-        (name, TensorSpec.of(value), value.detach().cpu().numpy().tobytes())
-        for name, value in sorted(vars(gm).items())
-        if isinstance(value, Tensor)
-    )
-    return (code, tuple(inputs), tuple(specs), meta, constants)
-
-
 def _kinds_key(kinds: list[Any]) -> tuple:
     return tuple(
         k if isinstance(k, str) or k[0] == "donated" else ("constant", hashable_constant(k[1]))
         for k in kinds
     )
-
-
-def _donated(kinds: list[Any]) -> list[int]:
-    return [k[1] for k in kinds if isinstance(k, tuple) and k[0] == "donated"]
-
-
-def _donation_target(value: Tensor, free: dict[int, Tensor]) -> int | None:
-    """The first donated input the output ``value`` can take the memory of."""
-    for i, placeholder in free.items():
-        if value is placeholder:
-            return i
-    for i, placeholder in free.items():
-        if (
-            value.shape == placeholder.shape
-            and value.dtype == placeholder.dtype
-            and value.device == placeholder.device
-        ):
-            return i
-    return None
 
 
 def _holder(capture: Capture) -> nn.Module:
@@ -528,26 +412,3 @@ def _paths(leaves: list, spec: Any) -> list[tuple[Any, Any]]:
 def _describe(leaves: list) -> str:
     parts = [describe_tensor(x) if isinstance(x, Tensor) else repr(x) for x in leaves]
     return "; ".join(parts) or "no inputs"
-
-
-class _Donated(Tensor):
-    """What a donated tensor becomes after the call: any use is an error."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in (Tensor.__repr__, Tensor.__format__) or getattr(func, "__name__", "") in (
-            "__repr__",
-        ):
-            return "<tensor donated to functacc.jit>"
-        raise RuntimeError(
-            "this tensor was donated to a functacc.jit step (donate=...): its memory now "
-            "holds that call's outputs, and it may not be read again. Use the value the call "
-            "returned instead (state, out = step(state, batch)), or stop donating this "
-            "argument."
-        )
-
-
-def _poison(t: Tensor) -> None:
-    """Turn ``t`` (the caller's handle on a donated tensor) into a :class:`_Donated`."""
-    dead = torch.empty(0, dtype=t.dtype, device=t.device).as_subclass(_Donated)
-    torch.utils.swap_tensors(t, dead)

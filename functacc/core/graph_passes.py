@@ -1,0 +1,95 @@
+"""Passes over a jitted step's traced graph, before it is compiled.
+
+- :func:`drop_unused_inputs`: inputs no op reads (a ``.grad`` the body discards) leave the
+  graph, so graphs that differ only in them are the same program;
+- :func:`bernoulli_in_place`: dropout's draw back in the in-place form the CPU masks pass
+  rewrites;
+- :func:`direct_writes`: one copy per written input at the end, not two;
+- :func:`fingerprint`: what makes two traced graphs the same program.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule
+
+from ..signature import TensorSpec
+
+__all__ = ["bernoulli_in_place", "direct_writes", "drop_unused_inputs", "fingerprint"]
+
+
+def drop_unused_inputs(gm: GraphModule) -> list[int]:
+    """Remove placeholders no op reads; return the indices of those kept."""
+    used = []
+    for i, node in enumerate(list(gm.graph.find_nodes(op="placeholder"))):
+        if node.users:
+            used.append(i)
+        else:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return used
+
+
+def bernoulli_in_place(gm: GraphModule) -> None:
+    """Functionalization turns dropout's ``empty_like(x).bernoulli_(p)`` into the
+    out-of-place ``bernoulli.p`` of the empty tensor (the same draws); put back the
+    in-place form on the fresh tensor, which the CPU masks pass (masks.py) rewrites into
+    1-byte masks drawn by functacc's kernel."""
+    aten = torch.ops.aten
+    for node in gm.graph.find_nodes(op="call_function", target=aten.bernoulli.p):
+        source = node.args[0]
+        fresh = source.op == "call_function" and source.target in (
+            aten.empty_like.default,
+            aten.empty.memory_format,
+        )
+        if fresh and len(source.users) == 1 and len(node.args) == 2 and not node.kwargs:
+            node.target = aten.bernoulli_.float
+    gm.recompile()
+
+
+def direct_writes(gm: GraphModule) -> None:
+    """Functionalization writes a mutated input as ``y = copy(x, value)`` then
+    ``copy_(x, y)``: two copies of every written tensor. Write ``value`` directly, where
+    ``value`` is computed in the graph: a view of an input (``ema_buffer.copy_(buffer)``)
+    keeps its copy, since another final write may change that input before this one."""
+    from ..compile import _root
+
+    aten = torch.ops.aten
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
+        target, source = node.args
+        if (
+            isinstance(source, torch.fx.Node)
+            and source.target is aten.copy.default
+            and source.args[0] is target
+            and len(source.users) == 1
+            and not source.kwargs
+            and isinstance(source.args[1], torch.fx.Node)
+            and _root(source.args[1]).op != "placeholder"
+        ):
+            node.args = (target, source.args[1])
+            gm.graph.erase_node(source)
+    gm.recompile()
+
+
+_PLACEHOLDER = re.compile(r"\barg(\d+)_1\b")
+
+
+def fingerprint(gm: GraphModule, inputs: list[str], specs: list, meta: tuple) -> tuple:
+    """What makes two graphs the same program: their code over canonically named inputs,
+    which named inputs those are, and what the call writes back."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    canonical = {name: f"in{i}" for i, name in enumerate(names)}
+    code = _PLACEHOLDER.sub(lambda m: canonical.get(m.group(0), m.group(0)), gm.code)
+    constants = tuple(
+        (name, TensorSpec.of(value), value.cpu().numpy().tobytes())
+        for name, value in sorted(gm.named_buffers())
+        if isinstance(value, Tensor)
+    ) + tuple(
+        (name, TensorSpec.of(value), value.detach().cpu().numpy().tobytes())
+        for name, value in sorted(vars(gm).items())
+        if isinstance(value, Tensor)
+    )
+    return (code, tuple(inputs), tuple(specs), meta, constants)
