@@ -11,12 +11,11 @@ trains the same student eagerly from the same start and prints both losses and t
 
 from __future__ import annotations
 
-import argparse
 import copy
-import time
 
 import torch
 import torch.nn.functional as F
+from _race import arguments, race
 from torch import nn
 
 import functacc
@@ -65,10 +64,7 @@ def batches(steps: int, batch: int = 128, seed: int = 1) -> list:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    args = p.parse_args()
+    args = arguments(__doc__, steps=100)
     student, teacher, opt = build()
     reference = copy.deepcopy((student, teacher, opt))
     step = functacc.jit(
@@ -78,20 +74,11 @@ def main() -> None:
         backend=args.backend,
     )
     eager = make_step(*reference)
-    data = batches(args.steps)
-    times = {}
-    for name, fn in (("functacc.jit", step), ("eager", eager)):
-        torch.manual_seed(0)
-        fn(*data[0])  # functacc traces and compiles here
-        start = time.perf_counter()
-        for x, y in data[1:]:
-            loss = fn(x, y)
-        times[name] = time.perf_counter() - start
-        print(f"[{name}] loss {loss.item():.4f}")
-    print(
-        f"{args.steps - 1} steps: eager {times['eager']:.2f} s, functacc.jit "
-        f"{times['functacc.jit']:.2f} s ({times['eager'] / times['functacc.jit']:.2f}x), "
-        f"{step.num_traces} trace"
+    race(
+        {"functacc.jit": lambda b: step(*b), "eager": lambda b: eager(*b)},
+        batches(args.steps),
+        lambda loss: f"loss {loss.item():.4f}",
+        step,
     )
 
 

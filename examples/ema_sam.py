@@ -8,12 +8,11 @@ in-place EMA update after ``opt.step()``, all in one graph by ``functacc.jit``.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import time
 
 import torch
 import torch.nn.functional as F
+from _race import arguments, race
 from torch import nn
 
 import functacc
@@ -69,34 +68,24 @@ def batches(steps: int, batch: int = 32, seed: int = 1) -> list:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    args = p.parse_args()
+    args = arguments(__doc__, steps=100)
     model, ema, opt = build()
     reference = copy.deepcopy((model, ema, opt))
     step = functacc.jit(
         make_step(model, ema, opt), modules=[model, ema], optimizers=[opt], backend=args.backend
     )
     eager = make_step(*reference)
-    data = batches(args.steps)
-    times = {}
-    for name, fn in (("functacc.jit", step), ("eager", eager)):
-        fn(*data[0])  # functacc traces and compiles here
-        start = time.perf_counter()
-        for x, y in data[1:]:
-            loss = fn(x, y)
-        times[name] = time.perf_counter() - start
-        print(f"[{name}] loss {loss.item():.4f}")
+    race(
+        {"functacc.jit": lambda b: step(*b), "eager": lambda b: eager(*b)},
+        batches(args.steps),
+        lambda loss: f"loss {loss.item():.4f}",
+        step,
+    )
     drift = max(
         (a - b).abs().max().item()
         for a, b in zip(ema.parameters(), reference[1].parameters(), strict=True)
     )
-    print(
-        f"{args.steps - 1} steps: eager {times['eager']:.2f} s, functacc.jit "
-        f"{times['functacc.jit']:.2f} s ({times['eager'] / times['functacc.jit']:.2f}x), "
-        f"{step.num_traces} trace; EMA weights differ from eager's by at most {drift:.2e}"
-    )
+    print(f"EMA weights differ from eager's by at most {drift:.2e}")
 
 
 if __name__ == "__main__":

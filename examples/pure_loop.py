@@ -12,11 +12,11 @@ passed in may not be read after the call.
 
 from __future__ import annotations
 
-import argparse
-import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _race import arguments, race
 from torch import nn
 
 import functacc
@@ -65,28 +65,24 @@ def batches(steps: int, batch: int = 64, seed: int = 1) -> list:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    args = p.parse_args()
+    args = arguments(__doc__, steps=200)
     apply_fn, opt, state = build()
     train_step = make_step(apply_fn, opt)
     step = functacc.jit(train_step, donate=(0,), backend=args.backend)
-    data = batches(args.steps)
-    eager_state = build()[2]  # the same start, for the eager run
-    times = {}
-    for name, fn in (("functacc.jit", step), ("eager", train_step)):
-        s = state if name == "functacc.jit" else eager_state
-        s, metrics = fn(s, data[0])  # functacc traces and compiles here
-        start = time.perf_counter()
-        for batch in data[1:]:
-            s, metrics = fn(s, batch)
-        times[name] = time.perf_counter() - start
-        print(f"[{name}] loss {metrics['loss'].item():.4f}, accuracy {metrics['accuracy']:.3f}")
-    print(
-        f"{args.steps - 1} steps: eager {times['eager']:.2f} s, functacc.jit "
-        f"{times['functacc.jit']:.2f} s ({times['eager'] / times['functacc.jit']:.2f}x), "
-        f"{step.num_traces} trace"
+    states = {"functacc.jit": state, "eager": build()[2]}  # the same start for both
+
+    def advance(name: str, fn: Callable) -> Callable:
+        def one(batch: tuple) -> dict:
+            states[name], metrics = fn(states[name], batch)
+            return metrics
+
+        return one
+
+    race(
+        {"functacc.jit": advance("functacc.jit", step), "eager": advance("eager", train_step)},
+        batches(args.steps),
+        lambda m: f"loss {m['loss'].item():.4f}, accuracy {m['accuracy']:.3f}",
+        step,
     )
 
 

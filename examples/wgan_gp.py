@@ -11,11 +11,10 @@ the same models eagerly from the same start and prints both losses and the speed
 
 from __future__ import annotations
 
-import argparse
 import copy
-import time
 
 import torch
+from _race import arguments, race
 from torch import nn
 
 import functacc
@@ -75,30 +74,18 @@ def batches(steps: int, batch: int = 256, noise: int = 16, seed: int = 1) -> lis
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    args = p.parse_args()
+    args = arguments(__doc__, steps=200)
     models = build()
     reference = copy.deepcopy(models)  # the eager run: same weights, same batches, same seed
     step = functacc.jit(
         make_step(*models), modules=models[:2], optimizers=models[2:], backend=args.backend
     )
     eager = make_step(*reference)
-    data = batches(args.steps)
-    times = {}
-    for name, fn in (("functacc.jit", step), ("eager", eager)):
-        torch.manual_seed(0)
-        fn(*data[0])  # functacc traces and compiles here
-        start = time.perf_counter()
-        for real, z in data[1:]:
-            loss_c, loss_g = fn(real, z)
-        times[name] = time.perf_counter() - start
-        print(f"[{name}] critic loss {loss_c.item():.4f}, generator loss {loss_g.item():.4f}")
-    print(
-        f"{args.steps - 1} steps: eager {times['eager']:.2f} s, functacc.jit "
-        f"{times['functacc.jit']:.2f} s ({times['eager'] / times['functacc.jit']:.2f}x), "
-        f"{step.num_traces} trace"
+    race(
+        {"functacc.jit": lambda b: step(*b), "eager": lambda b: eager(*b)},
+        batches(args.steps),
+        lambda r: f"critic loss {r[0].item():.4f}, generator loss {r[1].item():.4f}",
+        step,
     )
 
 

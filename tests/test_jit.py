@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def example(name: str) -> Any:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))  # the examples share examples/_race.py
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -399,7 +402,6 @@ def test_public_api_and_logging(caplog: pytest.LogCaptureFixture) -> None:
 def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> None:
     import os
     import subprocess
-    import sys
 
     sys.path.insert(0, str(Path(__file__).parent / "dist"))
     import jit_worker
