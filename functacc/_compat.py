@@ -25,6 +25,7 @@ __all__ = [
     "TORCH",
     "all_gather_single",
     "inductor_defers_input_checks",
+    "make_fx_traces_generators",
     "optimization_hint",
     "reduce_scatter_single",
 ]
@@ -108,3 +109,21 @@ def inductor_defers_input_checks() -> bool:
     # ``call()``; 2.13 defers them): with the old placement every check already runs before
     # the first kernel, and there is nothing to move.
     return hasattr(PythonWrapperCodegen, "codegen_deferred_input_asserts")
+
+
+# --- make_fx ------------------------------------------------------------------------------
+@functools.cache
+def make_fx_traces_generators() -> bool:
+    """Whether ``make_fx`` can trace an op given a ``torch.Generator`` argument
+    (``torch.randn(..., generator=g)``: a module drawing from its own generator)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # torch 2.11's proxy tracing refuses the argument (NotImplementedError: "argument of
+    # type: <class 'torch._C.Generator'>"); 2.14 records it in the graph. Probed on a
+    # private generator, which a draw may advance.
+    generator = torch.Generator()
+    try:
+        make_fx(lambda x: x + torch.randn(x.shape, generator=generator))(torch.zeros(2))
+    except NotImplementedError:
+        return False
+    return True

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import _compat
 from .errors import TraceError, attribute_change_error, host_random_error
 from .signature import HELD_DEPTH, held_items
 
@@ -501,6 +502,18 @@ def _translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErr
             f"forward(). Inputs were: {signature}."
         )
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if (
+        isinstance(exc, NotImplementedError)
+        and "Generator" in message
+        and not _compat.make_fx_traces_generators()
+    ):
+        return TraceError(
+            f"the training step draws from a torch.Generator passed to an op {where}\n"
+            f"torch {torch.__version__} cannot trace that ({type(exc).__name__}: {message}); "
+            "torch 2.14 and later can. Fix: draw from torch's default generator (leave out "
+            "generator=, seed with torch.manual_seed) or install a newer torch (pip install "
+            "'torch>=2.14,<2.16')."
+        )
     return TraceError(
         f"tracing the training step failed {where}\n"
         f"{type(exc).__name__}: {message}\n"

@@ -17,7 +17,7 @@ from helpers import Snapshot, assert_close, eager_train, functacc_train
 from torch import nn
 
 import functacc
-from functacc import TraceError
+from functacc import TraceError, _compat
 
 
 class Branchy(nn.Module):
@@ -360,6 +360,32 @@ def noisy_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 8), Noise(7), nn.ReLU(), nn.Linear(8, 5))
 
 
+# torch 2.11's make_fx cannot trace an op given a torch.Generator (see _compat).
+traces_generators = pytest.mark.skipif(
+    not _compat.make_fx_traces_generators(),
+    reason=f"torch {torch.__version__}'s make_fx cannot trace a torch.Generator argument",
+)
+
+
+@pytest.mark.skipif(
+    _compat.make_fx_traces_generators(), reason="this torch traces a torch.Generator argument"
+)
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_an_own_generator_on_a_torch_that_cannot_trace_it_is_a_clear_error(backend) -> None:
+    model = noisy_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, nn.MSELoss(), opt, backend=backend)
+    x, y = torch.randn(8, 16), torch.randn(8, 5)
+    snap, generator = Snapshot(model, opt, step), model[1].g.get_state()
+    with pytest.raises(
+        TraceError, match=r"torch.Generator passed to an op in module '1' \(Noise\)"
+    ):
+        step(x, y)
+    snap.assert_unchanged()
+    assert torch.equal(model[1].g.get_state(), generator)
+
+
+@traces_generators
 def test_an_own_generator_under_inductor_is_an_error() -> None:
     # Inductor writes the generator into its code as a pickled copy: every step drew from
     # that copy and model.1.g never advanced (before this check: its state was the same
@@ -377,6 +403,7 @@ def test_an_own_generator_under_inductor_is_an_error() -> None:
     assert torch.equal(model[1].g.get_state(), generator)
 
 
+@traces_generators
 def test_an_own_generator_with_the_eager_backend_matches_eager() -> None:
     # The eager backend calls the op with the generator itself: the same draws, and the
     # generator left where eager leaves it (the next draw from it is eager's too).
