@@ -60,7 +60,15 @@ from .signature import (
     hashable_constant,
 )
 from .step_fn import LossFn, StepFunction, TrainState
-from .trace import Traced, describe_tensor, run_error, trace
+from .trace import (
+    Traced,
+    describe_tensor,
+    draws_random,
+    rng_state,
+    run_error,
+    set_rng_state,
+    trace,
+)
 
 __all__ = ["Step", "TrainState", "compile_step"]
 
@@ -261,7 +269,7 @@ class Step:
         calls ``model(*args, **kwargs)``. Returns the loss, a detached 0-dim tensor.
         """
         program, tensors = self._stateful_program(args, kwargs)
-        rng = _rng_state(self._device) if program.random else None
+        rng = rng_state([self._device]) if program.random else None
         # The graph writes into tensors that require grad: run it without autograd. Grad
         # mode is on here (checked above); switching it directly costs a tenth of no_grad().
         _set_grad_enabled(False)
@@ -269,7 +277,7 @@ class Step:
             loss = program.run([*self._live_leaves, *tensors])[0]
         except Exception as exc:
             if rng is not None:  # the graph may have drawn dropout masks before it failed
-                _set_rng_state(rng, self._device)
+                set_rng_state(rng)
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
         finally:
             _set_grad_enabled(True)
@@ -343,13 +351,13 @@ class Step:
         count = int(state.count) if self._strategy.signature(0) != () else 0
         context = ("pure", self._state_key(count), ("state", state_key))
         program, tensors = self._program(context, state, args, kwargs, inplace=False, count=count)
-        rng = _rng_state(self._device) if program.random else None
+        rng = rng_state([self._device]) if program.random else None
         try:
             with torch.no_grad():
                 outputs = program.run([*leaves, *tensors])
         except Exception as exc:
             if rng is not None:
-                _set_rng_state(rng, self._device)
+                set_rng_state(rng)
             raise run_error(exc, self._describe_batch(args, kwargs)) from exc
         self._last_program = program
         new = iter(outputs[1:])
@@ -808,7 +816,7 @@ class Step:
             names_with_grads=meta["names_with_grads"],
             stats=comm_stats(graph) if self._strategy.topology.world > 1 else None,
             guard=guard,
-            random=_draws_random(graph),
+            random=draws_random(graph),
         )
         record = TraceRecord(
             number=self._cache.num_traces + 1,
@@ -923,22 +931,6 @@ def _same_code(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
         elif x is not y:
             return False
     return True
-
-
-def _draws_random(graph: torch.fx.GraphModule) -> bool:
-    seeded = torch.Tag.nondeterministic_seeded
-    return any(seeded in getattr(n.target, "tags", ()) for n in graph.graph.nodes)
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def compile_step(

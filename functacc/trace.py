@@ -29,7 +29,15 @@ from . import _compat
 from .errors import TraceError, attribute_change_error, host_random_error
 from .signature import HELD_DEPTH, held_items
 
-__all__ = ["Traced", "describe_tensor", "run_error", "trace"]
+__all__ = [
+    "Traced",
+    "describe_tensor",
+    "draws_random",
+    "rng_state",
+    "run_error",
+    "set_rng_state",
+    "trace",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUNCTACC_DIR = os.path.dirname(__file__)
@@ -551,3 +559,23 @@ def run_error(exc: BaseException, signature: str) -> TraceError:
         f"Inputs were: {signature}. Check that the inputs have the dtypes and devices the "
         "model expects (the same call fails in eager PyTorch too)."
     )
+
+
+def draws_random(gm: GraphModule) -> bool:
+    """Whether the graph draws random numbers (dropout, ``torch.rand``): a call that fails
+    after drawing must put the generators back."""
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
+
+
+def rng_state(devices: Collection[torch.device]) -> tuple[Tensor, dict[torch.device, Tensor]]:
+    """The CPU generator's state and that of each of ``devices`` that is a GPU."""
+    cuda = {d for d in devices if d.type == "cuda"}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
+
+
+def set_rng_state(state: tuple[Tensor, dict[torch.device, Tensor]]) -> None:
+    """Put back what :func:`rng_state` read."""
+    torch.set_rng_state(state[0])
+    for device, cuda in state[1].items():
+        torch.cuda.set_rng_state(cuda, device)

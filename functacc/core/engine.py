@@ -44,7 +44,10 @@ from ..trace import (
     _symbolic_fakes,
     _translate,
     describe_tensor,
+    draws_random,
+    rng_state,
     run_error,
+    set_rng_state,
 )
 from .capture import Capture, Exit
 from .donation import donated_positions, donated_targets, donation_target, poison
@@ -133,14 +136,14 @@ class Engine:
                 program = self._build(key, family, names, state, leaves, spec, tensors, donated)
         flat = [*state, *tensors]
         inputs = [flat[i] for i in program.used]
-        rng = _rng_state(flat) if program.random else None
+        rng = rng_state({t.device for t in flat if t.is_cuda}) if program.random else None
         grad_mode = torch.is_grad_enabled()
         _set_grad_enabled(False)  # the graph writes into tensors that require grad
         try:
             outputs = program.run(inputs)
         except Exception as exc:
             if rng is not None:  # the graph may have drawn random numbers before it failed
-                _set_rng_state(rng)
+                set_rng_state(rng)
             raise run_error(exc, _describe(leaves)) from exc
         finally:
             _set_grad_enabled(grad_mode)
@@ -278,7 +281,7 @@ class Engine:
             n_out=meta["n_out"],
             fingerprint=fingerprint,
             guard=guard,
-            random=_draws_random(gm),
+            random=draws_random(gm),
             donated=donated_targets(meta["kinds"]),
         )
         if reuse is not None:
@@ -381,23 +384,6 @@ def _holder(capture: Capture) -> nn.Module:
     for label, module in zip(capture.labels, capture.modules, strict=True):
         holder.add_module(label, module)
     return holder
-
-
-def _draws_random(gm: GraphModule) -> bool:
-    seeded = torch.Tag.nondeterministic_seeded
-    return any(seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
-
-
-def _rng_state(tensors: list[Tensor]) -> tuple[Tensor, dict[torch.device, Tensor]]:
-    """The CPU generator's state and that of each GPU the call's tensors are on."""
-    cuda = {t.device for t in tensors if t.is_cuda}
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
-
-
-def _set_rng_state(state: tuple[Tensor, dict[torch.device, Tensor]]) -> None:
-    torch.set_rng_state(state[0])
-    for device, cuda in state[1].items():
-        torch.cuda.set_rng_state(cuda, device)
 
 
 def _is_t(x: Any) -> bool:
