@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable
@@ -26,15 +25,10 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ._env import env_flag
-from .cache import ProgramCache, SizeGuard, TraceRecord
-from .compile import (
-    Backend,
-    Compiled,
-    check_backend,
-    check_generators,
-    check_inductor_options,
-    compile_graph,
-)
+from .cache import TraceRecord
+from .compile import Backend, check_backend, check_inductor_options
+from .core.engine import Engine, Program
+from .core.tracer import Traced
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .errors import argument_error
 from .functional import check_dense_gradients, swap_attributes, tensor_attributes
@@ -60,15 +54,7 @@ from .signature import (
     hashable_constant,
 )
 from .step_fn import LossFn, StepFunction, TrainState
-from .trace import (
-    Traced,
-    describe_tensor,
-    draws_random,
-    rng_state,
-    run_error,
-    set_rng_state,
-    trace,
-)
+from .trace import describe_tensor
 
 __all__ = ["Step", "TrainState", "compile_step"]
 
@@ -76,20 +62,15 @@ log = logging.getLogger("functacc")
 
 
 @dataclass
-class _Program:
-    """One traced and compiled step, for one input signature."""
+class _Program(Program):
+    """The compiled step for one input signature, and what its outputs mean."""
 
-    run: Compiled
-    graph: torch.fx.GraphModule
     changed: list[bool] = field(default_factory=list)  # which state leaves the step rewrites
     names_with_grads: frozenset[str] = frozenset()
     stats: CommStats | None = None
-    guard: SizeGuard | None = None  # graphs with symbolic sizes: which sizes they accept
-    random: bool = False  # draws random numbers (dropout): a failed run restores the RNG
 
 
 _tensor_key = TensorSpec.of
-_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class Step:
@@ -164,7 +145,15 @@ class Step:
         self._last_key: tuple | None = None
         self._last_key_program: _Program | None = None
         self._attributes = tensor_attributes(model)
-        self._cache = ProgramCache("the training step", dynamic=dynamic, max_traces=max_traces)
+        self._engine = Engine(
+            "the training step",
+            backend=backend,
+            holder=model,
+            inductor_options=self.inductor_options,
+            dynamic=dynamic,
+            max_traces=max_traces,
+        )
+        self._cache = self._engine.cache
         self._calls = 0
 
         self._link = None if isinstance(opt, GradientTransformation) else self._new_link(opt)
@@ -269,18 +258,8 @@ class Step:
         calls ``model(*args, **kwargs)``. Returns the loss, a detached 0-dim tensor.
         """
         program, tensors = self._stateful_program(args, kwargs)
-        rng = rng_state([self._device]) if program.random else None
-        # The graph writes into tensors that require grad: run it without autograd. Grad
-        # mode is on here (checked above); switching it directly costs a tenth of no_grad().
-        _set_grad_enabled(False)
-        try:
-            loss = program.run([*self._live_leaves, *tensors])[0]
-        except Exception as exc:
-            if rng is not None:  # the graph may have drawn dropout masks before it failed
-                set_rng_state(rng)
-            raise run_error(exc, self._describe_batch(args, kwargs)) from exc
-        finally:
-            _set_grad_enabled(True)
+        inputs = [*self._live_leaves, *tensors]
+        loss = self._engine.run(program, inputs, lambda: self._describe_batch(args, kwargs))[0]
         self._calls += 1
         self._last_program = program
         if self._link is not None:
@@ -351,14 +330,9 @@ class Step:
         count = int(state.count) if self._strategy.signature(0) != () else 0
         context = ("pure", self._state_key(count), ("state", state_key))
         program, tensors = self._program(context, state, args, kwargs, inplace=False, count=count)
-        rng = rng_state([self._device]) if program.random else None
-        try:
-            with torch.no_grad():
-                outputs = program.run([*leaves, *tensors])
-        except Exception as exc:
-            if rng is not None:
-                set_rng_state(rng)
-            raise run_error(exc, self._describe_batch(args, kwargs)) from exc
+        outputs = self._engine.run(
+            program, [*leaves, *tensors], lambda: self._describe_batch(args, kwargs)
+        )
         self._last_program = program
         new = iter(outputs[1:])
         new_leaves = [next(new) if c else t for t, c in zip(leaves, program.changed, strict=True)]
@@ -560,7 +534,7 @@ class Step:
         if program is None:
             # Not compiled for exactly these shapes: a graph with symbolic sizes may take them.
             family = ((("inputs", family_key(tensors)), *batch_key[1:]), context)
-            program = self._cache.find(family, tensors)
+            program = self._engine.lookup(key, family, tensors)
             if program is None:
                 program, key = self._build(
                     key,
@@ -705,10 +679,8 @@ class Step:
         kept under (see :meth:`_key_left_behind`)."""
         watched = self._model_watch.key()  # the model's part of ``key``
         names = batch_names(args, kwargs, with_targets=self.loss_fn is not None)
-        described = self._describe_batch(args, kwargs)
-        reason = self._cache.reason(key, family, names, tensors)
-        self._cache.check_budget(reason, described)
-        dynamic = self._cache.plan(family, tensors)
+        plan = self._engine.plan(key, family, names, tensors, self._describe_batch(args, kwargs))
+        self._engine.check_budget(plan)
         signature = self._strategy.signature(count)
         state_leaves, state_spec = pytree.tree_flatten_with_path(state)
         state_tensors = [t for _, t in state_leaves]
@@ -779,55 +751,26 @@ class Step:
         example = [*state_tensors, *attributes, *tensors]
 
         def run_trace() -> Traced:
-            return trace(
-                flat_step,
-                example,
-                model=self.model,
-                signature=described,
-                dynamic=[*[()] * n_fixed, *dynamic] if any(dynamic) else None,
-            )
+            return self._engine.trace(flat_step, example, plan, n_fixed=n_fixed)
 
-        started = time.perf_counter()
         traced = run_trace()
-        key, family = self._key_left_behind(key, family, count, watched, traced, run_trace, meta)
-        traced_at = time.perf_counter()
+        plan.key, plan.family = self._key_left_behind(
+            key, family, count, watched, traced, run_trace, meta
+        )
         self._unalias_reassigned(meta["reassigned"])
         graph = traced.graph
         if self.remat_policy != "full":
             selective = self.remat_policy == "selective"
             save_matmuls(graph, batch_inputs=len(tensors) if selective else None)
-        check_generators(graph, self.backend, self.model)
-        run = compile_graph(
-            graph, example, self.backend, fakes=traced.fakes, options=self.inductor_options
-        )
-        guard = None
-        symbolic: dict[str, list[int]] = {}
-        if traced.fakes is not None:
-            guard = SizeGuard(traced.fakes[n_fixed:], dynamic, traced.guard)
-            fixed = {(i, d) for i, d, _ in guard.static}
-            for i, dims in enumerate(dynamic):
-                kept = sorted(d for d in dims if (i, d) not in fixed)
-                if kept:
-                    symbolic[names[i]] = kept
         program = _Program(
-            run=run,
+            run=self._engine.compile(traced, example),
             graph=graph,
             changed=meta["changed"],
             names_with_grads=meta["names_with_grads"],
             stats=comm_stats(graph) if self._strategy.topology.world > 1 else None,
-            guard=guard,
-            random=draws_random(graph),
         )
-        record = TraceRecord(
-            number=self._cache.num_traces + 1,
-            reason=reason,
-            signature=described,
-            dynamic=symbolic,
-            trace_s=traced_at - started,
-            compile_s=time.perf_counter() - traced_at,
-        )
-        self._cache.add(key, family, program, names=names, tensors=tensors, record=record)
-        return program, key
+        self._engine.keep(plan, program, traced, n_fixed=n_fixed)
+        return program, plan.key
 
     def _key_left_behind(
         self,

@@ -1,42 +1,44 @@
-"""Trace a pure step function into one FX graph of ATen ops, and explain failures.
+"""What a trace must refuse, and how failures of tracing and running read.
 
-Tracing runs on fake tensors: no real computation happens, so BatchNorm statistics, the
-RNG and every real tensor are untouched by a trace, and Python branches on tensor values
-fail loudly instead of being silently baked into the graph.
+The tracer (:mod:`functacc.core.tracer`) runs the step's Python once per signature, where
+eager runs it every step. So a forward that changes its modules' Python attributes or
+draws from a Python or NumPy generator would be replayed wrong: the watches here make that
+an error. Failures of tracing or of a compiled run become :class:`~functacc.TraceError`
+naming the module, the source line and the inputs; a run that fails puts the random
+generators back (:func:`rng_state`, :func:`set_rng_state`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import os
 import random
 import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _compat
 from .errors import TraceError, attribute_change_error, host_random_error
 from .signature import HELD_DEPTH, held_items
 
 __all__ = [
-    "Traced",
+    "AttributeWatch",
+    "HeldRandomWatch",
+    "HostRandomWatch",
     "describe_tensor",
     "draws_random",
     "rng_state",
     "run_error",
     "set_rng_state",
-    "trace",
+    "translate",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -111,99 +113,10 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return " ".join(parts) if parts else "(location unknown)"
 
 
-class Traced:
-    """A traced step graph and, when some input dimensions were symbolic, what it needs.
-
-    ``fakes`` are the fake example inputs the graph was traced with (their sizes are
-    symbols where dynamic), for Inductor's dynamic-shape compile; ``guard`` is the
-    condition, over the dynamic inputs, under which the graph is valid (``None``: none).
-    """
-
-    def __init__(self, graph: GraphModule, fakes: list[Tensor] | None, guard: str | None):
-        self.graph = graph
-        self.fakes = fakes
-        self.guard = guard
-
-
-def trace(
-    fn: Callable[..., object],
-    example_inputs: Sequence[Tensor],
-    *,
-    model: nn.Module,
-    signature: str,
-    dynamic: Sequence[Collection[int]] | None = None,
-) -> Traced:
-    """Trace ``fn(*example_inputs)`` into a graph module with fake tensors.
-
-    ``dynamic`` (one collection of dimension indices per input) makes those dimensions
-    symbolic: the graph then serves every size that satisfies its guard. Sizes 0 and 1 are
-    specialised (the fakes say which dimensions stayed symbolic).
-
-    Errors raised while tracing become :class:`TraceError` naming the module and source
-    line; ``signature`` (a description of the inputs) goes into the message.
-    """
-    devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
-    detached = [t.detach() for t in example_inputs]
-    with (
-        _AttributeWatch(model),
-        _HostRandomWatch(),
-        _HeldRandomWatch(model),
-        _quiet_fake_tensor_log(),
-    ):
-        return _trace(fn, detached, devices, model, signature, dynamic)
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """A shape error in the model is reported once, as a TraceError naming the module and
-    the inputs; without this, the fake-tensor layer also logs its whole traceback at ERROR
-    level ("failed while attempting to run meta for aten.mm.default")."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _trace(
-    fn: Callable[..., object],
-    detached: list[Tensor],
-    devices: list[int],
-    model: nn.Module,
-    signature: str,
-    dynamic: Sequence[Collection[int]] | None,
-) -> Traced:
-    try:
-        # fork_rng: the first make_fx of a process draws from the global generator while it
-        # initialises; a trace must leave the RNG exactly where it was.
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            # `_allow_non_fake_inputs`: tensors a module keeps as plain attributes (not
-            # registered as buffers) are real; they become constants of the graph.
-            if dynamic is None or not any(dynamic):
-                graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*detached)
-                return Traced(graph, None, None)
-            fakes = _symbolic_fakes(detached, dynamic)
-            with _eager_dropout():
-                graph = make_fx(fn, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*fakes)
-    except (TraceError, ValueError, TypeError) as exc:
-        if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
-            raise
-        raise _translate(exc, model, signature) from exc
-    except Exception as exc:
-        raise _translate(exc, model, signature) from exc
-    shape_env = fakes[0].fake_mode.shape_env
-    dynamic_fakes = [f for f, dims in zip(fakes, dynamic, strict=True) if dims]
-    # Guards over the inputs with symbolic dimensions only (named t0, t1, ... in that
-    # order); the static dimensions are checked exactly by the caller.
-    return Traced(graph, fakes, shape_env.produce_guards_expression(dynamic_fakes))
-
-
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
 
 
-class _AttributeWatch:
+class AttributeWatch:
     """Refuses a forward that changes the model's Python attributes.
 
     A compiled step runs the forward's Python once per trace, not once per step: a counter
@@ -245,7 +158,7 @@ class _AttributeWatch:
             raise attribute_change_error(changed)
 
 
-class _HostRandomWatch:
+class HostRandomWatch:
     """Refuses a forward (or loss) that draws from Python's or NumPy's global generator.
 
     A compiled step runs the forward's Python code once, when it traces: a layer-drop or
@@ -311,7 +224,7 @@ class _HostRandomWatch:
             )
 
 
-class _HeldRandomWatch:
+class HeldRandomWatch:
     """Refuses a forward that draws from a Python or NumPy generator the model holds
     (``self.rng = np.random.default_rng(0)``, ``random.Random(0)``; in a module's
     attributes, private ones too, or in a dict, list or plain object there, three levels
@@ -447,57 +360,7 @@ def _size(value: object) -> int | None:
     return len(value) if isinstance(value, (list, dict, set)) else None
 
 
-def _symbolic_fakes(inputs: Sequence[Tensor], dynamic: Sequence[Collection[int]]) -> list[Tensor]:
-    from torch._dynamo.source import LocalSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import (
-        DimDynamic,
-        ShapeEnv,
-        StatelessSymbolicContext,
-    )
-
-    # No duck sizing: a batch of 8 sequences of length 8 must not tie the two dimensions
-    # together; equal sizes that the model relates are discovered as guards instead.
-    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
-    fakes = []
-    source_index = 0
-    for t, dims in zip(inputs, dynamic, strict=True):
-        if not dims:
-            fakes.append(mode.from_tensor(t, static_shapes=True))
-            continue
-        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())]
-        context = StatelessSymbolicContext(dynamic_sizes=sizes)
-        source = LocalSource(f"t{source_index}")  # the name the guard expression uses
-        source_index += 1
-        fakes.append(mode.from_tensor(t, source=source, symbolic_context=context))
-    return fakes
-
-
-@contextlib.contextmanager
-def _eager_dropout() -> Iterator[None]:
-    """Trace ``aten.dropout`` as eager PyTorch runs it.
-
-    Symbolic tracing turns on the Python dispatcher, under which ``aten.dropout`` takes
-    torch's Python decomposition (``native_dropout``). On CPU eager PyTorch runs the C++
-    composite instead (``bernoulli_`` on an empty tensor), which draws a different random
-    stream: the same seed would give different masks. Hiding the Python kernels for the
-    duration of the trace keeps the C++ composite, so symbolic and static graphs draw
-    exactly eager's masks.
-    """
-    from torch._C import DispatchKey
-
-    op = torch.ops.aten.dropout.default
-    keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
-    saved: dict[Any, Any] = {k: op.py_kernels.pop(k) for k in keys if k in op.py_kernels}
-    op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
-        op.py_kernels.update(saved)
-        op._dispatch_cache.clear()
-
-
-def _translate(exc: BaseException, model: nn.Module, signature: str) -> TraceError:
+def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceError:
     where = _where(exc, model)
     if _is_data_dependent(exc):
         return TraceError(

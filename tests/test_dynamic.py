@@ -20,7 +20,7 @@ import functacc
 from functacc import RetraceError, TraceError
 from functacc.cache import SizeGuard
 from functacc.compile import _views_to_reshapes
-from functacc.trace import _symbolic_fakes
+from functacc.core.tracer import symbolic_fakes as _symbolic_fakes
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
@@ -497,21 +497,21 @@ def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
         model, nn.CrossEntropyLoss(), opt, backend="eager", precision=precision
     )
     seen = {}
-    real_compile = functacc.step.compile_graph
+    real_compile = functacc.core.engine.compile_graph
 
     def keep(gm, example, backend, **kw):  # the traced graph, marker included
         seen["gm"] = copy.deepcopy(gm)
         seen["example"] = [t.clone() for t in example]
         return real_compile(gm, example, backend, **kw)
 
-    functacc.step.compile_graph = keep
+    functacc.core.engine.compile_graph = keep
     try:
         x = torch.randn(4, 3, 8, 8)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         step(x, torch.randint(0, 5, (4,)))
     finally:
-        functacc.step.compile_graph = real_compile
+        functacc.core.engine.compile_graph = real_compile
     gm, example = seen["gm"], seen["example"]
     assert len(gm.graph.find_nodes(op="call_function", target=MARKER)) == 1
     split = split_at_optimizer(gm)

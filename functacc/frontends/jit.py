@@ -25,8 +25,8 @@ from torch import nn
 
 from ..cache import TraceRecord
 from ..compile import Backend, check_backend, check_inductor_options
+from ..core.body import StepBody
 from ..core.capture import Capture
-from ..core.engine import Engine
 
 __all__ = ["Jitted", "jit"]
 
@@ -50,7 +50,7 @@ class Jitted:
         (1, True)
     """
 
-    def __init__(self, fn: Callable[..., Any], engine: Engine):
+    def __init__(self, fn: Callable[..., Any], engine: StepBody):
         self.fn = fn
         self._engine = engine
         functools.update_wrapper(self, fn)
@@ -149,7 +149,7 @@ def jit(
     opt_labels = _labels(fn, optimizers, "optimizers")
     capture = Capture(modules, labels, optimizers, opt_labels)
     capture.strategy = _strategy(parallel, capture)
-    engine = Engine(
+    engine = StepBody(
         fn,
         capture,
         backend=backend,

@@ -1,0 +1,222 @@
+"""The one tracer: a flat function of tensors into one FX graph of ATen ops, on fake tensors.
+
+Both front doors trace with it. ``compile_step`` gives it a pure step (its writes are
+already the graph's last ops); ``jit`` gives it an eager step body, whose in-place writes
+(``backward()`` accumulating ``.grad``, ``opt.step()``, an EMA update) land anywhere:
+``functional=True`` traces that body with autograd running, then traces
+``torch.func.functionalize`` of the result, which moves every write into an input to the
+very end of the graph, after all computation that could fail.
+
+Tracing runs on fake tensors: no real computation happens, so BatchNorm statistics, the
+RNG and every real tensor are untouched by a trace, and Python branches on tensor values
+fail loudly instead of being silently baked into the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..errors import TraceError
+from ..trace import AttributeWatch, HeldRandomWatch, HostRandomWatch, translate
+from .graph_passes import bernoulli_in_place, direct_writes
+
+__all__ = ["Traced", "symbolic_fakes", "trace"]
+
+
+class Traced:
+    """A traced step graph and, when some input dimensions were symbolic, what it needs.
+
+    ``fakes`` are the fake example inputs the graph was traced with (their sizes are
+    symbols where dynamic), for Inductor's dynamic-shape compile; ``guard`` is the
+    condition, over the dynamic inputs, under which the graph is valid (``None``: none).
+    """
+
+    def __init__(self, graph: GraphModule, fakes: list[Tensor] | None, guard: str | None):
+        self.graph = graph
+        self.fakes = fakes
+        self.guard = guard
+
+
+def trace(
+    fn: Callable[..., object],
+    example_inputs: Sequence[Tensor],
+    *,
+    holder: nn.Module,
+    signature: str,
+    dynamic: Sequence[Collection[int]] | None = None,
+    functional: bool = False,
+    strict: bool = False,
+    watches: Sequence[contextlib.AbstractContextManager] = (),
+    on_error: Callable[[Exception], Exception] | None = None,
+) -> Traced:
+    """Trace ``fn(*example_inputs)`` into a graph module with fake tensors.
+
+    Args:
+        holder: the module(s) the step runs; their Python attributes and the generators
+            they hold must not change while tracing (eager would change them every step).
+        signature: a description of the inputs, for error messages.
+        dynamic: one collection of dimension indices per input, traced symbolically: the
+            graph then serves every size that satisfies its guard. Sizes 0 and 1 are
+            specialised (the fakes say which dimensions stayed symbolic).
+        functional: ``fn`` writes into its inputs anywhere (an eager step body): trace it,
+            then functionalize it so that every write is a ``copy_`` at the end.
+        strict: every tensor ``fn`` reads must be one of the inputs; a real tensor met
+            while tracing is an error instead of a constant of the graph.
+        watches: more context managers around the trace (checks of the caller's own).
+        on_error: turns an exception raised while tracing into the one to raise;
+            by default a :class:`TraceError` naming the module and source line.
+
+    Example:
+        >>> import torch
+        >>> from functacc.core.tracer import trace
+        >>> traced = trace(lambda x: (x.sin() * 2,), [torch.randn(3)],
+        ...                holder=torch.nn.Module(), signature="x")
+        >>> [n.target.__name__ for n in traced.graph.graph.nodes if n.op == "call_function"]
+        ['sin.default', 'mul.Tensor']
+    """
+    devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
+    detached = [t.detach() for t in example_inputs]
+    symbolic = dynamic is not None and any(dynamic)
+    try:
+        with contextlib.ExitStack() as stack:
+            for watch in (
+                AttributeWatch(holder),
+                HostRandomWatch(),
+                HeldRandomWatch(holder),
+                _quiet_fake_tensor_log(),
+                *watches,
+            ):
+                stack.enter_context(watch)
+            dims = dynamic if symbolic else None
+            traced = _trace(fn, detached, devices, dims, functional, strict)
+    except Exception as exc:
+        if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
+            raise
+        raise (on_error or (lambda e: translate(e, holder, signature)))(exc) from exc
+    if functional:
+        bernoulli_in_place(traced.graph)
+        direct_writes(traced.graph)
+    return traced
+
+
+def _trace(
+    fn: Callable[..., object],
+    detached: list[Tensor],
+    devices: list[int],
+    dynamic: Sequence[Collection[int]] | None,
+    functional: bool,
+    strict: bool,
+) -> Traced:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # fork_rng: the first make_fx of a process draws from the global generator while it
+    # initialises; a trace must leave the RNG exactly where it was. no_grad: a pure step
+    # turns autograd on where it differentiates; an eager body sets the caller's mode.
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        if dynamic is None:
+            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=not strict)
+            fakes = [mode.from_tensor(t, static_shapes=True) for t in detached]
+            graph = _make_fx(fn, fakes, "fake", functional, strict)
+            return Traced(graph, None, None)
+        fakes = symbolic_fakes(detached, dynamic, strict=strict)
+        with _eager_dropout():
+            graph = _make_fx(fn, fakes, "symbolic", functional, strict)
+    shape_env = fakes[0].fake_mode.shape_env
+    dynamic_fakes = [f for f, dims in zip(fakes, dynamic, strict=True) if dims]
+    # Guards over the inputs with symbolic dimensions only (named t0, t1, ... in that
+    # order); the static dimensions are checked exactly by the caller.
+    return Traced(graph, fakes, shape_env.produce_guards_expression(dynamic_fakes))
+
+
+def _make_fx(
+    fn: Callable[..., object], fakes: list[Tensor], mode: str, functional: bool, strict: bool
+) -> GraphModule:
+    # `_allow_non_fake_inputs` (not strict): tensors a module keeps outside what the step
+    # lifts as inputs are real; they become constants of the graph. Fresh handles per pass:
+    # an eager body marks its parameters as requiring grad and sets their .grad, which the
+    # second pass must not see.
+    first = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
+        *[f.detach() for f in fakes]
+    )
+    if not functional:
+        return first
+    pure = torch.func.functionalize(first, remove="mutations")
+    return make_fx(pure, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
+        *[f.detach() for f in fakes]
+    )
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """A shape error in the model is reported once, as a TraceError naming the module and
+    the inputs; without this, the fake-tensor layer also logs its whole traceback at ERROR
+    level ("failed while attempting to run meta for aten.mm.default")."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def symbolic_fakes(
+    inputs: Sequence[Tensor], dynamic: Sequence[Collection[int]], *, strict: bool = False
+) -> list[Tensor]:
+    """Fake copies of ``inputs`` whose dimensions listed in ``dynamic`` are symbols."""
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    # No duck sizing: a batch of 8 sequences of length 8 must not tie the two dimensions
+    # together; equal sizes that the model relates are discovered as guards instead.
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=not strict)
+    fakes = []
+    source_index = 0
+    for t, dims in zip(inputs, dynamic, strict=True):
+        if not dims:
+            fakes.append(mode.from_tensor(t, static_shapes=True))
+            continue
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())]
+        context = StatelessSymbolicContext(dynamic_sizes=sizes)
+        source = LocalSource(f"t{source_index}")  # the name the guard expression uses
+        source_index += 1
+        fakes.append(mode.from_tensor(t, source=source, symbolic_context=context))
+    return fakes
+
+
+@contextlib.contextmanager
+def _eager_dropout() -> Iterator[None]:
+    """Trace ``aten.dropout`` as eager PyTorch runs it.
+
+    Symbolic tracing turns on the Python dispatcher, under which ``aten.dropout`` takes
+    torch's Python decomposition (``native_dropout``). On CPU eager PyTorch runs the C++
+    composite instead (``bernoulli_`` on an empty tensor), which draws a different random
+    stream: the same seed would give different masks. Hiding the Python kernels for the
+    duration of the trace keeps the C++ composite, so symbolic and static graphs draw
+    exactly eager's masks.
+    """
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.dropout.default
+    keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
+    saved: dict[Any, Any] = {k: op.py_kernels.pop(k) for k in keys if k in op.py_kernels}
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        op.py_kernels.update(saved)
+        op._dispatch_cache.clear()
