@@ -451,7 +451,7 @@ def _restore_host_state(
             {k[len("loader.") :]: v for k, v in targets.items() if k.startswith("loader.")}
         )
     step._calls = int(step.state.count)
-    step._after_load()
+    step._state.after_load()
     if states:
         with open(os.path.join(path, "states.json")) as f:
             saved = json.load(f)
@@ -541,7 +541,7 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
             )
     model.load_state_dict(loaded, strict=False)
     if step is not None:
-        step._load_full_params()
+        step._state.load_full_params()
         if not synced:  # ZeRO-3: the model goes back to its placeholders
             step._strategy.release_model_params(step._params)
 

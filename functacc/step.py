@@ -12,10 +12,8 @@ Two forms share the same mathematics (:mod:`functacc.step_fn`):
 from __future__ import annotations
 
 import logging
-import operator
 import warnings
-import weakref
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,25 +33,20 @@ from .functional import check_dense_gradients, swap_attributes, tensor_attribute
 from .host_memory import ENV_VAR as HOST_MEMORY_ENV
 from .host_memory import keep_freed_memory
 from .optim import GradientTransformation
-from .optim._torch import TorchOptimizerLink, _check_supported
+from .optim._torch import _check_supported
 from .parallel import resolve_strategy
 from .parallel.comm import CommStats, comm_stats
 from .parallel.strategy import check_same_model, sync_from_rank0
 from .precision import resolve_precision
 from .remat import POLICIES, RematPolicy, save_matmuls, validate_remat
 from .signature import (
-    AmbientWatch,
-    BatchWatch,
-    HookWatch,
-    ModelWatch,
-    StructureWatch,
     TensorSpec,
     batch_names,
     family_key,
-    filled_settings,
-    hashable_constant,
 )
 from .step_fn import LossFn, StepFunction, TrainState
+from .step_signature import StepSignature, describe_batch
+from .step_state import LiveState
 from .trace import describe_tensor
 
 __all__ = ["Step", "TrainState", "compile_step"]
@@ -128,20 +121,6 @@ class Step:
         self.grad_accum_steps = grad_accum_steps
         self._params: dict[str, Tensor] = dict(model.named_parameters())
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
-        named = list(model.named_modules())
-        self._modules = [module for _, module in named]
-        self._model_tensors = [*self._params.values(), *self._buffers.values()]
-        self._model_watch = ModelWatch(
-            self._modules,
-            self._params,
-            self._model_tensors,
-            names=[f"model.{name}" if name else "model" for name, _ in named],
-        )
-        self._hook_watch = HookWatch(model, self._params)
-        self._structure = StructureWatch(model)
-        self._batch_watch = BatchWatch()
-        self._context_parts: tuple | None = None
-        self._context_key: tuple = ()
         self._last_key: tuple | None = None
         self._last_key_program: _Program | None = None
         self._attributes = tensor_attributes(model)
@@ -156,10 +135,8 @@ class Step:
         self._cache = self._engine.cache
         self._calls = 0
 
-        self._link = None if isinstance(opt, GradientTransformation) else self._new_link(opt)
-        self._strategy = resolve_strategy(
-            parallel, model, self._link.groups if self._link else None
-        )
+        link = LiveState.link_for(opt, self._params)
+        self._strategy = resolve_strategy(parallel, model, link.groups if link else None)
         self._distributed = self._strategy.topology.world > 1
         if self._distributed:
             # A collective call: every rank builds its step at the same point of its program.
@@ -168,7 +145,7 @@ class Step:
             sync_from_rank0({**self._params, **self._buffers})
         self.precision = resolve_precision(precision)
         self._device = next((t.device for t in self._params.values()), torch.device("cpu"))
-        self._ambient = AmbientWatch(self._device.type)
+        self._signature = StepSignature(model, self._params, self._buffers, self._device.type)
         self._cuda_graphs = check_cuda_graphs(
             cuda_graphs, self._device, dist.get_backend_config() if self._distributed else None
         )
@@ -177,10 +154,13 @@ class Step:
                 f"cuda_graph_cache_size must be an int >= 1; got {cuda_graph_cache_size!r}"
             )
         self._cuda_graph_cache_size = cuda_graph_cache_size
+        self._state = LiveState(
+            opt, link, self._params, self._buffers, self._strategy, self.precision, self._device
+        )
         self._fn = StepFunction(
             model,
             loss_fn,
-            self._build_transform(opt),
+            self._state.transform(),
             self._strategy,
             grad_accum_steps,
             max_grad_norm,
@@ -201,16 +181,7 @@ class Step:
                 stacklevel=3,
             )
         self.remat_policy = remat_policy
-        self._set_live_state(self._initial_state(opt))
-        self._installed = False
-        if self._link is not None and hasattr(self._strategy, "link_optimizer"):
-            # ZeRO: opt.state_dict() gathers the sharded state, load_state_dict() shards it.
-            ref = weakref.ref(self)
-            self._strategy.link_optimizer(
-                self._link,
-                lambda: ref()._live if ref() is not None else None,
-                lambda: ref()._fn.transform,
-            )
+        self._state.start(self._fn)
         if keep_host_memory and self._device.type == "cpu":
             # Last, so that a step that fails to build changes nothing in the process.
             keep_freed_memory()
@@ -236,20 +207,20 @@ class Step:
     def loss_scale(self) -> float | None:
         """The current float16 loss scale (``None`` without loss scaling). Reading it waits
         for the device."""
-        scaler = (self._live.extra or {}).get("loss_scale")
+        scaler = (self._state.state.extra or {}).get("loss_scale")
         return float(scaler["scale"]) if scaler else None
 
     @property
     def skipped_steps(self) -> int:
         """Steps skipped because their float16 gradients overflowed."""
-        scaler = (self._live.extra or {}).get("loss_scale")
+        scaler = (self._state.state.extra or {}).get("loss_scale")
         return int(scaler["skipped"]) if scaler else 0
 
     @property
     def state(self) -> TrainState:
         """The live training state of the stateful form. Its tensors are the ones the step
         updates in place (the model's own parameters, unless sharded)."""
-        return self._live
+        return self._state.state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         """One training step that updates the model and the optimizer in place.
@@ -258,19 +229,11 @@ class Step:
         calls ``model(*args, **kwargs)``. Returns the loss, a detached 0-dim tensor.
         """
         program, tensors = self._stateful_program(args, kwargs)
-        inputs = [*self._live_leaves, *tensors]
-        loss = self._engine.run(program, inputs, lambda: self._describe_batch(args, kwargs))[0]
+        inputs = [*self._state.leaves, *tensors]
+        loss = self._engine.run(program, inputs, lambda: describe_batch(args, kwargs))[0]
         self._calls += 1
         self._last_program = program
-        if self._link is not None:
-            # What torch.optim.lr_scheduler checks to know the optimizer stepped (it warns
-            # about a skipped first value otherwise).
-            self._link.optimizer._opt_called = True
-        if not self._installed and self._link is not None and self._strategy.named_state:
-            # torch creates optimizer state at the first step; so do we, only once the
-            # first step has succeeded (a failed first call must leave opt.state empty).
-            self._link.install(self._live.opt_state, program.names_with_grads)
-            self._installed = True
+        self._state.stepped(program.names_with_grads)
         return loss
 
     def warmup(self, batches: Iterable[Any], *, progress: bool = True) -> list[TraceRecord]:
@@ -307,7 +270,7 @@ class Step:
         """A copy of the current training state (model, optimizer, step count) for
         :meth:`apply`. Later calls of the stateful step do not change it."""
         return pytree.tree_map(
-            lambda x: x.detach().clone() if isinstance(x, Tensor) else x, self._live
+            lambda x: x.detach().clone() if isinstance(x, Tensor) else x, self._state.state
         )
 
     def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> tuple[TrainState, Tensor]:
@@ -323,15 +286,16 @@ class Step:
             )
         self._check_call(args, kwargs)
         self._strategy.release_model_params(self._params)  # after sync_model (ZeRO-3)
-        if self._link is not None:
-            state = state._replace(opt_state=self._link.with_current_hyperparams(state.opt_state))
+        link = self._state.link
+        if link is not None:
+            state = state._replace(opt_state=link.with_current_hyperparams(state.opt_state))
         leaves, spec = pytree.tree_flatten(state)
         state_key = (spec, tuple(_tensor_key(t) for t in leaves))
         count = int(state.count) if self._strategy.signature(0) != () else 0
         context = ("pure", self._state_key(count), ("state", state_key))
         program, tensors = self._program(context, state, args, kwargs, inplace=False, count=count)
         outputs = self._engine.run(
-            program, [*leaves, *tensors], lambda: self._describe_batch(args, kwargs)
+            program, [*leaves, *tensors], lambda: describe_batch(args, kwargs)
         )
         self._last_program = program
         new = iter(outputs[1:])
@@ -355,10 +319,10 @@ class Step:
             "payload_bytes": dict(comm.payload_bytes),
             "sent_bytes": dict(comm.sent_bytes),
             "memory": {
-                "params": _nbytes(self._live.params),
+                "params": _nbytes(self._state.state.params),
                 "grads": 0,
-                "optimizer": _nbytes(self._live.opt_state),
-                "buffers": _nbytes(self._live.buffers),
+                "optimizer": _nbytes(self._state.state.opt_state),
+                "buffers": _nbytes(self._state.state.buffers),
             },
         }
 
@@ -367,148 +331,22 @@ class Step:
         them, a collective call; otherwise the model already holds them) and return it.
         Under ZeRO-3 the next step drops these full copies again (the model's parameters
         go back to empty placeholders) without retracing."""
-        self._strategy.write_model_params(self._live.params, self._params)
+        self._strategy.write_model_params(self._state.state.params, self._params)
         return self.model
 
-    # -- live state --------------------------------------------------------------------
-    def _after_load(self) -> None:
-        """After a checkpoint wrote into the live state: the torch optimizer shows it."""
-        if self._link is None:
-            return
-        self._link.write_hyperparams(self._live.opt_state)
-        if self._strategy.named_state:
-            trainable = {n for n, p in self._params.items() if p.requires_grad}
-            self._link.install(self._live.opt_state, trainable)
-            self._installed = True
-
-    def _load_full_params(self) -> None:
-        """The model's parameters were overwritten (load_model): re-shard them into the
-        live state where the state holds shards."""
-        self._strategy.load_full_params(self._params, self._live.params)
-
-    def _build_transform(self, opt: Any) -> GradientTransformation:
-        if self._link is None:
-            return opt
-        return self._link.transform(self._strategy.optimizer_groups(self._link.groups))
-
-    def _initial_state(self, opt: Any) -> TrainState:
-        strategy = self._strategy
-        if self._link is not None and strategy.named_state:
-            params = strategy.live_params(self._params)
-            opt_state = self._link.read_state(self._params, copy=False)
-        elif self._link is not None:
-            # Read torch's (full) state before the strategy shards the parameters.
-            named = self._link.read_state(self._params, copy=True)
-            params = strategy.live_params(self._params)
-            opt_params = strategy.optimizer_params(params)
-            opt_state = strategy.shard_optimizer_state(named, self._fn.transform, opt_params)
-        else:
-            params = strategy.live_params(self._params)
-            opt_state = self._fn.transform.init(strategy.optimizer_params(params))
-        if self._link is not None:
-            self._torch_state = opt.state
-        # On the parameters' device: a CUDA graph must read and advance it on the GPU.
-        count = torch.zeros((), dtype=torch.int64, device=self._device)
-        extra = strategy.init_extra(self._params)
-        if self.precision is not None and self.precision.loss_scaling:
-            extra["loss_scale"] = self.precision.init_state(self._device)
-        self._hyper_key = self._link.structure_key() if self._link else ()
-        return TrainState(params, self._buffers, opt_state, count, extra)
-
-    def _set_live_state(self, state: TrainState) -> None:
-        self._live = state
-        self._live_leaves, self._live_spec = pytree.tree_flatten(state)
-
-    def _refresh_live_state(self) -> None:
-        """Follow ``opt.load_state_dict`` and hyperparameter edits made between calls."""
-        if self._link is None:
-            return
-        if self._link.optimizer.state is not self._torch_state and self._strategy.named_state:
-            # load_state_dict() replaces the state dict: adopt its tensors as the live state.
-            self._torch_state = self._link.optimizer.state
-            opt_state = self._link.read_state(self._params, copy=False)
-            self._set_live_state(self._live._replace(opt_state=opt_state))
-            self._installed = False
-        if not self._link.poll():
-            return  # param_groups as at the last call: nothing to re-read
-        if not self._link.same_groups():
-            try:
-                self._regroup()
-            except Exception:
-                self._link.forget_poll()  # the next call checks (and fails) again
-                raise
-        hyper_key = self._link.structure_key()
-        if hyper_key != self._hyper_key:
-            self._fn.transform = self._build_transform(self._link.optimizer)
-            self._hyper_key = hyper_key
-        self._link.sync_hyperparams(self._live.opt_state)
-
-    def _regroup(self) -> None:
-        """``optimizer.add_param_group()`` (or a group's parameters edited) after the step
-        was built: as in eager, the new parameters train from this call on. The optimizer
-        state of the parameters already trained carries over (it is the torch optimizer's
-        own); the new ones start fresh, and the next trace updates every group."""
-        optimizer = self._link.optimizer
-        if not self._strategy.named_state:
-            raise RuntimeError(
-                f"optimizer.param_groups changed after the {self._strategy.name} step was "
-                "built (optimizer.add_param_group(), or parameters added to or removed from a "
-                "group): the step shards each group's parameters when it is built. Build the "
-                "step again with compile_step() after changing the optimizer's groups."
-            )
-        link = self._new_link(optimizer)
-        opt_state = link.read_state(self._params, copy=False)  # checks before any change
-        self._link = link
-        self._fn.transform = self._build_transform(optimizer)
-        self._set_live_state(self._live._replace(opt_state=opt_state))
-        self._installed = False  # the new parameters' state goes into opt.state next step
-        self._hyper_key = link.structure_key()  # a new structure: the next trace
-
-    def _new_link(self, optimizer: torch.optim.Optimizer) -> TorchOptimizerLink:
-        return TorchOptimizerLink(optimizer, {id(p): n for n, p in self._params.items()})
-
     def _state_key(self, count: int) -> tuple:
-        # Per-call checks of what changes the graph: train/eval mode, which parameters are
-        # trainable, the dtypes of the model's tensors, the optimizer structure, the
-        # strategy's phase and the ambient state a trace bakes in (autocast, default dtype).
-        # Each watch returns the same object while its part is unchanged, so the common call
-        # compares a few identities and reuses the last key. Sizes and strides of the graph's
-        # inputs are not re-read here: the compiled graph asserts them on every call
-        # (Inductor's wrapper; the eager backend's ops reject other sizes), and the live
-        # state keeps them.
-        parts = (
-            self._model_watch.key(),
-            self._hyper_key,
-            self._strategy.signature(count),
-            self._ambient.key(),
-            self._hook_watch.key(),
-        )
-        if parts != self._context_parts:
-            if self._context_parts is None or parts[0] is not self._context_parts[0]:
-                # The model's tensors changed dtype, device or requires_grad: model.double()
-                # and model.to() also replace its buffers, which no hook reports.
-                self._structure.rescan()
-                self._check_structure()
-                check_dense_gradients(self.model)  # a sparse embedding unfrozen
-            model, hyper, parallel, ambient, hooks = parts
-            self._context_parts = parts
-            self._context_key = (
-                *model,
-                ("optimizer hyperparameters", hyper),
-                ("parallel", parallel),
-                ("ambient", ambient),
-                ("hooks", hooks),
-            )
-        return self._context_key
+        hyper = self._state.hyper_key
+        return self._signature.context(hyper=hyper, parallel=self._strategy.signature(count))
 
     # -- programs ----------------------------------------------------------------------
     def _stateful_program(self, args: tuple, kwargs: dict) -> tuple[_Program, list[Tensor]]:
         """The program for a call of the stateful step (traced and compiled if new)."""
         self._check_call(args, kwargs)
         self._strategy.release_model_params(self._params)  # after sync_model (ZeRO-3)
-        self._refresh_live_state()
+        self._state.refresh()
         context = ("inplace", self._state_key(self._calls))
-        return self._program(context, self._live, args, kwargs, inplace=True, count=self._calls)
+        state = self._state.state
+        return self._program(context, state, args, kwargs, inplace=True, count=self._calls)
 
     def _program(
         self,
@@ -523,7 +361,7 @@ class Step:
         """The program for this call and its inputs after the state: the model's plain
         tensor attributes (read now, as eager reads them in every forward), then the
         batch's tensors."""
-        tensors, batch_key = self._flatten_batch(args, kwargs)
+        tensors, batch_key = self._signature.batch(args, kwargs)
         attributes = self._attribute_values()
         if attributes:
             context = (*context, ("tensor attributes", tuple(map(_tensor_key, attributes))))
@@ -552,7 +390,7 @@ class Step:
                     # Attributes keep their addresses like the state (a new one re-captures).
                     program.run = CudaGraphRunner(
                         program.run,
-                        len(self._live_leaves) + len(attributes),
+                        len(self._state.leaves) + len(attributes),
                         cache_size=self._cuda_graph_cache_size,
                     )
         if program.guard is None:
@@ -568,7 +406,8 @@ class Step:
         for i in indices:
             _, module, attr = self._attributes[i]
             value = vars(module)[attr]
-            if any(_shares_storage(value, t) for t in self._model_tensors):
+            model_tensors = (*self._params.values(), *self._buffers.values())
+            if any(_shares_storage(value, t) for t in model_tensors):
                 vars(module)[attr] = value.clone()
 
     def _attribute_values(self) -> list[Tensor]:
@@ -586,7 +425,7 @@ class Step:
 
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
-        self._check_structure()
+        self._signature.check_structure()
         if self._distributed and not dist.is_initialized():
             raise RuntimeError(
                 f"this step trains with {self._strategy.name} over "
@@ -608,18 +447,6 @@ class Step:
                 "model inputs into a tuple or dict: step((x1, x2), targets)."
             )
 
-    def _check_structure(self) -> None:
-        if self._structure.replaced is not None:
-            raise RuntimeError(
-                f"model.{self._structure.replaced} was replaced or added after compile_step "
-                "built this step. The step trains the tensors and modules it was built "
-                "with, so it would keep updating the old ones while the model uses the new "
-                "(eager PyTorch would use the new). Change values in place instead (e.g. "
-                "module.running_mean.copy_(new), model.load_state_dict(...)), or build a new "
-                "step with compile_step(...) after changing the model (model.double() and "
-                "model.to(device) replace its buffers)."
-            )
-
     def _as_call(self, batch: Any) -> tuple[tuple, dict]:
         """``(args, kwargs)`` for a batch as a training loop passes it to the step."""
         if self.loss_fn is not None:
@@ -634,32 +461,6 @@ class Step:
         if isinstance(batch, (tuple, list)):
             return tuple(batch), {}
         return (batch,), {}
-
-    def _flatten_batch(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], tuple]:
-        """The batch's tensors and its signature key (its first part: the tensor specs)."""
-        if not kwargs and all(type(a) is Tensor for a in args):
-            # The common step(inputs, targets): no pytree walk on the hot path.
-            return list(args), (("inputs", self._batch_watch.key(args)),)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, Tensor)]
-        constants = [x for x in leaves if not isinstance(x, Tensor)]
-        key = (
-            ("inputs", tuple(_tensor_key(t) for t in tensors)),
-            ("structure", str(spec)),
-            ("constants", tuple(map(hashable_constant, constants))),
-        )
-        return tensors, key
-
-    def _describe_batch(self, args: tuple, kwargs: dict) -> str:
-        items = pytree.tree_flatten_with_path((args, kwargs))[0]
-        parts = []
-        for path, leaf in items:
-            name = "args" + pytree.keystr(path[1:]) if path[0].idx == 0 else pytree.keystr(path[1:])
-            if isinstance(leaf, Tensor):
-                parts.append(f"{name}: {describe_tensor(leaf)}")
-            else:
-                parts.append(f"{name}: {leaf!r}")
-        return "; ".join(parts) or "no inputs"
 
     # -- tracing -----------------------------------------------------------------------
     def _build(
@@ -676,10 +477,10 @@ class Step:
         count: int,
     ) -> tuple[_Program, tuple]:
         """Trace and compile the step for this call; returns the program and the key it is
-        kept under (see :meth:`_key_left_behind`)."""
-        watched = self._model_watch.key()  # the model's part of ``key``
+        kept under (see :meth:`StepSignature.left_behind`)."""
+        watched = self._signature.model_watch.key()  # the model's part of ``key``
         names = batch_names(args, kwargs, with_targets=self.loss_fn is not None)
-        plan = self._engine.plan(key, family, names, tensors, self._describe_batch(args, kwargs))
+        plan = self._engine.plan(key, family, names, tensors, describe_batch(args, kwargs))
         self._engine.check_budget(plan)
         signature = self._strategy.signature(count)
         state_leaves, state_spec = pytree.tree_flatten_with_path(state)
@@ -754,8 +555,8 @@ class Step:
             return self._engine.trace(flat_step, example, plan, n_fixed=n_fixed)
 
         traced = run_trace()
-        plan.key, plan.family = self._key_left_behind(
-            key, family, count, watched, traced, run_trace, meta
+        plan.key, plan.family = self._signature.left_behind(
+            key, family, watched, traced, run_trace, meta, lambda: self._state_key(count)
         )
         self._unalias_reassigned(meta["reassigned"])
         graph = traced.graph
@@ -771,53 +572,6 @@ class Step:
         )
         self._engine.keep(plan, program, traced, n_fixed=n_fixed)
         return program, plan.key
-
-    def _key_left_behind(
-        self,
-        key: tuple,
-        family: tuple,
-        count: int,
-        watched: tuple,
-        traced: Traced,
-        run_trace: Callable[[], Traced],
-        meta: dict[str, Any],
-    ) -> tuple[tuple, tuple]:
-        """The key and family to keep a new program under: the call's own, or the
-        signature the forward left behind where the trace filled in settings that were
-        ``None`` or absent (Hugging Face classifiers set ``config.problem_type`` at their
-        first forward, and never again). The next call has that signature; keyed on the
-        call's own, it would be traced and compiled again for an identical graph.
-
-        Only if the forward takes the same path with the new values: a forward that read
-        the setting before filling it in holds another graph from its second call on (as
-        eager reads the new value), and one that changes it on every call has no stable
-        signature. A second trace (fake tensors, not compiled) with the new values shows
-        both; the model's settings are then put back to what one forward left, as in eager.
-        """
-        left = self._model_watch.key()
-        if left is watched or not filled_settings(watched, left):
-            return key, family
-        restore = self._model_watch.snapshot()
-        first = dict(meta)
-        try:
-            again = run_trace()
-            same = self._model_watch.key() == left and _same_graph(traced, again)
-        except Exception:  # refused or failed with the new values: keep the call's key
-            same = False
-        finally:
-            restore()
-            meta.clear()
-            meta.update(first)
-        if not same:
-            return key, family
-        log.info(
-            "functacc: the forward filled in %s while tracing, and takes the same path with "
-            "the new values: the graph is kept for the signature it leaves behind",
-            ", ".join(filled_settings(watched, left) or ()),
-        )
-        batch_key, context = key
-        context = (context[0], self._state_key(count), *context[2:])
-        return (batch_key, context), (family[0], context)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -846,34 +600,6 @@ def _nbytes(tree: Any) -> int:
     return sum(
         t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)
     )
-
-
-def _same_graph(a: Traced, b: Traced) -> bool:
-    """Two traces of the step recorded the same computation: the same code, the same
-    constants (a Python value turned into a tensor, ``torch.tensor(scale)``) and, with
-    symbolic sizes, the same guard."""
-    return a.guard == b.guard and _same_code(a.graph, b.graph)
-
-
-def _same_code(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
-    if a.code != b.code:
-        return False
-    for node in a.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        get = operator.attrgetter(node.target)  # a dotted name for a nested attribute
-        x, y = get(a), get(b)
-        if isinstance(x, torch.fx.GraphModule) and isinstance(y, torch.fx.GraphModule):
-            if not _same_code(x, y):  # a higher-order op's body (remat's checkpoint)
-                return False
-        elif isinstance(x, Tensor) and isinstance(y, Tensor):
-            if x is not y and (x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y)):
-                return False
-        elif x is not y and type(x) is type(y) and not isinstance(x, nn.Module) and x == y:
-            continue
-        elif x is not y:
-            return False
-    return True
 
 
 def compile_step(

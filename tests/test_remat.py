@@ -216,7 +216,7 @@ def test_recomputation_fences_keep_the_bits_and_vector_code() -> None:
     batch = [torch.randint(0, 100, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g)]
     results = []
     for gm in (graph, fenced):
-        inputs = [t.detach().clone() for t in (*step._live_leaves, *batch)]
+        inputs = [t.detach().clone() for t in (*step._state.leaves, *batch)]
         torch.manual_seed(5)
         with torch.no_grad():
             results.append((gm(*inputs), inputs))  # the step updates its state in place

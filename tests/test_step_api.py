@@ -531,7 +531,7 @@ def test_gradient_hooks_functacc_cannot_run_are_errors() -> None:
         model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
     )
     x, y = torch.randn(8, 4), torch.randn(8, 2)
-    snap = Snapshot(model, step._link.optimizer, step)
+    snap = Snapshot(model, step._state.link.optimizer, step)
     with pytest.raises(ValueError, match=r"'0.weight' has a post-accumulate-grad hook"):
         step(x, y)
     snap.assert_unchanged()
