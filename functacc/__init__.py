@@ -14,6 +14,7 @@ Example:
 from . import buckets, optim, parallel
 from .accelerate import accelerate
 from .checkpoint import load, load_model, save, save_model
+from .compile_step import compile_step
 from .config import Config
 from .data import DeviceLoader
 from .errors import RetraceError, TraceError
@@ -23,7 +24,7 @@ from .manager import CheckpointManager
 from .parallel import init_distributed
 from .precision import Precision
 from .safe_io import CheckpointError
-from .step import Step, TrainState, compile_step
+from .step import Step, TrainState
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,42 +24,29 @@ from torch import Tensor, nn
 from ._env import env_flag
 from .cache import TraceRecord
 from .compile import Backend, check_backend, check_inductor_options
-from .core.engine import Engine, Program
-from .core.tracer import Traced
-from .cudagraph import CudaGraphRunner, check_cuda_graphs
-from .errors import argument_error
-from .functional import check_dense_gradients, swap_attributes, tensor_attributes
+from .core.engine import Engine
+from .cudagraph import check_cuda_graphs
+from .functional import check_dense_gradients, tensor_attributes
 from .host_memory import ENV_VAR as HOST_MEMORY_ENV
 from .host_memory import keep_freed_memory
 from .optim import GradientTransformation
 from .optim._torch import _check_supported
 from .parallel import resolve_strategy
-from .parallel.comm import CommStats, comm_stats
+from .parallel.comm import CommStats
 from .parallel.strategy import check_same_model, sync_from_rank0
 from .precision import resolve_precision
-from .remat import POLICIES, RematPolicy, save_matmuls, validate_remat
+from .remat import POLICIES, RematPolicy, validate_remat
 from .signature import (
     TensorSpec,
-    batch_names,
-    family_key,
 )
 from .step_fn import LossFn, StepFunction, TrainState
+from .step_programs import StepProgram, StepPrograms
 from .step_signature import StepSignature, describe_batch
 from .step_state import LiveState
-from .trace import describe_tensor
 
-__all__ = ["Step", "TrainState", "compile_step"]
+__all__ = ["Step", "TrainState"]
 
 log = logging.getLogger("functacc")
-
-
-@dataclass
-class _Program(Program):
-    """The compiled step for one input signature, and what its outputs mean."""
-
-    changed: list[bool] = field(default_factory=list)  # which state leaves the step rewrites
-    names_with_grads: frozenset[str] = frozenset()
-    stats: CommStats | None = None
 
 
 _tensor_key = TensorSpec.of
@@ -121,9 +107,6 @@ class Step:
         self.grad_accum_steps = grad_accum_steps
         self._params: dict[str, Tensor] = dict(model.named_parameters())
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
-        self._last_key: tuple | None = None
-        self._last_key_program: _Program | None = None
-        self._attributes = tensor_attributes(model)
         self._engine = Engine(
             "the training step",
             backend=backend,
@@ -146,14 +129,13 @@ class Step:
         self.precision = resolve_precision(precision)
         self._device = next((t.device for t in self._params.values()), torch.device("cpu"))
         self._signature = StepSignature(model, self._params, self._buffers, self._device.type)
-        self._cuda_graphs = check_cuda_graphs(
+        cuda_graphs = check_cuda_graphs(
             cuda_graphs, self._device, dist.get_backend_config() if self._distributed else None
         )
         if not isinstance(cuda_graph_cache_size, int) or cuda_graph_cache_size < 1:
             raise ValueError(
                 f"cuda_graph_cache_size must be an int >= 1; got {cuda_graph_cache_size!r}"
             )
-        self._cuda_graph_cache_size = cuda_graph_cache_size
         self._state = LiveState(
             opt, link, self._params, self._buffers, self._strategy, self.precision, self._device
         )
@@ -181,6 +163,18 @@ class Step:
                 stacklevel=3,
             )
         self.remat_policy = remat_policy
+        self._programs = StepPrograms(
+            self._engine,
+            self._signature,
+            self._fn,
+            self._state,
+            tensor_attributes(model),
+            self._state_key,
+            with_targets=loss_fn is not None,
+            remat_policy=remat_policy,
+            cuda_graphs=cuda_graphs,
+            cuda_graph_cache_size=cuda_graph_cache_size,
+        )
         self._state.start(self._fn)
         if keep_host_memory and self._device.type == "cpu":
             # Last, so that a step that fails to build changes nothing in the process.
@@ -293,7 +287,10 @@ class Step:
         state_key = (spec, tuple(_tensor_key(t) for t in leaves))
         count = int(state.count) if self._strategy.signature(0) != () else 0
         context = ("pure", self._state_key(count), ("state", state_key))
-        program, tensors = self._program(context, state, args, kwargs, inplace=False, count=count)
+        programs = self._programs
+        program, tensors = programs.program(
+            context, state, args, kwargs, inplace=False, count=count
+        )
         outputs = self._engine.run(
             program, [*leaves, *tensors], lambda: describe_batch(args, kwargs)
         )
@@ -339,89 +336,14 @@ class Step:
         return self._signature.context(hyper=hyper, parallel=self._strategy.signature(count))
 
     # -- programs ----------------------------------------------------------------------
-    def _stateful_program(self, args: tuple, kwargs: dict) -> tuple[_Program, list[Tensor]]:
+    def _stateful_program(self, args: tuple, kwargs: dict) -> tuple[StepProgram, list[Tensor]]:
         """The program for a call of the stateful step (traced and compiled if new)."""
         self._check_call(args, kwargs)
         self._strategy.release_model_params(self._params)  # after sync_model (ZeRO-3)
         self._state.refresh()
         context = ("inplace", self._state_key(self._calls))
         state = self._state.state
-        return self._program(context, state, args, kwargs, inplace=True, count=self._calls)
-
-    def _program(
-        self,
-        context: tuple,
-        state: TrainState,
-        args: tuple,
-        kwargs: dict,
-        *,
-        inplace: bool,
-        count: int,
-    ) -> tuple[_Program, list[Tensor]]:
-        """The program for this call and its inputs after the state: the model's plain
-        tensor attributes (read now, as eager reads them in every forward), then the
-        batch's tensors."""
-        tensors, batch_key = self._signature.batch(args, kwargs)
-        attributes = self._attribute_values()
-        if attributes:
-            context = (*context, ("tensor attributes", tuple(map(_tensor_key, attributes))))
-        key = (batch_key, context)
-        if key == self._last_key:  # the common case: compared, not hashed
-            return self._last_key_program, [*attributes, *tensors]
-        program = self._cache.get(key)
-        if program is None:
-            # Not compiled for exactly these shapes: a graph with symbolic sizes may take them.
-            family = ((("inputs", family_key(tensors)), *batch_key[1:]), context)
-            program = self._engine.lookup(key, family, tensors)
-            if program is None:
-                program, key = self._build(
-                    key,
-                    family,
-                    state,
-                    args,
-                    kwargs,
-                    attributes,
-                    tensors,
-                    inplace=inplace,
-                    count=count,
-                )
-                attributes = self._attribute_values()  # the trace may have unaliased one
-                if inplace and self._cuda_graphs:
-                    # Attributes keep their addresses like the state (a new one re-captures).
-                    program.run = CudaGraphRunner(
-                        program.run,
-                        len(self._state.leaves) + len(attributes),
-                        cache_size=self._cuda_graph_cache_size,
-                    )
-        if program.guard is None:
-            self._last_key, self._last_key_program = key, program
-        return program, [*attributes, *tensors]
-
-    def _unalias_reassigned(self, indices: list[int]) -> None:
-        """A tensor attribute that the forward assigns is written back into after every
-        call. One that shares memory with a parameter or buffer (``weight_norm`` and
-        ``spectral_norm`` start ``module.weight`` as ``weight_orig.data``) gets its own
-        copy first, so the write cannot reach the parameter; eager replaces it at the first
-        forward anyway."""
-        for i in indices:
-            _, module, attr = self._attributes[i]
-            value = vars(module)[attr]
-            model_tensors = (*self._params.values(), *self._buffers.values())
-            if any(_shares_storage(value, t) for t in model_tensors):
-                vars(module)[attr] = value.clone()
-
-    def _attribute_values(self) -> list[Tensor]:
-        values = []
-        for name, module, attr in self._attributes:
-            value = getattr(module, attr, None)
-            if not isinstance(value, Tensor):
-                raise TypeError(
-                    f"the model's tensor attribute {name!r} is now {type(value).__name__}; the "
-                    "step reads it as a tensor input on every call. Keep it a tensor (or "
-                    "register it as a buffer) and rebuild the step if the model changed."
-                )
-            values.append(value)
-        return values
+        return self._programs.program(context, state, args, kwargs, inplace=True, count=self._calls)
 
     # -- batches -----------------------------------------------------------------------
     def _check_call(self, args: tuple, kwargs: dict) -> None:
@@ -462,117 +384,6 @@ class Step:
             return tuple(batch), {}
         return (batch,), {}
 
-    # -- tracing -----------------------------------------------------------------------
-    def _build(
-        self,
-        key: tuple,
-        family: tuple,
-        state: TrainState,
-        args: tuple,
-        kwargs: dict,
-        attributes: list[Tensor],
-        tensors: list[Tensor],
-        *,
-        inplace: bool,
-        count: int,
-    ) -> tuple[_Program, tuple]:
-        """Trace and compile the step for this call; returns the program and the key it is
-        kept under (see :meth:`StepSignature.left_behind`)."""
-        watched = self._signature.model_watch.key()  # the model's part of ``key``
-        names = batch_names(args, kwargs, with_targets=self.loss_fn is not None)
-        plan = self._engine.plan(key, family, names, tensors, describe_batch(args, kwargs))
-        self._engine.check_budget(plan)
-        signature = self._strategy.signature(count)
-        state_leaves, state_spec = pytree.tree_flatten_with_path(state)
-        state_tensors = [t for _, t in state_leaves]
-        state_paths = [pytree.keystr(p) for p, _ in state_leaves]
-        batch_leaves, batch_spec = pytree.tree_flatten((args, kwargs))
-        is_tensor = [isinstance(x, Tensor) for x in batch_leaves]
-        constants = [x for x in batch_leaves if not isinstance(x, Tensor)]
-        n_state = len(state_tensors)
-        n_fixed = n_state + len(attributes)  # inputs before the batch
-        meta: dict[str, Any] = {}
-
-        def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
-            state_in = pytree.tree_unflatten(list(flat[:n_state]), state_spec)
-            tensors, consts = iter(flat[n_fixed:]), iter(constants)
-            batch = [next(tensors) if t else next(consts) for t in is_tensor]
-            call_args, call_kwargs = pytree.tree_unflatten(batch, batch_spec)
-            attribute_inputs = flat[n_state:n_fixed]
-            with swap_attributes(self._attributes, attribute_inputs) as reassigned:
-                new_state, loss = self._fn(
-                    state_in, call_args, call_kwargs, meta=meta, signature=signature
-                )
-            meta["reassigned"] = sorted(reassigned)
-            for i, value in reassigned.items():
-                old = attribute_inputs[i]
-                if value.shape != old.shape or value.dtype != old.dtype:
-                    raise argument_error(
-                        f"the forward assigned {describe_tensor(value)} to the model's tensor "
-                        f"attribute {self._attributes[i][0]!r}, which holds "
-                        f"{describe_tensor(old)}: the step writes a value the forward "
-                        "assigns back into the attribute after every call, which needs the "
-                        "same shape and dtype. Register it as a buffer of that shape, or keep "
-                        "it outside the model."
-                    )
-            new_leaves, new_spec = pytree.tree_flatten(new_state)
-            if new_spec != state_spec:
-                raise argument_error(
-                    "the optimizer returned a state whose structure differs from the state it "
-                    f"was given:\n  given:    {state_spec}\n  returned: {new_spec}\nA "
-                    "GradientTransformation's update must return a state shaped like its init."
-                )
-            old_leaves = flat[:n_state]
-            changed = [new is not old for new, old in zip(new_leaves, old_leaves, strict=True)]
-            for path, new, old, c in zip(state_paths, new_leaves, old_leaves, changed, strict=True):
-                if c and (new.shape != old.shape or new.dtype != old.dtype):
-                    raise argument_error(
-                        f"the step would change state{path} from {describe_tensor(old)} to "
-                        f"{describe_tensor(new)}; the optimizer must keep shapes and dtypes. "
-                        "If the model changed dtype after the optimizer state was created "
-                        "(model.double(), model.to(torch.bfloat16)), build the optimizer and "
-                        "the step after that change: eager torch.optim would keep the old "
-                        "state dtype and round through it, which functacc does not reproduce."
-                    )
-            meta["changed"] = changed
-            if inplace:
-                # Every write to the state happens here, at the very end of the graph, after
-                # all computation that could fail: a step either updates all or nothing.
-                for new, old, c in zip(new_leaves, old_leaves, changed, strict=True):
-                    if c:
-                        old.copy_(new)
-                # A tensor attribute the forward assigned holds, after the call, what eager
-                # would leave there (written into it: its address stays, as a CUDA graph
-                # needs; the next call reads it, as eager's next forward does).
-                for i, value in reassigned.items():
-                    attribute_inputs[i].copy_(value.detach())
-                return (loss,)
-            return (loss, *[new for new, c in zip(new_leaves, changed, strict=True) if c])
-
-        example = [*state_tensors, *attributes, *tensors]
-
-        def run_trace() -> Traced:
-            return self._engine.trace(flat_step, example, plan, n_fixed=n_fixed)
-
-        traced = run_trace()
-        plan.key, plan.family = self._signature.left_behind(
-            key, family, watched, traced, run_trace, meta, lambda: self._state_key(count)
-        )
-        self._unalias_reassigned(meta["reassigned"])
-        graph = traced.graph
-        if self.remat_policy != "full":
-            selective = self.remat_policy == "selective"
-            save_matmuls(graph, batch_inputs=len(tensors) if selective else None)
-        program = _Program(
-            run=self._engine.compile(traced, example),
-            graph=graph,
-            changed=meta["changed"],
-            names_with_grads=meta["names_with_grads"],
-            stats=comm_stats(graph) if self._strategy.topology.world > 1 else None,
-        )
-        self._engine.keep(plan, program, traced, n_fixed=n_fixed)
-        return program, plan.key
-
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module to trace: ``torch.compile(model)`` gives its original module (the step
@@ -592,114 +403,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _shares_storage(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def _nbytes(tree: Any) -> int:
     return sum(
         t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)
-    )
-
-
-def compile_step(
-    model: nn.Module,
-    loss_fn: LossFn | None,
-    opt: torch.optim.Optimizer | GradientTransformation,
-    *,
-    backend: Backend = "inductor",
-    inductor_options: dict[str, Any] | None = None,
-    grad_accum_steps: int = 1,
-    max_grad_norm: float | None = None,
-    parallel: Any = None,
-    precision: Any = None,
-    remat: Collection[str] | None = None,
-    remat_policy: RematPolicy = "full",
-    cuda_graphs: bool | None = None,
-    dynamic: bool | None = None,
-    max_traces: int | None = 32,
-    cuda_graph_cache_size: int = 8,
-) -> Step:
-    """Compile the whole training step of ``model`` into one graph.
-
-    Args:
-        model: the module to train, already on its device and dtype.
-        loss_fn: ``loss_fn(outputs, targets) -> 0-dim tensor`` with
-            ``outputs = model(inputs)`` (``inputs`` a tensor, a tuple for ``model(*inputs)``
-            or a dict for ``model(**inputs)``); ``None`` if the model returns its own loss
-            (a 0-dim tensor, ``.loss`` or ``["loss"]``), then ``step(*args, **kwargs)``.
-        opt: a ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` over the model's parameters (all
-            param groups and their options honoured; its state and ``param_groups`` stay
-            live), or a :class:`functacc.optim.GradientTransformation`.
-        backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph as is).
-        inductor_options: ``torch._inductor.config`` settings for this step's compiles,
-            as ``torch.compile(options=...)`` takes them, e.g. ``{"cpp_wrapper": True}``;
-            they override functacc's defaults (on CPU, a ``post_grad_custom_post_pass``
-            of yours replaces functacc's: :mod:`functacc.bias_add` and
-            :mod:`functacc.input_checks`).
-        grad_accum_steps: split each batch into this many micro-batches inside the graph,
-            sum their gradients (of ``loss / k``), update once.
-        max_grad_norm: clip the global gradient norm, as ``clip_grad_norm_``.
-        parallel: ``None`` (data parallel over all ranks when the world size is > 1),
-            :class:`functacc.parallel.DataParallel` or :class:`functacc.parallel.ZeRO`.
-        precision: ``None`` (the model's dtype), ``"bf16"``, ``"fp16"`` (with dynamic loss
-            scaling) or :class:`functacc.Precision`: autocast compute, float32 master
-            weights and optimizer state.
-        remat: class names of modules whose activations are recomputed in backward instead
-            of stored (e.g. ``{"TransformerEncoderLayer"}``).
-        remat_policy: what those modules recompute: ``"full"`` (default) their whole forward,
-            as ``torch.utils.checkpoint``; ``"save_matmuls"`` keeps their matmul and
-            convolution results from forward and recomputes only the cheap ops in between
-            (more memory than ``"full"``, less compute); ``"selective"`` keeps only those
-            with a weight operand and recomputes the matmuls of two activations (attention's
-            scores and weighted values, whose results grow with the sequence length squared)
-            with the softmax and dropout around them, as Megatron-LM's selective
-            recomputation.
-        cuda_graphs: capture the compiled step as a CUDA graph and replay it; ``None`` means
-            on for CUDA models, off elsewhere, and off for a distributed step whose process
-            group does not use NCCL for CUDA tensors (a CUDA graph cannot capture gloo's
-            collectives; ``True`` is then an error). With symbolic sizes, one capture per
-            concrete size.
-        dynamic: input sizes traced symbolically. ``None`` (automatic, as torch.compile):
-            the first call is static; a later call whose batch differs only in some sizes
-            retraces once with those dimensions symbolic, and that graph serves every later
-            size (guards checked per call). ``True``: every batch dimension symbolic from
-            the first call. ``False``: one static graph per distinct shape (fastest per step;
-            use it with a bucketing loader, ``DeviceLoader(..., buckets=...)``).
-        max_traces: the most traces the step may take; the one beyond raises
-            :class:`functacc.RetraceError` (``None``: no limit). From the third trace on,
-            each one logs a warning naming what changed.
-        cuda_graph_cache_size: CUDA graphs kept per compiled graph (one per concrete size),
-            least recently used evicted; they share one memory pool.
-
-    On CPU (with glibc), building a step makes ``malloc`` keep the memory that steps free
-    for the next step instead of returning it to the kernel, as the CUDA caching allocator
-    does; the process keeps its high-water mark. ``FUNCTACC_KEEP_HOST_MEMORY=0`` turns this
-    off; see :mod:`functacc.host_memory`.
-
-    Example:
-        >>> import torch, functacc
-        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-        ...                             torch.nn.Linear(16, 4))
-        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        >>> step = functacc.compile_step(model, torch.nn.CrossEntropyLoss(), opt,
-        ...                              backend="eager")
-        >>> loss = step(torch.randn(32, 8), torch.randint(0, 4, (32,)))
-    """
-    return Step(
-        model,
-        loss_fn,
-        opt,
-        backend=backend,
-        inductor_options=inductor_options,
-        grad_accum_steps=grad_accum_steps,
-        max_grad_norm=max_grad_norm,
-        parallel=parallel,
-        precision=precision,
-        remat=remat,
-        remat_policy=remat_policy,
-        cuda_graphs=cuda_graphs,
-        dynamic=dynamic,
-        max_traces=max_traces,
-        cuda_graph_cache_size=cuda_graph_cache_size,
     )

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from .errors import argument_error
-from .functional import call_module
+from .functional import call_module, swap_attributes
 from .optim import GradientTransformation
 from .optim._transform import step_params
 from .parallel.strategy import Strategy
@@ -26,7 +26,7 @@ from .remat import no_checkpoint_draws, rematerialize
 from .split import mark_optimizer_inputs
 from .trace import describe_tensor
 
-__all__ = ["LossFn", "StepFunction", "TrainState"]
+__all__ = ["LossFn", "StepFunction", "TrainState", "flat_form"]
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -258,3 +258,92 @@ def split_micro_batches(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, 
         ]
         micro.append(pytree.tree_unflatten(chunk, spec))
     return micro
+
+
+def flat_form(
+    fn: StepFunction,
+    state: TrainState,
+    args: tuple,
+    kwargs: dict,
+    attribute_entries: list[tuple[str, nn.Module, str]],
+    attributes: list[Tensor],
+    tensors: list[Tensor],
+    *,
+    signature: Any,
+    inplace: bool,
+    meta: dict[str, Any],
+) -> tuple[Callable[..., tuple[Tensor, ...]], list[Tensor], int]:
+    """The step as the engine traces it: a function of flat tensors (the state's leaves,
+    the model's tensor attributes, the batch's tensors), with ``example`` inputs and the
+    count of inputs before the batch.
+
+    ``inplace`` (the stateful form): the function writes the new state into the state
+    inputs as its last ops and returns the loss alone; otherwise it returns the loss and
+    the changed state leaves. ``meta`` receives which leaves change (``"changed"``), which
+    attributes the forward assigns (``"reassigned"``), and what the step function notes.
+    """
+    state_leaves, state_spec = pytree.tree_flatten_with_path(state)
+    state_tensors = [t for _, t in state_leaves]
+    state_paths = [pytree.keystr(p) for p, _ in state_leaves]
+    batch_leaves, batch_spec = pytree.tree_flatten((args, kwargs))
+    is_tensor = [isinstance(x, Tensor) for x in batch_leaves]
+    constants = [x for x in batch_leaves if not isinstance(x, Tensor)]
+    n_state = len(state_tensors)
+    n_fixed = n_state + len(attributes)  # inputs before the batch
+
+    def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
+        state_in = pytree.tree_unflatten(list(flat[:n_state]), state_spec)
+        tensors, consts = iter(flat[n_fixed:]), iter(constants)
+        batch = [next(tensors) if t else next(consts) for t in is_tensor]
+        call_args, call_kwargs = pytree.tree_unflatten(batch, batch_spec)
+        attribute_inputs = flat[n_state:n_fixed]
+        with swap_attributes(attribute_entries, attribute_inputs) as reassigned:
+            new_state, loss = fn(state_in, call_args, call_kwargs, meta=meta, signature=signature)
+        meta["reassigned"] = sorted(reassigned)
+        for i, value in reassigned.items():
+            old = attribute_inputs[i]
+            if value.shape != old.shape or value.dtype != old.dtype:
+                raise argument_error(
+                    f"the forward assigned {describe_tensor(value)} to the model's tensor "
+                    f"attribute {attribute_entries[i][0]!r}, which holds "
+                    f"{describe_tensor(old)}: the step writes a value the forward "
+                    "assigns back into the attribute after every call, which needs the "
+                    "same shape and dtype. Register it as a buffer of that shape, or keep "
+                    "it outside the model."
+                )
+        new_leaves, new_spec = pytree.tree_flatten(new_state)
+        if new_spec != state_spec:
+            raise argument_error(
+                "the optimizer returned a state whose structure differs from the state it "
+                f"was given:\n  given:    {state_spec}\n  returned: {new_spec}\nA "
+                "GradientTransformation's update must return a state shaped like its init."
+            )
+        old_leaves = flat[:n_state]
+        changed = [new is not old for new, old in zip(new_leaves, old_leaves, strict=True)]
+        for path, new, old, c in zip(state_paths, new_leaves, old_leaves, changed, strict=True):
+            if c and (new.shape != old.shape or new.dtype != old.dtype):
+                raise argument_error(
+                    f"the step would change state{path} from {describe_tensor(old)} to "
+                    f"{describe_tensor(new)}; the optimizer must keep shapes and dtypes. "
+                    "If the model changed dtype after the optimizer state was created "
+                    "(model.double(), model.to(torch.bfloat16)), build the optimizer and "
+                    "the step after that change: eager torch.optim would keep the old "
+                    "state dtype and round through it, which functacc does not reproduce."
+                )
+        meta["changed"] = changed
+        if inplace:
+            # Every write to the state happens here, at the very end of the graph, after
+            # all computation that could fail: a step either updates all or nothing.
+            for new, old, c in zip(new_leaves, old_leaves, changed, strict=True):
+                if c:
+                    old.copy_(new)
+            # A tensor attribute the forward assigned holds, after the call, what eager
+            # would leave there (written into it: its address stays, as a CUDA graph
+            # needs; the next call reads it, as eager's next forward does).
+            for i, value in reassigned.items():
+                attribute_inputs[i].copy_(value.detach())
+            return (loss,)
+        return (loss, *[new for new, c in zip(new_leaves, changed, strict=True) if c])
+
+    example = [*state_tensors, *attributes, *tensors]
+    return flat_step, example, n_fixed
