@@ -26,20 +26,21 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ._env import env_flag
-from .cache import ProgramCache, SizeGuard, TraceRecord
-from .compile import (
+from .backends import (
     Backend,
     Compiled,
+    CudaGraphRunner,
     check_backend,
+    check_cuda_graphs,
     check_generators,
     check_inductor_options,
     compile_graph,
+    keep_freed_memory,
 )
-from .cudagraph import CudaGraphRunner, check_cuda_graphs
+from .backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
+from .cache import ProgramCache, SizeGuard, TraceRecord
 from .errors import argument_error
 from .functional import check_dense_gradients, swap_attributes, tensor_attributes
-from .host_memory import ENV_VAR as HOST_MEMORY_ENV
-from .host_memory import keep_freed_memory
 from .optim import GradientTransformation
 from .optim._torch import TorchOptimizerLink, _check_supported
 from .parallel import resolve_strategy

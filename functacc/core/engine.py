@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..backends import Backend, Compiled, check_generators, compile_graph
 from ..cache import ProgramCache, SizeGuard, TraceRecord
-from ..compile import Backend, Compiled, check_generators, compile_graph
 from ..errors import TraceError
 from ..signature import AmbientWatch, TensorSpec, family_key, hashable_constant
 from ..trace import (
