@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import itertools
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -35,24 +36,20 @@ STAGES: dict[str, list[str]] = {
         "guards",
         "cache",
     ],
-    "transforms": ["parallel/*", "precision", "remat", "split"],
+    "transforms": ["parallel/*", "precision", "remat", "backends/split"],
     "compile": [
-        "compile",
-        "compile_worker",
-        "bias_add",
-        "independent_loops",
-        "input_checks",
-        "inductor_call",
-        "masks",
-        "bernoulli",
+        "backends/__init__",
+        "backends/compile",
+        "backends/compile_worker",
+        "backends/inductor/*",
     ],
-    "run": ["cudagraph", "host_memory", "memory"],
+    "run": ["backends/cudagraph", "backends/host_memory", "backends/memory"],
 }
 # Beside the pipeline: what the stages use.
 SUPPORT: dict[str, list[str]] = {
     "optimizers": ["optim/*"],
-    "data": ["data", "buckets", "sampling"],
-    "state": ["checkpoint", "manager", "safe_io"],
+    "data": ["data/*"],
+    "state": ["state/*"],
     "shared": ["errors", "_env", "_compat", "core/__init__", "frontends/__init__"],
     "bench": ["bench/*"],
 }
@@ -72,8 +69,10 @@ def group_of(name: str) -> str | None:
     return None
 
 
-def imports(path: Path, name: str) -> set[str]:
-    """The package modules that ``name`` imports (relative and absolute imports)."""
+def imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """The package modules that ``name`` imports (relative and absolute imports). A name that
+    a package's ``__init__`` re-exports counts as an import of the module it comes from
+    (``from ..backends import peak_memory`` imports ``backends/memory``)."""
     found = set()
     package = name.split("/")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -85,21 +84,45 @@ def imports(path: Path, name: str) -> set[str]:
                 node.module = node.module.removeprefix("functacc").lstrip(".") or None
             else:
                 continue
-            target = [*base, *(node.module.split(".") if node.module else [])]
+            target = "/".join([*base, *(node.module.split(".") if node.module else [])])
             for alias in node.names:
-                found.add("/".join([*target, alias.name]))
-                found.add("/".join(target))
+                found.add(resolve(target, alias.name, known))
     return found
 
 
+def resolve(target: str, name: str, known: dict[str, Path]) -> str:
+    """The module that ``from target import name`` reads ``name`` from: the submodule
+    ``name``, the module that ``target``'s ``__init__`` re-exports it from, or ``target``."""
+    sub = f"{target}/{name}".lstrip("/")
+    for candidate in (sub, f"{sub}/__init__"):
+        if candidate in known:
+            return candidate
+    init = f"{target}/__init__".lstrip("/")
+    if init not in known:
+        return target
+    tree = ast.parse(known[init].read_text())
+    for node in tree.body:  # the __init__'s own re-exports: from .module import name
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 1
+            and node.module
+            and any((alias.asname or alias.name) == name for alias in node.names)
+        ):
+            return resolve(f"{target}/{node.module.replace('.', '/')}".lstrip("/"), name, known)
+    return init
+
+
 def edges() -> Counter:
-    """Imports between groups: (from group, to group) -> count."""
+    """Imports between groups: (from group, to group) -> count. A subpackage's ``__init__``
+    re-exporting its own modules is not counted (its importers are, by :func:`resolve`)."""
     known = modules()
     counted: Counter = Counter()
     for name, path in known.items():
         source = group_of(name)
-        for target in imports(path, name):
-            target = target if target in known else f"{target}/__init__"
+        package = name.removesuffix("__init__") if "/" in name else None
+        for target in imports(path, name, known):
+            if package and target.startswith(package):
+                continue
             if target in known and (group := group_of(target)) and group != source:
                 counted[source, group] += 1
     return counted
@@ -123,7 +146,11 @@ def draw(out: Path) -> None:
         members = sorted(n for n in known if group_of(n) == group and not n.endswith("__"))
         ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=color, ec="k"))
         ax.text(x + w / 2, y + h - 0.25, group, ha="center", va="top", weight="bold")
-        text = "\n".join(members[:12]) + ("\n..." if len(members) > 12 else "")
+        # A folder that all members share is written once, above them.
+        folder = os.path.commonpath(members) if len(members) > 1 else ""
+        lines = [f" {m.removeprefix(folder + '/')}" for m in members] if folder else members
+        text = "\n".join(([f"{folder}/"] if folder else []) + lines[:12])
+        text += "\n..." if len(members) > 12 else ""
         ax.text(x + 0.1, y + h - 0.6, text, va="top", fontsize=7, family="monospace")
         boxes[group] = (x, y, w, h)
 

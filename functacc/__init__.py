@@ -11,19 +11,17 @@ Example:
     >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
 """
 
-from . import buckets, optim, parallel
+from . import optim, parallel
 from .accelerate import accelerate
-from .checkpoint import load, load_model, save, save_model
 from .compile_step import compile_step
 from .config import Config
-from .data import DeviceLoader
+from .data import DeviceLoader, buckets
 from .errors import RetraceError, TraceError
 from .frontends.jit import Jitted, jit
 from .functional import functionalize
-from .manager import CheckpointManager
 from .parallel import init_distributed
 from .precision import Precision
-from .safe_io import CheckpointError
+from .state import CheckpointError, CheckpointManager, load, load_model, save, save_model
 from .step import Step, TrainState
 
 __version__ = "0.1.0"

@@ -102,7 +102,7 @@ def optimization_hint(size: torch.SymInt | int, *, fallback: int | None = None) 
 def inductor_defers_input_checks() -> bool:
     """Whether Inductor's generated code checks each input's sizes just before the first
     kernel that reads it, grouped per kernel (``assert_size_stride_grouped``), which
-    :mod:`functacc.input_checks` gathers into one call at the start."""
+    :mod:`functacc.backends.inductor.input_checks` gathers into one call at the start."""
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
     # After 2.11 (2.11 writes one ``assert_size_stride`` per input, all at the top of

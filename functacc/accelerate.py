@@ -142,8 +142,8 @@ def _compile_sharded(model: nn.Module, units: list[nn.Module], device: torch.dev
 
 
 def _compile_options(device: torch.device) -> dict[str, Any]:
-    # See functacc.compile: Inductor's channels-last conversion of the weights costs more
-    # than it saves on CPU.
+    # See functacc.backends.inductor.compile: Inductor's channels-last conversion of the
+    # weights costs more than it saves on CPU.
     return {"layout_optimization": False} if device.type == "cpu" else {}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compile import Backend
+from .backends import Backend
 from .optim import GradientTransformation
 from .remat import RematPolicy
 from .step import Step

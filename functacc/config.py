@@ -11,7 +11,7 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from .buckets import make_padder
+from .data.buckets import make_padder
 
 __all__ = [
     "ComputeConfig",
@@ -99,7 +99,7 @@ class DistConfig(_Section):
 class DataLoaderConfig(_Section):
     """The data loader wrapper (:class:`functacc.DeviceLoader`). ``buckets``,
     ``max_length``, ``num_buckets`` and ``pad_value_dict`` are TorchAcc's, with its
-    defaults; see :mod:`functacc.buckets`."""
+    defaults; see :mod:`functacc.data.buckets`."""
 
     _path = "dataloader"
     prefetch: int = 2

@@ -83,7 +83,8 @@ class _Draw:
 def _keep(zero_one: bool) -> Callable[[torch.Tensor], _Draw]:
     """How to record a random result. Bernoulli draws are 0 or 1, so a byte holds them
     exactly in a quarter of a float mask's memory (``uint8``, not ``bool``: Inductor's CPU
-    kernels store and load bool vectors element by element; see masks.py)."""
+    kernels store and load bool vectors element by element; see
+    ``backends/inductor/masks.py``)."""
 
     def keep(t: torch.Tensor) -> _Draw:
         return _Draw(t.to(torch.uint8) if zero_one else t.clone(), t.dtype)

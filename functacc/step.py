@@ -22,13 +22,17 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ._env import env_flag
+from .backends import (
+    Backend,
+    check_backend,
+    check_cuda_graphs,
+    check_inductor_options,
+    keep_freed_memory,
+)
+from .backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
 from .cache import TraceRecord
-from .compile import Backend, check_backend, check_inductor_options
 from .core.engine import Engine
-from .cudagraph import check_cuda_graphs
 from .functional import check_dense_gradients, tensor_attributes
-from .host_memory import ENV_VAR as HOST_MEMORY_ENV
-from .host_memory import keep_freed_memory
 from .optim import GradientTransformation
 from .optim._torch import _check_supported
 from .parallel import resolve_strategy

@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from .backends import mark_optimizer_inputs
 from .errors import argument_error
 from .functional import call_module, swap_attributes
 from .optim import GradientTransformation
@@ -23,7 +24,6 @@ from .optim._transform import step_params
 from .parallel.strategy import Strategy
 from .precision import Precision
 from .remat import no_checkpoint_draws, rematerialize
-from .split import mark_optimizer_inputs
 from .trace import describe_tensor
 
 __all__ = ["LossFn", "StepFunction", "TrainState", "flat_form"]

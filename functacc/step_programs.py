@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .backends import CudaGraphRunner
 from .core.engine import Engine, Program
 from .core.tracer import Traced
-from .cudagraph import CudaGraphRunner
 from .parallel.comm import CommStats, comm_stats
 from .remat import RematPolicy, save_matmuls
 from .signature import TensorSpec, batch_names, family_key

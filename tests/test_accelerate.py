@@ -275,8 +275,8 @@ def compile_step_sgd_step(model, x, y) -> None:
         # compile_step: the attention block's dropout applies to nn.MultiheadAttention's
         # transposed (non-contiguous) output; eager fills empty_like(input) in memory order,
         # and Inductor's functional bernoulli draws in logical order. functacc draws into a
-        # contiguous byte buffer in memory order (masks.py), so the masks are eager's
-        # (before it: 1.9e-2 apart in the head weights).
+        # contiguous byte buffer in memory order (backends/inductor/masks.py), so the masks
+        # are eager's (before it: 1.9e-2 apart in the head weights).
         (compile_step_sgd_step, True, True),
     ],
 )

@@ -1,12 +1,12 @@
-"""functacc's dropout-mask kernel (functacc/bernoulli.py) against eager's ``bernoulli_``:
-the same bytes, and the generator left in the same state, bit for bit."""
+"""functacc's dropout-mask kernel (functacc/backends/inductor/bernoulli.py) against eager's
+``bernoulli_``: the same bytes, and the generator left in the same state, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from functacc import bernoulli
+from functacc.backends.inductor import bernoulli
 
 pytestmark = pytest.mark.skipif(
     not bernoulli.available(), reason="the kernel needs a C++ compiler (Inductor's)"
@@ -71,7 +71,7 @@ def test_without_a_compiler_the_kernel_is_unavailable_and_masks_keep_eagers_draw
     import torch._inductor.cpp_builder as cpp_builder
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from functacc.masks import draw_masks_as_bytes
+    from functacc.backends.inductor.masks import draw_masks_as_bytes
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "/nonexistent/c++")
     bernoulli._kernel.cache_clear()

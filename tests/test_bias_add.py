@@ -1,6 +1,6 @@
-"""A linear layer's bias added after its matmul on CPU (functacc/bias_add.py): rewritten
-where the sum is the same (float32, a 1-D bias, alpha = beta = 1), the same values, and what
-an Inductor step runs."""
+"""A linear layer's bias added after its matmul on CPU (functacc/backends/inductor/bias_add.py):
+rewritten where the sum is the same (float32, a 1-D bias, alpha = beta = 1), the same values,
+and what an Inductor step runs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from models import mlp
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from functacc.bias_add import BiasAfterMatmul
+from functacc.backends.inductor.bias_add import BiasAfterMatmul
 
 # As the parity tests: Inductor's fused kernels sum in another order than eager's.
 INDUCTOR = {"rtol": 1e-4, "atol": 1e-5}

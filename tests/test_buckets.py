@@ -21,7 +21,12 @@ from helpers import assert_close
 from torch.utils.data import DataLoader
 
 import functacc
-from functacc.buckets import DEFAULT_PAD_VALUES, geometric_buckets, make_padder, uniform_buckets
+from functacc.data.buckets import (
+    DEFAULT_PAD_VALUES,
+    geometric_buckets,
+    make_padder,
+    uniform_buckets,
+)
 
 LOSS_ATOL = 1e-5
 # AdamW divides each update by the gradient's running RMS, so parameters whose gradients

@@ -150,7 +150,7 @@ def test_failed_atomic_swap_keeps_the_old_checkpoint(tmp_path, monkeypatch) -> N
         def exchange(a, b):
             raise OSError("injected failure of the swap")
 
-        m.setattr(functacc.checkpoint, "_exchange", exchange, raising=False)
+        m.setattr(functacc.state.checkpoint, "_exchange", exchange, raising=False)
 
     path, old = overwrite_fails(tmp_path, monkeypatch, break_exchange)
     assert_close(load_params(path), old, rtol=0, atol=0, what="the old checkpoint")
@@ -167,7 +167,7 @@ def test_crash_between_renames_keeps_the_old_checkpoint_loadable(tmp_path, monke
                 raise OSError("injected failure installing the new checkpoint")
             real_replace(src, dst)
 
-        m.setattr(functacc.checkpoint, "_exchange", lambda a, b: False, raising=False)
+        m.setattr(functacc.state.checkpoint, "_exchange", lambda a, b: False, raising=False)
         m.setattr(os, "replace", replace)
 
     path, old = overwrite_fails(tmp_path, monkeypatch, break_rename)

@@ -16,7 +16,7 @@ from helpers import assert_close
 from torch import nn
 
 import functacc
-import functacc.compile_worker as compile_worker
+import functacc.backends.compile_worker as compile_worker
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 

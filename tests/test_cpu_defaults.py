@@ -1,5 +1,5 @@
-"""functacc's Inductor settings for CPU graphs (functacc/compile.py), seen in the code
-Inductor generates."""
+"""functacc's Inductor settings for CPU graphs (functacc/backends/inductor/compile.py), seen in
+the code Inductor generates."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import functacc.compile
-from functacc.inductor_call import _output_codes
+import functacc.backends.compile
+import functacc.backends.inductor.compile
+from functacc.backends.inductor.call import _output_codes
 
 pytestmark = pytest.mark.inductor
 
@@ -20,19 +21,19 @@ def test_small_kernels_run_on_one_thread(monkeypatch) -> None:
     # which Inductor reads when it compiles).
     threads = torch.get_num_threads()
     compiled = []
-    real = functacc.compile.direct_call
+    real = functacc.backends.inductor.compile.direct_call
 
     def spy(fn, gm, inputs):
         compiled.append(fn)
         return real(fn, gm, inputs)
 
-    monkeypatch.setattr(functacc.compile, "direct_call", spy)
+    monkeypatch.setattr(functacc.backends.inductor.compile, "direct_call", spy)
     parallel = {}
     small, large = 4096 * threads, 32768 * threads
     for size in (small, large):
         x = torch.randn(size)
         gm = make_fx(lambda a: torch.relu(a) * 2)(x)
-        run = functacc.compile.compile_graph(gm, [x], "inductor")
+        run = functacc.backends.compile.compile_graph(gm, [x], "inductor")
         assert torch.equal(run([x.clone()])[0], torch.relu(x) * 2)
         (code,) = _output_codes(compiled[-1])
         parallel[size] = "#pragma omp parallel" in code.source_code

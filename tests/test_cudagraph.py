@@ -13,7 +13,7 @@ from helpers import assert_close
 from torch import nn
 
 import functacc
-from functacc import cudagraph
+from functacc.backends import cudagraph
 
 
 class RecordedGraph:
@@ -51,7 +51,7 @@ def test_cuda_graphs_true_on_cpu_is_an_error() -> None:
 
 
 def test_collectives_are_captured_only_with_nccl() -> None:
-    from functacc.cudagraph import check_cuda_graphs, cuda_backend
+    from functacc.backends.cudagraph import check_cuda_graphs, cuda_backend
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert cuda_backend("cpu:gloo,cuda:nccl") == "nccl" and cuda_backend("nccl") == "nccl"

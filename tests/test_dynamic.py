@@ -18,8 +18,8 @@ from torch import nn
 
 import functacc
 from functacc import RetraceError, TraceError
+from functacc.backends.inductor.compile import _views_to_reshapes
 from functacc.cache import SizeGuard
-from functacc.compile import _views_to_reshapes
 from functacc.core.tracer import symbolic_fakes as _symbolic_fakes
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -486,7 +486,7 @@ def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
     # (run op by op; fp16 carries the overflow flag across the boundary too). A
     # channels-last model's backward writes gradients in place through a view, a write
     # whose result nothing uses: the gradients graph must keep it.
-    from functacc.split import MARKER, remove_marker, split_at_optimizer
+    from functacc.backends.split import MARKER, remove_marker, split_at_optimizer
 
     torch.manual_seed(0)
     model = models.cnn_bn()

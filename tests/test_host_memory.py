@@ -1,4 +1,5 @@
-"""functacc.host_memory: a CPU step keeps the memory it frees instead of faulting it back in.
+"""functacc.backends.host_memory: a CPU step keeps the memory it frees instead of faulting it
+back in.
 
 Each case runs in a fresh interpreter, because the malloc setting is process-wide and
 cannot be undone: the test process itself has long since built steps.
@@ -72,7 +73,7 @@ def test_cpu_step_stops_faulting_its_memory_back_in():
 
 @glibc_only
 def test_keep_freed_memory_is_in_effect_on_glibc():
-    code = "from functacc import host_memory; print(host_memory.keep_freed_memory())"
+    code = "from functacc.backends import host_memory; print(host_memory.keep_freed_memory())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
@@ -85,7 +86,7 @@ def test_freed_memory_stays_until_released():
     code = textwrap.dedent(
         """
         import os, torch
-        from functacc import host_memory
+        from functacc.backends import host_memory
         def rss_mib():
             pages = int(open("/proc/self/statm").read().split()[1])
             return pages * os.sysconf("SC_PAGE_SIZE") / 2**20

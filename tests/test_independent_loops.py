@@ -1,6 +1,7 @@
 """No OpenMP barriers between the independent loop nests of a CPU kernel
-(functacc/independent_loops.py): the optimizer update runs its nests without them and
-trains bit for bit as with them; a nest that writes what another wrote keeps its barrier."""
+(functacc/backends/inductor/independent_loops.py): the optimizer update runs its nests without
+them and trains bit for bit as with them; a nest that writes what another wrote keeps its
+barrier."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functacc
-import functacc.compile
-import functacc.independent_loops
-from functacc.inductor_call import _output_codes
+import functacc.backends.compile
+import functacc.backends.inductor.compile
+import functacc.backends.inductor.independent_loops
+from functacc.backends.inductor.call import _output_codes
 
 pytestmark = [
     pytest.mark.inductor,
@@ -38,13 +40,13 @@ def worksharing(source: str) -> list[str]:
 def compiled(monkeypatch) -> list:
     """The compiled graphs' code, in the order functacc compiles them."""
     codes: list[str] = []
-    real = functacc.compile.direct_call
+    real = functacc.backends.inductor.compile.direct_call
 
     def spy(fn, gm, inputs):
         codes.extend(code.source_code for code in _output_codes(fn))
         return real(fn, gm, inputs)
 
-    monkeypatch.setattr(functacc.compile, "direct_call", spy)
+    monkeypatch.setattr(functacc.backends.inductor.compile, "direct_call", spy)
     return codes
 
 
@@ -72,9 +74,10 @@ def test_update_nests_run_without_barriers_and_train_as_with_them(compiled, monk
     assert all(line.endswith(" nowait") for line in lines), lines
 
     # The same step with Inductor's barriers (its own cache key): the same kernels' results.
-    key = functacc.compile.CpuPasses.uuid
-    monkeypatch.setattr(functacc.compile, "independent_loops_nowait", contextlib.nullcontext)
-    monkeypatch.setattr(functacc.compile.CpuPasses, "uuid", lambda self: key(self) + b"barriers")
+    inductor = functacc.backends.inductor.compile
+    key = inductor.CpuPasses.uuid
+    monkeypatch.setattr(inductor, "independent_loops_nowait", contextlib.nullcontext)
+    monkeypatch.setattr(inductor.CpuPasses, "uuid", lambda self: key(self) + b"barriers")
     train(twin)
     assert worksharing(compiled[-1]) and not any("nowait" in x for x in worksharing(compiled[-1]))
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
@@ -91,7 +94,7 @@ def scale_then_overwrite_rows(x, rows, values):
 def test_a_nest_that_writes_what_another_wrote_keeps_its_barrier(compiled):
     examples = [torch.randn(512, 512), torch.tensor([3, 7]), torch.randn(2, 512)]
     gm = make_fx(scale_then_overwrite_rows)(*examples)
-    run = functacc.compile.compile_graph(gm, examples, "inductor")
+    run = functacc.backends.compile.compile_graph(gm, examples, "inductor")
     (result,) = run(list(examples))
     assert torch.equal(result, scale_then_overwrite_rows(*examples)[0])
     lines = worksharing(compiled[-1])
@@ -109,7 +112,7 @@ def read_then_reuse(x, y):
 def test_a_nest_that_overwrites_what_another_reads_keeps_its_barrier(compiled):
     examples = [torch.randn(512, 512), torch.randn(512, 512)]
     gm = make_fx(read_then_reuse)(*examples)
-    run = functacc.compile.compile_graph(gm, examples, "inductor")
+    run = functacc.backends.compile.compile_graph(gm, examples, "inductor")
     for result, expected in zip(run(list(examples)), read_then_reuse(*examples), strict=True):
         assert torch.equal(result, expected)
     kernel = compiled[-1]
@@ -128,7 +131,7 @@ def concatenate_then_read(x, y):
 def test_a_nest_that_reads_what_others_wrote_through_views_keeps_its_barrier(compiled):
     examples = [torch.randn(512, 512), torch.randn(512, 512)]
     gm = make_fx(concatenate_then_read)(*examples)
-    run = functacc.compile.compile_graph(gm, examples, "inductor")
+    run = functacc.backends.compile.compile_graph(gm, examples, "inductor")
     for result, expected in zip(run(list(examples)), concatenate_then_read(*examples), strict=True):
         # Inductor's vectorized sin and cos differ from ATen's in the last bit.
         torch.testing.assert_close(result, expected, rtol=0, atol=1e-6)
@@ -137,5 +140,5 @@ def test_a_nest_that_reads_what_others_wrote_through_views_keeps_its_barrier(com
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(functacc.independent_loops)
+    result = doctest.testmod(functacc.backends.inductor.independent_loops)
     assert result.attempted > 0 and result.failed == 0

@@ -1,5 +1,6 @@
-"""Inductor's generated code called directly (functacc/inductor_call.py): it must return what
-the wrappers it skips return, keep them where they have work to do, and be what a step runs."""
+"""Inductor's generated code called directly (functacc/backends/inductor/call.py): it must return
+what the wrappers it skips return, keep them where they have work to do, and be what a step
+runs."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from models import mlp
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functacc
-import functacc.compile
-from functacc.inductor_call import direct_call
+import functacc.backends.inductor.compile
+from functacc.backends.inductor.call import direct_call
 
 pytestmark = pytest.mark.inductor
 
@@ -90,7 +91,7 @@ def test_a_step_runs_its_graphs_directly_and_matches_eager(monkeypatch) -> None:
         made.append(run is not None)
         return run
 
-    monkeypatch.setattr(functacc.compile, "direct_call", spy)
+    monkeypatch.setattr(functacc.backends.inductor.compile, "direct_call", spy)
     torch.manual_seed(0)
     assert_adamw_step_matches_eager(mlp(), **INDUCTOR)
     assert made == [True, True], f"gradients and update graphs called directly: {made}"
@@ -110,7 +111,7 @@ def test_a_cpp_wrapper_step_matches_eager(tmp_path, monkeypatch) -> None:
 def test_docstring_example() -> None:
     import doctest
 
-    import functacc.inductor_call
+    import functacc.backends.inductor.call
 
-    assert doctest.testmod(functacc.inductor_call).attempted > 0
-    assert doctest.testmod(functacc.inductor_call).failed == 0
+    assert doctest.testmod(functacc.backends.inductor.call).attempted > 0
+    assert doctest.testmod(functacc.backends.inductor.call).failed == 0

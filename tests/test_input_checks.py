@@ -1,5 +1,6 @@
-"""Inductor's input size checks in one call before the first kernel (functacc/input_checks.py):
-what the generated code checks, and that a wrong input fails before anything is written."""
+"""Inductor's input size checks in one call before the first kernel
+(functacc/backends/inductor/input_checks.py): what the generated code checks, and that a wrong
+input fails before anything is written."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import functacc
 from functacc import _compat
-from functacc.inductor_call import _output_codes
-from functacc.input_checks import input_checks_first
+from functacc.backends.inductor.call import _output_codes
+from functacc.backends.inductor.input_checks import input_checks_first
 
 
 def write_then_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor]:
@@ -96,14 +97,14 @@ def test_a_cpu_step_checks_its_inputs_once_per_graph(tmp_path, monkeypatch) -> N
     # matmul, the update reads every state tensor; each graph checks its inputs in one call.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / uuid.uuid4().hex))
     found = []
-    real = functacc.inductor_call._output_codes
+    real = functacc.backends.inductor.call._output_codes
 
     def keep(compiled):
         codes = real(compiled)
         found.extend(codes)
         return codes
 
-    monkeypatch.setattr(functacc.inductor_call, "_output_codes", keep)
+    monkeypatch.setattr(functacc.backends.inductor.call, "_output_codes", keep)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU()

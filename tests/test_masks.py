@@ -1,4 +1,5 @@
-"""Dropout masks drawn into bytes (functacc/masks.py): eager's draws, a quarter of the memory."""
+"""Dropout masks drawn into bytes (functacc/backends/inductor/masks.py): eager's draws, a quarter
+of the memory."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functacc
-from functacc import bernoulli
-from functacc.masks import draw_masks_as_bytes
-from functacc.memory import peak_memory
+from functacc.backends import peak_memory
+from functacc.backends.inductor import bernoulli
+from functacc.backends.inductor.masks import draw_masks_as_bytes
 
 
 def dropout_like_eager(x: torch.Tensor) -> torch.Tensor:
@@ -27,8 +28,8 @@ LAYOUTS = {
     "channels_last": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
     "size_one_dims": lambda: torch.randn(5, 1, 7).transpose(0, 2),
     "empty": lambda: torch.randn(0, 3),
-    # 6000 elements: drawn by functacc's kernel (functacc/bernoulli.py), not eager's; with
-    # symbolic sizes only where the buffer is contiguous.
+    # 6000 elements: drawn by functacc's kernel (functacc/backends/inductor/bernoulli.py), not
+    # eager's; with symbolic sizes only where the buffer is contiguous.
     "large_transposed": lambda: torch.randn(40, 50, 3).transpose(0, 1),
     "large_contiguous": lambda: torch.randn(30, 40, 5),
 }

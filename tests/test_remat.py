@@ -11,7 +11,7 @@ from helpers import assert_close
 from torch import nn
 
 import functacc
-from functacc.memory import peak_memory
+from functacc.backends import peak_memory
 from functacc.remat import _MATMULS, POLICIES, RECOMPUTE, order_recomputation
 
 

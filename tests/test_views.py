@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from functacc.compile import views_that_may_copy
+from functacc.backends.compile import views_that_may_copy
 
 
 def test_only_views_of_unwritten_memory_may_copy() -> None:

@@ -1,4 +1,4 @@
-"""Dropout masks in bytes (functacc/masks.py) against the float masks eager keeps.
+"""Dropout masks in bytes (functacc/backends/inductor/masks.py) against the float masks eager keeps.
 
 Trains the bench Transformer (4 x d256, dropout 0.1) with eager PyTorch, functacc, and
 functacc with the byte-mask pass turned off, interleaved in one process, and prints
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-import functacc.masks
+import functacc.backends.inductor.masks as masks
 from functacc.bench import competitors, runner
 from functacc.bench.cli import warm_inductor
 from functacc.bench.models import build
@@ -19,13 +19,13 @@ from functacc.bench.models import build
 
 def float_masks(workload):
     """functacc as it was before masks.py: the trace's float masks, unchanged."""
-    keep = functacc.masks.draw_masks_as_bytes
-    functacc.masks.draw_masks_as_bytes = lambda gm: 0
+    keep = masks.draw_masks_as_bytes
+    masks.draw_masks_as_bytes = lambda gm: 0
     try:
         competitor = competitors.functacc_variant(workload, "float masks")
         competitor.step()  # traces and compiles without the pass
     finally:
-        functacc.masks.draw_masks_as_bytes = keep
+        masks.draw_masks_as_bytes = keep
     return competitor
 
 

@@ -1,5 +1,6 @@
 """A bench model's functacc step with and without OpenMP barriers between independent loop
-nests (functacc/independent_loops.py), two builds in one process, timed interleaved::
+nests (functacc/backends/inductor/independent_loops.py), two builds in one process, timed
+interleaved::
 
     python benchmarks/experiments/loop_barriers.py                 # the MLP, 500 steps x 9 rounds
     python benchmarks/experiments/loop_barriers.py transformer 30 7
@@ -21,26 +22,24 @@ import time
 import torch
 
 import functacc
-import functacc.compile
+import functacc.backends.inductor.compile as inductor
 from functacc.bench.models import build
 
 
 def main(name: str = "mlp", steps: int = 500, rounds: int = 9) -> None:
     torch.set_flush_denormal(True)  # as the bench: a converged MLP is full of denormals
     torch.use_deterministic_algorithms(True)
-    nowait, key = functacc.compile.independent_loops_nowait, functacc.compile.CpuPasses.uuid
+    nowait, key = inductor.independent_loops_nowait, inductor.CpuPasses.uuid
     builds = {}
     for tag in ("A", "B"):
         barriers = tag == "A"
-        functacc.compile.independent_loops_nowait = contextlib.nullcontext if barriers else nowait
-        functacc.compile.CpuPasses.uuid = (
-            (lambda self: key(self) + b"barriers") if barriers else key
-        )
+        inductor.independent_loops_nowait = contextlib.nullcontext if barriers else nowait
+        inductor.CpuPasses.uuid = (lambda self: key(self) + b"barriers") if barriers else key
         torch.manual_seed(0)
         w = build(name)
         step = functacc.compile_step(w.model, w.loss_fn, w.make_opt(w.model))
         builds[tag] = (step, w.cycle(), w.model)
-    functacc.compile.independent_loops_nowait, functacc.compile.CpuPasses.uuid = nowait, key
+    inductor.independent_loops_nowait, inductor.CpuPasses.uuid = nowait, key
     for i in range(31):  # compiles, then warm-up; dropout reseeded so both draw alike
         for step, batches, _ in builds.values():
             torch.manual_seed(i)

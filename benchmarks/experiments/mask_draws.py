@@ -1,5 +1,5 @@
 """Dropout mask draws: eager's CPU ``bernoulli_`` against functacc's kernel
-(``functacc/bernoulli.py``), the same bytes, interleaved in one process::
+(``functacc/backends/inductor/bernoulli.py``), the same bytes, interleaved in one process::
 
     python benchmarks/experiments/mask_draws.py              # 1M elements, p = 0.9
     python benchmarks/experiments/mask_draws.py 4096
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from functacc import bernoulli
+from functacc.backends.inductor import bernoulli
 
 
 def main(elements: int = 1 << 20, p: float = 0.9, rounds: int = 7) -> None:

@@ -18,7 +18,8 @@ from functacc.bench.models import build
 
 TOP = 6
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution")
-# Dropout's mask draws: eager's kernel, and functacc's (functacc/bernoulli.py) where it runs.
+# Dropout's mask draws: eager's kernel, and functacc's (functacc/backends/inductor/bernoulli.py)
+# where it runs.
 DRAWS = ("aten::bernoulli_", "functacc::bernoulli_bytes")
 
 

@@ -22,8 +22,8 @@ import torch
 from torch._inductor.output_code import CompiledFxGraph
 
 import functacc
-import functacc.inductor_call
-import functacc.split
+import functacc.backends.inductor.call as inductor_call
+import functacc.backends.split as split
 from functacc.bench.models import build
 
 clock = time.perf_counter
@@ -54,9 +54,9 @@ def main(name: str = "mlp", steps: int = 1000) -> None:
             graphs[id(self)] = graphs.get(id(self), 0.0) + clock() - start
 
     CompiledFxGraph.__call__ = timed_graph
-    # Where functacc calls the generated code directly (functacc/inductor_call.py), time it
+    # Where functacc calls the generated code directly (functacc/backends/inductor/call.py), time it
     # there: the direct caller reads ``current_callable`` from what this returns.
-    output_codes = functacc.inductor_call._output_codes
+    output_codes = inductor_call._output_codes
 
     def timed_codes(compiled):
         found = output_codes(compiled)
@@ -74,8 +74,8 @@ def main(name: str = "mlp", steps: int = 1000) -> None:
 
         return run
 
-    functacc.inductor_call._output_codes = timed_codes
-    runner = functacc.split.Split.runner
+    inductor_call._output_codes = timed_codes
+    runner = split.Split.runner
 
     def timed_runner(self, gradients, update):
         run = runner(self, timed("gradients", gradients), timed("update", update))
@@ -88,7 +88,7 @@ def main(name: str = "mlp", steps: int = 1000) -> None:
 
         return whole
 
-    functacc.split.Split.runner = timed_runner
+    split.Split.runner = timed_runner
     workload = build(name)
     step = functacc.compile_step(
         workload.model, workload.loss_fn, workload.make_opt(workload.model)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..memory import peak_memory
+from ..backends import peak_memory
+from .args import parser
 from .models import build
 
 __all__ = ["launch", "worker"]
@@ -228,7 +229,6 @@ WRAP = {
 
 
 def worker(argv: Sequence[str] | None = None) -> int:
-    from .cli import parser
     from .report import machine
 
     args = parser().parse_args(argv)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..memory import peak_memory
+from ..backends import peak_memory
 from .competitors import Competitor
 
 __all__ = ["Result", "run"]

@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from ..compile import Backend
+from ..backends import Backend
 from ..errors import TraceError
 from ..signature import AmbientWatch, TensorSpec, family_key, hashable_constant
 from ..trace import describe_tensor, translate

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
 
+from ..backends import Backend, Compiled, check_generators, compile_graph
 from ..cache import ProgramCache, SizeGuard, TraceRecord
-from ..compile import Backend, Compiled, check_generators, compile_graph
 from ..trace import draws_random, rng_state, run_error, set_rng_state
 from . import tracer
 

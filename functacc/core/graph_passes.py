@@ -55,7 +55,7 @@ def direct_writes(gm: GraphModule) -> None:
     ``copy_(x, y)``: two copies of every written tensor. Write ``value`` directly, where
     ``value`` is computed in the graph: a view of an input (``ema_buffer.copy_(buffer)``)
     keeps its copy, since another final write may change that input before this one."""
-    from ..compile import _root
+    from ..backends.compile import _root
 
     aten = torch.ops.aten
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):

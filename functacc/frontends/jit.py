@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backends import Backend, check_backend, check_inductor_options
 from ..cache import TraceRecord
-from ..compile import Backend, check_backend, check_inductor_options
 from ..core.body import StepBody
 from ..core.capture import Capture
 

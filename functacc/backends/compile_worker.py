@@ -1,9 +1,9 @@
 """Compile the optimizer-update graph in a second process while this one compiles the rest.
 
-A step's two graphs (:mod:`functacc.split`) are independent, and Inductor's work on each is
-mostly single-threaded Python. A worker process compiles the update graph into Inductor's
-on-disk cache while this process compiles forward and backward; this process then compiles
-the update itself and finds it in the cache, as a second run of the same program would.
+A step's two graphs (:mod:`functacc.backends.split`) are independent, and Inductor's work
+on each is mostly single-threaded Python. A worker process compiles the update graph into
+Inductor's on-disk cache while this process compiles forward and backward; this process then
+compiles the update itself and finds it in the cache, as a second run of the same program would.
 The worker only ever fills the cache (keyed by Inductor on the graph, its inputs' layouts
 and the settings), so a worker that fails, is slow, or computes another key costs time,
 never correctness: this process then compiles the update as it would without one.
@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-from ._env import env_flag
+from .._env import env_flag
+from .inductor.compile import compile_inductor
 
 __all__ = ["UpdateWorker", "start_worker"]
 
@@ -130,8 +131,9 @@ def start_worker(
         return None
     # The package's own directory first: the worker imports the same functacc as this
     # process, installed or not.
-    root = str(Path(__file__).resolve().parents[1])
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import functacc.compile_worker as w; "
+    root = str(Path(__file__).resolve().parents[2])
+    code = "import sys; sys.path.insert(0, sys.argv[1]); "
+    code += "import functacc.backends.compile_worker as w; "
     code += "w._main(sys.argv[2])"
     # The update fuses into few kernels: the worker compiles them itself rather than
     # starting a pool of compiler processes (the key ignores this setting).
@@ -155,8 +157,6 @@ def start_worker(
 def _main(folder: str) -> None:
     from torch._inductor import config as inductor_config
 
-    from .compile import _inductor
-
     job = pickle.loads((Path(folder) / "job.pkl").read_bytes())
     gm = job["graph"]
     gm._tracer_cls, gm.graph._tracer_cls = job["tracer_cls"]
@@ -164,7 +164,7 @@ def _main(folder: str) -> None:
     torch.set_default_dtype(job["default_dtype"])
     inputs = [_like(*layout) for layout in job["inputs"]]
     (Path(folder) / "compiling").touch()
-    _inductor(gm, inputs, None, job["options"])
+    compile_inductor(gm, inputs, None, job["options"])
 
 
 def _like(shape: tuple, stride: tuple, dtype: torch.dtype, offset: int) -> Tensor:

@@ -32,7 +32,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import _compat
+from ... import _compat
 
 __all__ = ["input_checks_first"]
 

@@ -20,7 +20,7 @@ process, eager code included, stops faulting too.
 (macOS, Windows, musl) are left alone.
 
 Example:
-    >>> from functacc import host_memory
+    >>> from functacc.backends import host_memory
     >>> isinstance(host_memory.keep_freed_memory(), bool)
     True
 """
@@ -67,7 +67,7 @@ def release_freed_memory() -> bool:
     whether any memory was released (``False`` where the C library is not glibc).
 
     Example:
-        >>> from functacc import host_memory
+        >>> from functacc.backends import host_memory
         >>> isinstance(host_memory.release_freed_memory(), bool)
         True
     """

@@ -28,10 +28,10 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .data import DeviceLoader
-from .optim import AdamState, SGDState
-from .parallel.mesh import rank, world_size
-from .parallel.zero import FlatUnit, Sharded
+from ..data import DeviceLoader
+from ..optim import AdamState, SGDState
+from ..parallel.mesh import rank, world_size
+from ..parallel.zero import FlatUnit, Sharded
 from .safe_io import CheckpointError, SafeFileSystemReader, read_metadata
 
 __all__ = ["CheckpointError", "load", "load_model", "save", "save_model"]
@@ -462,7 +462,7 @@ def _restore_host_state(
 
 
 def _model_and_step(target: Any) -> tuple[torch.nn.Module, Any]:
-    from .step import Step
+    from ..step import Step
 
     if isinstance(target, Step):
         return target.model, target

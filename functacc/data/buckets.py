@@ -12,7 +12,7 @@ ignore) the loss is that of the unpadded batch.
 
 Example:
     >>> import torch
-    >>> from functacc.buckets import make_padder
+    >>> from functacc.data.buckets import make_padder
     >>> pad = make_padder(buckets=[8, 16])
     >>> batch = {"input_ids": torch.ones(2, 5, dtype=torch.long),
     ...          "attention_mask": torch.ones(2, 5, dtype=torch.long)}

@@ -23,7 +23,7 @@ same default generator at the same moment would see the state of before the draw
 
 Example:
     >>> import torch
-    >>> from functacc.bernoulli import available, draw_bytes
+    >>> from functacc.backends.inductor.bernoulli import available, draw_bytes
     >>> if available():
     ...     _ = torch.manual_seed(0)
     ...     mine = draw_bytes([1000], 0.9)

@@ -4,7 +4,7 @@ On CPU eager PyTorch runs dropout as ``empty_like(x).bernoulli_(1 - p).div_(1 - 
 autograd keeps that float mask until backward: 4 bytes per element of every dropout's input
 (the bench Transformer keeps 28 MiB of them, a quarter of its step's 109 MiB peak).
 functacc traces the same ops, so the compiled step kept them too. The pass runs on graphs
-compiled with Inductor (``compile.py``).
+compiled with Inductor (``backends/compile.py``).
 
 ATen's CPU ``bernoulli_`` draws the same numbers into a ``uint8`` tensor as into a float one
 (one draw per element from the generator, then a cast; the generator ends in the same state),
@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from . import _compat, bernoulli
+from ... import _compat
+from . import bernoulli
 
 __all__ = ["draw_masks_as_bytes"]
 

@@ -8,9 +8,9 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from ..data import DeviceLoader
+from ..parallel.mesh import rank
 from .checkpoint import load, save
-from .data import DeviceLoader
-from .parallel.mesh import rank
 
 __all__ = ["CheckpointManager"]
 

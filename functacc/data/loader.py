@@ -21,8 +21,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from ..parallel.mesh import GroupRef, default_device, rank, world_size
 from .buckets import make_padder
-from .parallel.mesh import GroupRef, default_device, rank, world_size
 from .sampling import (
     EpochPlan,
     RandomStates,
@@ -66,7 +66,7 @@ class DeviceLoader:
       a model on another device.
     - **Buckets** (``buckets=`` or ``max_length=``): the last dimension of the keys in
       ``pad_values`` is padded up to the smallest bucket that holds it, on the host before
-      the copy, so a compiled step sees a few shapes; see :mod:`functacc.buckets`.
+      the copy, so a compiled step sees a few shapes; see :mod:`functacc.data.buckets`.
     - **Epochs**: each ``iter()`` is a new epoch; ``set_epoch(n)`` sets it explicitly (it
       picks the shuffle of a shared-seed order; in one process with ``seed=None`` the
       sampler draws anew each epoch, as in PyTorch). ``state_dict()`` /

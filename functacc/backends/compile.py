@@ -1,0 +1,228 @@
+"""Backends that turn a traced graph into a callable (the per-signature cache: ``cache.py``).
+
+``"eager"`` runs the graph as traced; ``"inductor"`` compiles it with
+:func:`~.inductor.compile.compile_inductor`, the optimizer update apart (``split.py``), in
+a worker process where that helps (``compile_worker.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule, Node
+
+from ..errors import TraceError
+from . import compile_worker
+from .inductor import compile_inductor
+
+__all__ = [
+    "Backend",
+    "Compiled",
+    "check_backend",
+    "check_generators",
+    "check_inductor_options",
+    "compile_graph",
+    "views_that_may_copy",
+]
+
+log = logging.getLogger("functacc")
+
+Backend = Literal["inductor", "eager"]
+BACKENDS = ("inductor", "eager")
+Compiled = Callable[[list[Tensor]], Sequence[Tensor]]
+"""A compiled graph, called with a list of input tensors (which it may clear), with grad
+mode off: its in-place writes reach tensors that require grad (the step turns it off around
+the call)."""
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {BACKENDS}; got {backend!r}. Use 'inductor' for speed and "
+            "'eager' to run the traced graph as is (debugging, fast tests)."
+        )
+
+
+def check_generators(gm: GraphModule, backend: str, model: nn.Module | None = None) -> None:
+    """Refuse, under Inductor, a step that draws from a ``torch.Generator`` of its own.
+
+    A draw such as ``torch.randn(shape, generator=self.g)`` keeps the generator object in
+    the traced graph. The eager backend calls the op with that object, as eager does, so
+    the draws and the generator's state after each step are eager's. Inductor writes the
+    object into its generated code as a pickled copy: every step would draw from that
+    copy, and the generator you hold would never advance (seen: its state unchanged after
+    three steps, where eager's had moved three times). Draws from PyTorch's default
+    generator (dropout, ``torch.randn`` without ``generator=``) are not affected.
+
+    Example:
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> g = torch.Generator().manual_seed(0)
+        >>> gm = make_fx(lambda x: x + torch.randn(2, generator=g))(torch.ones(2))
+        >>> check_generators(gm, "eager")  # the eager backend draws from g itself
+        >>> check_generators(gm, "inductor")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        functacc.errors.TraceError: ...torch.Generator...
+    """
+    if backend != "inductor":
+        return
+    for node in gm.graph.nodes:
+        generator = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if not isinstance(generator, torch.Generator):
+            continue
+        ops = sorted({str(user.target) for user in node.users})
+        raise TraceError(
+            f"the step draws random numbers from {_owner(generator, model)} "
+            f"({', '.join(ops)}). Inductor compiles a generator into its code as a copy of "
+            "its state at compile time, so every step would draw from that copy and your "
+            "generator would never advance, unlike eager. Draw from PyTorch's default "
+            "generator instead (leave out generator=, seed with torch.manual_seed), or "
+            'build the step with backend="eager", which draws from your generator as eager '
+            "does."
+        )
+
+
+def _owner(generator: torch.Generator, model: nn.Module | None) -> str:
+    """Where the model keeps ``generator`` (``model.noise.g``), or what it is.
+
+    The traced graph holds another Python object for the same generator, so the model's
+    generators are matched by device and state (two seeded alike match both; the first is
+    named)."""
+    state = generator.get_state()
+    for prefix, module in model.named_modules() if model is not None else ():
+        for name, value in vars(module).items():
+            if (
+                isinstance(value, torch.Generator)
+                and value.device == generator.device
+                and torch.equal(value.get_state(), state)
+            ):
+                return f"the torch.Generator {'.'.join(['model', *filter(None, [prefix, name])])}"
+    return f"a torch.Generator of your own (on {generator.device})"
+
+
+def compile_graph(
+    gm: GraphModule,
+    example_inputs: Sequence[Tensor],
+    backend: Backend,
+    *,
+    fakes: Sequence[Tensor] | None = None,
+    options: dict[str, Any] | None = None,
+) -> Compiled:
+    """Compile ``gm`` with ``backend``; the result takes one list of tensors.
+
+    ``"eager"`` runs the FX graph op by op with PyTorch's own kernels, which makes it
+    bit-identical to eager PyTorch for the same op sequence. ``"inductor"`` generates fused
+    C++/OpenMP (CPU) or Triton (CUDA) kernels; its FX graph cache makes a second process
+    with the same graph skip code generation. ``fakes``: the symbolic fake inputs a
+    dynamic-shape graph was traced with (Inductor then compiles size-generic kernels).
+    ``options``: ``torch._inductor.config`` settings that override functacc's defaults.
+    """
+    from ..parallel.schedule import issue_collectives_early
+    from ..remat import order_recomputation
+    from .inductor.masks import draw_masks_as_bytes
+    from .split import remove_marker, split_at_optimizer
+
+    # Collectives are traced after the whole backward; start each gradient reduction as soon
+    # as its gradients exist, so it overlaps the rest of backward (on every rank alike).
+    issue_collectives_early(gm)
+    if backend == "inductor":
+        # Dropout's masks kept for backward in 1 byte per element instead of 4, drawn in
+        # eager's order also where dropout's input is strided (inductor/masks.py). Not for
+        # the eager backend: it lays buffers out by the trace's strides, where eager's
+        # empty_like follows the real input's (the two differ where a meta kernel is wrong),
+        # and the eager backend keeps the float mask alive anyway.
+        draw_masks_as_bytes(gm)
+        order_recomputation(gm)  # Inductor would pull recomputations into forward
+    split = split_at_optimizer(gm) if backend == "inductor" else None
+    remove_marker(gm)
+    if backend == "eager":
+        views_that_may_copy(gm)
+        return lambda args: gm(*args)
+    if split is not None:
+        update_examples = [
+            *split.update_examples,
+            *split.slots,
+            *(example_inputs[i] for i in split.update_inputs),
+        ]
+        # A worker process compiles the update into Inductor's cache meanwhile.
+        worker = compile_worker.start_worker(split.update, update_examples, options or {})
+        try:
+            slots = split.slots
+            if fakes is not None and slots:
+                fake_mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
+                fakes = [*fakes, *(fake_mode.from_tensor(s, static_shapes=True) for s in slots)]
+            gradients = compile_inductor(split.gradients, [*example_inputs, *slots], fakes, options)
+        except BaseException:
+            if worker is not None:
+                worker.stop()
+            raise
+        if worker is not None:
+            worker.finish()
+        update = compile_inductor(split.update, update_examples, None, options)
+        return split.runner(gradients, update)
+    return compile_inductor(gm, example_inputs, fakes, options)
+
+
+def views_that_may_copy(gm: GraphModule) -> int:
+    """Run the graph's ``view`` ops as ``reshape`` where nothing writes into the memory they
+    view; returns how many were changed.
+
+    The trace chose ``view`` where the fake tensors' strides allowed it, but some of
+    PyTorch's meta kernels give other strides than the real kernel (``elu_backward`` of a
+    transposed gradient: contiguous in the trace, transposed when run), and the eager
+    backend then failed with "view size is not compatible with input tensor's size and
+    stride" on a step eager PyTorch runs. ``reshape`` is that same view wherever the real
+    strides allow one, and otherwise copies, as eager's autograd does. A view of memory
+    that any op writes into (through any alias) is kept: there a copy could miss a write.
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> views_that_may_copy(make_fx(lambda x: (x * 2).view(-1))(torch.ones(2, 3)))
+        1
+    """
+    from ..parallel.comm import writers
+
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default and not writers(_root(node)):
+            node.target = torch.ops.aten.reshape.default
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _root(node: Node) -> Node:
+    """The tensor whose memory ``node`` views (itself if it owns its memory)."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        first = schema.arguments[0] if schema is not None and schema.arguments else None
+        if first is None or first.alias_info is None or first.alias_info.is_write:
+            break
+        node = node.args[0]
+    return node
+
+
+def check_inductor_options(options: dict[str, Any] | None, backend: str) -> dict[str, Any]:
+    """Validate ``inductor_options`` up front (a typo must not surface minutes later, in
+    the first compile)."""
+    if not options:
+        return {}
+    if backend != "inductor":
+        raise ValueError(
+            f"inductor_options={options!r} was given with backend={backend!r}; they apply "
+            "only to backend='inductor'"
+        )
+    from torch._inductor import config as inductor_config
+
+    unknown = sorted(k for k in options if not hasattr(inductor_config, k.split(".")[0]))
+    if unknown:
+        raise ValueError(
+            f"unknown inductor_options {unknown}: each key must be a torch._inductor.config "
+            "setting, e.g. {'cpp_wrapper': True} or {'max_autotune': True}"
+        )
+    return dict(options)
