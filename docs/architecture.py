@@ -21,36 +21,42 @@ PACKAGE = ROOT / "functacc"
 
 # The stages, left to right in the picture, and the modules of each (package-relative).
 STAGES: dict[str, list[str]] = {
-    "front doors": ["frontends/jit", "step", "accelerate", "config", "__init__", "__main__"],
-    "capture + trace": [
+    "front doors": ["frontends/*", "__init__", "__main__"],
+    "engine: capture + trace": [
+        "core/engine",
+        "core/tracer",
+        "core/body",
         "core/capture",
         "core/optimizers",
         "core/side_effects",
-        "core/engine",
-        "core/graph_passes",
         "core/donation",
-        "step_fn",
-        "functional",
-        "trace",
-        "signature",
-        "guards",
-        "cache",
+        "core/graph_passes",
+        "core/functional",
+        "core/watches",
+        "core/diagnostics",
     ],
-    "transforms": ["parallel/*", "precision", "remat", "backends/split"],
+    "signatures + cache": [
+        "core/signature",
+        "core/model_watch",
+        "core/guards",
+        "core/cache",
+        "core/differences",
+    ],
+    "transforms": ["parallel/*", "transforms/*", "backends/split"],
     "compile": [
         "backends/__init__",
         "backends/compile",
         "backends/compile_worker",
         "backends/inductor/*",
     ],
-    "run": ["backends/cudagraph", "backends/host_memory", "backends/memory"],
+    "run": ["backends/cudagraph", "backends/host_memory"],
 }
 # Beside the pipeline: what the stages use.
 SUPPORT: dict[str, list[str]] = {
     "optimizers": ["optim/*"],
     "data": ["data/*"],
     "state": ["state/*"],
-    "shared": ["errors", "_env", "_compat", "core/__init__", "frontends/__init__"],
+    "shared": ["errors", "_env", "_compat", "core/__init__"],
     "bench": ["bench/*"],
 }
 GROUPS = {**STAGES, **SUPPORT}
@@ -72,7 +78,7 @@ def group_of(name: str) -> str | None:
 def imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
     """The package modules that ``name`` imports (relative and absolute imports). A name that
     a package's ``__init__`` re-exports counts as an import of the module it comes from
-    (``from ..backends import peak_memory`` imports ``backends/memory``)."""
+    (``from ..backends import compile_graph`` imports ``backends/compile``)."""
     found = set()
     package = name.split("/")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -135,8 +141,9 @@ def draw(out: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-    fig, ax = plt.subplots(figsize=(13, 7.2))
-    ax.set_xlim(0, 13)
+    width = 0.2 + 2.55 * max(len(STAGES), len(SUPPORT))
+    fig, ax = plt.subplots(figsize=(width, 7.2))
+    ax.set_xlim(0, width)
     ax.set_ylim(0, 6.9)
     ax.axis("off")
     boxes = {}
@@ -154,7 +161,7 @@ def draw(out: Path) -> None:
         ax.text(x + 0.1, y + h - 0.6, text, va="top", fontsize=7, family="monospace")
         boxes[group] = (x, y, w, h)
 
-    colors = ["#f4cccc", "#fce5cd", "#fff2cc", "#d9ead3", "#cfe2f3"]
+    colors = ["#f4cccc", "#fce5cd", "#fde9d9", "#fff2cc", "#d9ead3", "#cfe2f3"]
     for i, (group, color) in enumerate(zip(STAGES, colors, strict=True)):
         box(group, 0.2 + i * 2.55, 2.9, 2.3, 3.6, color)
     for i, group in enumerate(SUPPORT):

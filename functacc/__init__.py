@@ -12,17 +12,17 @@ Example:
 """
 
 from . import optim, parallel
-from .accelerate import accelerate
-from .compile_step import compile_step
-from .config import Config
+from .core.functional import functionalize
 from .data import DeviceLoader, buckets
 from .errors import RetraceError, TraceError
+from .frontends.accelerate import accelerate
+from .frontends.compile_step import compile_step
+from .frontends.config import Config
 from .frontends.jit import Jitted, jit
-from .functional import functionalize
+from .frontends.step import Step, TrainState
 from .parallel import init_distributed
-from .precision import Precision
 from .state import CheckpointError, CheckpointManager, load, load_model, save, save_model
-from .step import Step, TrainState
+from .transforms.precision import Precision
 
 __version__ = "0.1.0"
 

@@ -56,13 +56,6 @@ def test_a_probability_outside_0_1_is_refused_like_eager() -> None:
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_docstring_example() -> None:
-    import doctest
-
-    result = doctest.testmod(bernoulli)
-    assert result.attempted > 0 and result.failed == 0
-
-
 def test_without_a_compiler_the_kernel_is_unavailable_and_masks_keep_eagers_draw(
     monkeypatch, caplog
 ) -> None:

@@ -105,7 +105,7 @@ def test_runner_recaptures_when_the_state_moves() -> None:
 def test_step_with_graph_replay_matches_plain_step(monkeypatch) -> None:
     monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
     monkeypatch.setattr(cudagraph, "check_cuda_graphs", lambda *args: True)
-    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda *args: True)
+    monkeypatch.setattr(functacc.frontends.step, "check_cuda_graphs", lambda *args: True)
     torch.manual_seed(0)
     model = models.cnn_bn()
     ref = copy.deepcopy(model)
@@ -161,7 +161,7 @@ def test_one_capture_per_size_least_recently_used_evicted_one_pool() -> None:
 def test_step_with_symbolic_sizes_captures_per_size(monkeypatch) -> None:
     monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
     monkeypatch.setattr(cudagraph, "_default_pool", object)
-    monkeypatch.setattr(functacc.step, "check_cuda_graphs", lambda *args: True)
+    monkeypatch.setattr(functacc.frontends.step, "check_cuda_graphs", lambda *args: True)
     torch.manual_seed(0)
     model = models.mlp()
     ref = copy.deepcopy(model)

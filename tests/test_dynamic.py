@@ -19,7 +19,7 @@ from torch import nn
 import functacc
 from functacc import RetraceError, TraceError
 from functacc.backends.inductor.compile import _views_to_reshapes
-from functacc.cache import SizeGuard
+from functacc.core.cache import SizeGuard
 from functacc.core.tracer import symbolic_fakes as _symbolic_fakes
 
 EXACT = {"rtol": 0.0, "atol": 0.0}

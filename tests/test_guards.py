@@ -1,18 +1,19 @@
-"""The per-call model check (functacc.guards, used by signature.ModelWatch): what must trip
+"""The per-call model check (functacc.core.guards, used by signature.ModelWatch): what must trip
 it, what must not, and the key it guards."""
 
 from __future__ import annotations
-
-import doctest
 
 import pytest
 import torch
 from torch import nn
 
-import functacc.guards
-import functacc.signature
-from functacc.guards import model_guard
-from functacc.signature import BatchWatch, ModelWatch
+import functacc.core.differences
+import functacc.core.guards
+import functacc.core.model_watch
+import functacc.core.signature
+from functacc.core.guards import model_guard
+from functacc.core.model_watch import ModelWatch
+from functacc.core.signature import BatchWatch
 
 
 def small() -> nn.Module:
@@ -98,7 +99,7 @@ def test_model_watch_key_is_the_same_object_until_a_value_changes() -> None:
 
 
 def test_without_working_dict_versions_the_watch_rereads_every_call(monkeypatch) -> None:
-    monkeypatch.setattr(functacc.guards, "_dict_versions_work", lambda: False)
+    monkeypatch.setattr(functacc.core.guards, "_dict_versions_work", lambda: False)
     model = small()
     params = dict(model.named_parameters())
     watch = ModelWatch(list(model.modules()), params, list(params.values()))
@@ -106,11 +107,6 @@ def test_without_working_dict_versions_the_watch_rereads_every_call(monkeypatch)
     assert watch.key() is key
     model[1]._buffers["running_mean"] = torch.zeros(4)
     assert watch.key() != key
-
-
-def test_docstring_examples() -> None:
-    assert doctest.testmod(functacc.guards).failed == 0
-    assert doctest.testmod(functacc.signature).failed == 0
 
 
 def test_batch_watch_keeps_its_key_for_a_tensor_passed_twice() -> None:

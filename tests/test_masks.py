@@ -11,9 +11,9 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functacc
-from functacc.backends import peak_memory
 from functacc.backends.inductor import bernoulli
 from functacc.backends.inductor.masks import draw_masks_as_bytes
+from functacc.bench.memory import peak_memory
 
 
 def dropout_like_eager(x: torch.Tensor) -> torch.Tensor:

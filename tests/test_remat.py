@@ -11,8 +11,8 @@ from helpers import assert_close
 from torch import nn
 
 import functacc
-from functacc.backends import peak_memory
-from functacc.remat import _MATMULS, POLICIES, RECOMPUTE, order_recomputation
+from functacc.bench.memory import peak_memory
+from functacc.transforms.remat import _MATMULS, POLICIES, RECOMPUTE, order_recomputation
 
 
 class Block(nn.Module):

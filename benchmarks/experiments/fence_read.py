@@ -1,4 +1,4 @@
-"""Reading a uint8 dropout mask through remat's fence, under Inductor (functacc/remat.py).
+"""A uint8 dropout mask read through remat's fence, under Inductor (transforms/remat.py).
 
 Times one kernel over 1M elements, ``mask.float() / 0.9 * x``, with the mask read plainly,
 through ``where(ready, mask, mask)`` (the fence integer values had until fe533b4) and

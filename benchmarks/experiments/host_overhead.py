@@ -1,5 +1,5 @@
 """What a bench model's step costs outside its compiled graph, and how much of it is the
-per-call model check (functacc/guards.py), on a step built with the eager backend (no
+per-call model check (functacc/core/guards.py), on a step built with the eager backend (no
 compile: the host work is the same)::
 
     python benchmarks/experiments/host_overhead.py resnet50

@@ -13,7 +13,7 @@ import torch
 from functacc.bench import competitors, runner
 from functacc.bench.cli import REMAT_DEFAULTS, warm_inductor
 from functacc.bench.models import build
-from functacc.remat import POLICIES
+from functacc.transforms.remat import POLICIES
 
 
 def main() -> None:

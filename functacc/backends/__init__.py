@@ -6,7 +6,7 @@ the update once for every batch shape, with ``compile_worker.py`` compiling it i
 process meanwhile; ``inductor/`` holds the Inductor-only code (its settings, the CPU passes
 on the graph and on the generated code, the direct call of the result). At run time,
 ``cudagraph.py`` captures and replays a CUDA step, ``host_memory.py`` keeps the host memory
-a CPU step frees, and ``memory.py`` measures a call's peak memory.
+a CPU step frees.
 """
 
 from .compile import (
@@ -19,7 +19,6 @@ from .compile import (
 )
 from .cudagraph import CudaGraphRunner, check_cuda_graphs
 from .host_memory import keep_freed_memory
-from .memory import peak_memory
 from .split import mark_optimizer_inputs
 
 __all__ = [
@@ -33,5 +32,4 @@ __all__ = [
     "compile_graph",
     "keep_freed_memory",
     "mark_optimizer_inputs",
-    "peak_memory",
 ]

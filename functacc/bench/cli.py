@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..remat import POLICIES
+from ..transforms.remat import POLICIES
 from . import competitors, report, runner
 from .args import parser
 from .models import build

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..step import compile_step
+from ..frontends.compile_step import compile_step
 from .models import Workload
 
 __all__ = ["COMPETITORS", "Competitor", "make"]
@@ -148,7 +148,7 @@ class Accelerate(Eager):
     name = "accelerate"
 
     def __init__(self, w: Workload):
-        from ..accelerate import accelerate
+        from ..frontends.accelerate import accelerate
 
         super().__init__(w)
         accelerate(self.model)

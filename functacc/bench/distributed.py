@@ -156,7 +156,7 @@ def _ddp(workload: Any, compiled: bool) -> _Competitor:
 
 
 def _compile_options(workload: Any) -> dict[str, Any]:
-    from ..accelerate import _compile_options as options
+    from ..frontends.accelerate import _compile_options as options
 
     return options(workload.inputs.device)
 

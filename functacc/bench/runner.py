@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..backends import peak_memory
 from .competitors import Competitor
+from .memory import peak_memory
 
 __all__ = ["Result", "run"]
 

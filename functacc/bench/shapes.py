@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..step import compile_step
+from ..frontends.compile_step import compile_step
 from .models import gpt2
 
 __all__ = ["ShapesResult", "gpt2_batches", "main"]

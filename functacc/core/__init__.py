@@ -1,11 +1,14 @@
-"""The engine that every front door shares: capture -> trace -> transform -> compile -> run.
+"""The engine that every front door shares: trace -> transform -> compile -> run.
 
-- :mod:`.capture`: the state a step touches (its modules' parameters, buffers, tensor
-  attributes and ``.grad``; its optimizers' state) lifted into one flat, named list of
-  tensors, swapped into the modules while tracing and written back after each call;
-- :mod:`.optimizers`: ``opt.step()`` of a ``torch.optim`` optimizer, traced as functacc's
-  pure twin of it (bit for bit with ``torch.optim``) over the captured state;
-- :mod:`.engine`: traces a step body once per signature with ``make_fx`` (autograd and
-  in-place updates included), functionalizes it (every write lands at the end of the
-  graph), compiles it, and runs it.
+- :mod:`.engine`: one program per signature, traced by :mod:`.tracer`, compiled by
+  :mod:`functacc.backends`, kept in :mod:`.cache`, run;
+- :mod:`.signature`, :mod:`.model_watch`, :mod:`.guards`: what a graph depends on besides
+  its inputs' shapes, checked per call; :mod:`.differences` says why a step retraces;
+- :mod:`.watches`, :mod:`.diagnostics`: what a trace refuses, and errors that name the
+  module and the source line;
+- :mod:`.functional`: a module as a pure function of its parameters and buffers;
+- for ``jit``'s eager step bodies: :mod:`.body` runs a body on the engine over the state
+  :mod:`.capture` lifts (with :mod:`.optimizers` tracing ``opt.step()``), refusing outer
+  Python side effects (:mod:`.side_effects`), with donated inputs (:mod:`.donation`) and
+  graph passes (:mod:`.graph_passes`).
 """

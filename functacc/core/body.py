@@ -27,14 +27,14 @@ from torch import Tensor, nn
 
 from ..backends import Backend
 from ..errors import TraceError
-from ..signature import AmbientWatch, TensorSpec, family_key, hashable_constant
-from ..trace import describe_tensor, translate
 from .capture import Capture, Exit
+from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, donation_target, poison
 from .engine import Engine, Program
 from .graph_passes import drop_unused_inputs
 from .graph_passes import fingerprint as graph_fingerprint
 from .side_effects import OuterStateWatch
+from .signature import AmbientWatch, TensorSpec, family_key, hashable_constant
 
 __all__ = ["BodyProgram", "StepBody"]
 

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import argument_error
-from ..functional import check_dense_gradients, swap_attributes
-from ..signature import HookWatch, ModelWatch, StructureWatch
-from ..trace import describe_tensor
+from .diagnostics import describe_tensor
+from .functional import check_dense_gradients, swap_attributes
+from .model_watch import HookWatch, ModelWatch, StructureWatch
 from .optimizers import LinkedOptimizer, TracedOptimizer
 
 __all__ = ["Capture", "Exit", "GradExit"]

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from ..errors import argument_error
-from ..trace import describe_tensor
+from .diagnostics import describe_tensor
 
 __all__ = ["donated_positions", "donated_targets", "donation_target", "poison"]
 

@@ -4,7 +4,7 @@ A front door (:func:`functacc.compile_step`, :func:`functacc.jit`) turns its ste
 flat function of tensors (state, then batch) and a signature key; the engine does the rest:
 
 1. **lookup**: a program compiled for exactly this signature, or a graph with symbolic
-   sizes whose guard accepts the batch (:class:`~functacc.cache.ProgramCache`);
+   sizes whose guard accepts the batch (:class:`~functacc.core.cache.ProgramCache`);
 2. **plan**: why a new trace is needed (named in the record and in the retrace warning)
    and which dimensions it makes symbolic (``dynamic``);
 3. **trace**: :func:`functacc.core.tracer.trace`, one tracer for both front doors;
@@ -28,11 +28,11 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 
 from ..backends import Backend, Compiled, check_generators, compile_graph
-from ..cache import ProgramCache, SizeGuard, TraceRecord
-from ..trace import draws_random, rng_state, run_error, set_rng_state
 from . import tracer
+from .cache import ProgramCache, SizeGuard, TraceRecord
+from .diagnostics import run_error
 
-__all__ = ["Engine", "Plan", "Program"]
+__all__ = ["Engine", "Plan", "Program", "draws_random", "rng_state", "set_rng_state"]
 
 _set_grad_enabled = torch._C._set_grad_enabled
 
@@ -225,3 +225,23 @@ class Engine:
             raise run_error(exc, describe()) from exc
         finally:
             _set_grad_enabled(grad_mode)
+
+
+def draws_random(gm: GraphModule) -> bool:
+    """Whether the graph draws random numbers (dropout, ``torch.rand``): a call that fails
+    after drawing must put the generators back."""
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
+
+
+def rng_state(devices: Collection[torch.device]) -> tuple[Tensor, dict[torch.device, Tensor]]:
+    """The CPU generator's state and that of each of ``devices`` that is a GPU."""
+    cuda = {d for d in devices if d.type == "cuda"}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda}
+
+
+def set_rng_state(state: tuple[Tensor, dict[torch.device, Tensor]]) -> None:
+    """Put back what :func:`rng_state` read."""
+    torch.set_rng_state(state[0])
+    for device, cuda in state[1].items():
+        torch.cuda.set_rng_state(cuda, device)

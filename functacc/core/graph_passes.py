@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-from ..signature import TensorSpec
+from .signature import TensorSpec
 
 __all__ = ["bernoulli_in_place", "direct_writes", "drop_unused_inputs", "fingerprint"]
 

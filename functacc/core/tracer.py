@@ -25,8 +25,9 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import TraceError
-from ..trace import AttributeWatch, HeldRandomWatch, HostRandomWatch, translate
+from .diagnostics import translate
 from .graph_passes import bernoulli_in_place, direct_writes
+from .watches import AttributeWatch, HeldRandomWatch, HostRandomWatch
 
 __all__ = ["Traced", "symbolic_fakes", "trace"]
 

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from ..backends import Backend, check_backend, check_inductor_options
-from ..cache import TraceRecord
 from ..core.body import StepBody
+from ..core.cache import TraceRecord
 from ..core.capture import Capture
 
 __all__ = ["Jitted", "jit"]

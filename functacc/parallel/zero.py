@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from ..functional import check_module_classes
+from ..core.functional import check_module_classes
 from .comm import all_gather, all_reduce, average_written, reduce_scatter
 from .mesh import Topology
 from .strategy import Strategy

@@ -301,8 +301,17 @@ def save(
     position; ``states`` adds objects with JSON-able ``state_dict()`` (an LR scheduler).
 
     Example:
-        >>> import functacc  # doctest: +SKIP
-        >>> functacc.save(step, "ckpt/step_100", loader=loader, states={"sched": scheduler})
+        >>> import os, tempfile, torch, functacc
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> step = functacc.compile_step(model, torch.nn.MSELoss(), opt, backend="eager")
+        >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+        >>> path = os.path.join(tempfile.mkdtemp(), "step_1")
+        >>> functacc.save(step, path, states={"sched": sched})
+        >>> functacc.load(step, path, states={"sched": sched})
+        >>> step.count
+        1
     """
     path = os.fspath(path)
     partial = path + ".partial"
@@ -462,7 +471,7 @@ def _restore_host_state(
 
 
 def _model_and_step(target: Any) -> tuple[torch.nn.Module, Any]:
-    from ..step import Step
+    from ..frontends.step import Step
 
     if isinstance(target, Step):
         return target.model, target

@@ -25,12 +25,18 @@ class CheckpointManager:
     and nothing :meth:`restore_latest` would pick.
 
     Example:
-        >>> import functacc  # doctest: +SKIP
-        >>> manager = functacc.CheckpointManager("ckpt", every_steps=100, keep=3, loader=loader)
-        >>> manager.restore_latest(step)          # False on a fresh start
-        >>> for x, y in loader:
-        ...     step(x, y)
-        ...     manager.maybe_save(step)
+        >>> import tempfile, torch, functacc
+        >>> model = torch.nn.Linear(4, 2)
+        >>> step = functacc.compile_step(model, torch.nn.MSELoss(),
+        ...     torch.optim.SGD(model.parameters(), lr=0.1), backend="eager")
+        >>> manager = functacc.CheckpointManager(tempfile.mkdtemp(), every_steps=2, keep=3)
+        >>> manager.restore_latest(step)  # a fresh start: nothing to restore
+        False
+        >>> for _ in range(4):
+        ...     loss = step(torch.randn(8, 4), torch.randn(8, 2))
+        ...     _ = manager.maybe_save(step)  # at steps 2 and 4
+        >>> manager.restore_latest(step), step.count
+        (True, 4)
     """
 
     def __init__(

@@ -17,9 +17,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from .optim import GradientTransformation
-from .optim._torch import TorchOptimizerLink
-from .precision import Precision
+from ..optim import GradientTransformation
+from ..optim._torch import TorchOptimizerLink
+from ..transforms.precision import Precision
 from .step_fn import StepFunction, TrainState
 
 __all__ = ["LiveState"]

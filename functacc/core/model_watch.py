@@ -1,16 +1,11 @@
-"""What makes one compiled graph of the step different from another: its signature.
+"""The context part of a signature that the model holds: what a traced forward bakes in.
 
-A call's signature has two parts:
-
-- **the batch**: each input tensor's shape, dtype, device and layout, the batch's structure
-  (tuple, dict, keys) and its Python constants;
-- **the context**: train/eval mode of every module, which parameters are trainable, the
-  model's dtypes and shapes, the optimizer's structure, the parallel strategy's phase, and
-  the ambient state that changes which ops a trace records (``torch.autocast``, the default
-  dtype).
-
-A graph traced with symbolic dimensions serves a *family*: every batch whose signature
-differs only in those sizes (:func:`family_key` erases sizes, keeps the rest).
+A trace records the forward's Python once, with the values it read from the model's
+modules: train/eval mode, plain attributes (a dropout's ``p``, a config's settings),
+which parameters are trainable, its tensors' dtypes and devices, the hooks on modules and
+parameters. :class:`ModelWatch` reads those into a key that changes when any of them does
+(one C++ check per call: :mod:`.guards`); :class:`HookWatch` keys the hooks;
+:class:`StructureWatch` notices a layer or tensor replaced after the step was built.
 """
 
 from __future__ import annotations
@@ -19,59 +14,15 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from .guards import ModelGuard, model_guard
 
-__all__ = [
-    "HELD_DEPTH",
-    "AmbientWatch",
-    "BatchWatch",
-    "HookWatch",
-    "ModelWatch",
-    "StructureWatch",
-    "TensorSpec",
-    "ambient_key",
-    "batch_names",
-    "describe_difference",
-    "family_key",
-    "filled_settings",
-    "held_items",
-    "size_changes",
-]
-
-
-class TensorSpec(NamedTuple):
-    """What a static graph assumes about one input tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, t: Tensor) -> TensorSpec:
-        return cls(tuple(t.shape), t.dtype, t.device, t.stride())
-
-    def __repr__(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.shape} {dtype} on {self.device} (stride {self.stride})"
-
-
-class LayoutSpec(NamedTuple):
-    """What a graph with symbolic sizes assumes about one input tensor: everything but
-    the sizes. Contiguous tensors (the rule for batches) have size-independent layout;
-    other layouts are kept exactly (their graphs stay static)."""
-
-    ndim: int
-    dtype: torch.dtype
-    device: torch.device
-    layout: str | tuple[int, ...]
+__all__ = ["HELD_DEPTH", "HookWatch", "ModelWatch", "StructureWatch", "held_items"]
 
 
 class ModelWatch:
@@ -415,222 +366,3 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
             if watch is not None:
                 watch._note(module, name)
     return None
-
-
-class BatchWatch:
-    """The signature key of a plain ``step(inputs, targets)`` batch (a sequence of
-    tensors): the *same* tuple object while the tensors' shapes, strides, dtypes and
-    devices are those of the last call. One C++ check (Dynamo's ``TensorGuards``, sizes and
-    strides checked) instead of building a :class:`TensorSpec` per tensor (about 1.6 us
-    each); only a changed batch rebuilds the key and the check.
-
-    ``TensorGuards`` fails a tensor passed twice, which is how a language model is often
-    called (``step(tokens, tokens)``: the targets are the inputs): there the check runs on
-    the distinct tensors and the repeats are compared by identity (GPT-2 bench: 4.2 us per
-    call rebuilding the key before, under 1 us after).
-    """
-
-    def __init__(self) -> None:
-        self._guards: Any = None
-        self._count = -1
-        self._distinct: list[int] | None = None  # positions to check, when some repeat
-        self._repeats: list[tuple[int, int]] = []  # (first position, repeat position)
-        self._key: tuple = ()
-
-    def key(self, tensors: Sequence[Tensor]) -> tuple[TensorSpec, ...]:
-        if len(tensors) == self._count and self._guards is not None:
-            if self._distinct is None:
-                if self._guards.check(*tensors):
-                    return self._key
-            elif all(tensors[i] is tensors[j] for i, j in self._repeats) and self._guards.check(
-                *[tensors[i] for i in self._distinct]
-            ):
-                return self._key
-        first: dict[int, int] = {}
-        for i, t in enumerate(tensors):
-            first.setdefault(id(t), i)
-        self._repeats = [(first[id(t)], i) for i, t in enumerate(tensors) if first[id(t)] != i]
-        self._distinct = sorted(first.values()) if self._repeats else None
-        self._key = tuple(map(TensorSpec.of, tensors))
-        self._guards = _tensor_guards([tensors[i] for i in sorted(first.values())])
-        self._count = len(tensors)
-        return self._key
-
-
-def _tensor_guards(tensors: Sequence[Tensor]) -> Any:
-    """A C++ check of the tensors' dtype, device, ``requires_grad``, dispatch keys, sizes and
-    strides; ``None`` without Dynamo's guards."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-    except ImportError:  # a torch without Dynamo's C++ guards: re-read in Python each call
-        return None
-    return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-
-
-def family_key(tensors: Sequence[Tensor]) -> tuple[LayoutSpec, ...]:
-    """The batch tensors' signature with sizes erased."""
-    return tuple(
-        LayoutSpec(
-            t.dim(), t.dtype, t.device, "contiguous" if t.is_contiguous() else tuple(t.stride())
-        )
-        for t in tensors
-    )
-
-
-def ambient_key(device_type: str) -> tuple:
-    """The ambient state a trace bakes into the graph: autocast on the model's device and
-    on CPU (enabled, dtype), and the default dtype (``torch.zeros(n)`` in a forward)."""
-    autocast = tuple(
-        (d, torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else (d, None)
-        for d in dict.fromkeys(("cpu", device_type))
-    )
-    return (("autocast", autocast), ("default dtype", torch.get_default_dtype()))
-
-
-class AmbientWatch:
-    """:func:`ambient_key`, returning the same tuple object while it is unchanged. Without
-    autocast, one check per device and the default dtype (no tuples built)."""
-
-    def __init__(self, device_type: str):
-        self.devices = tuple(dict.fromkeys(("cpu", device_type)))
-        self._dtype: torch.dtype | None = None
-        self._key = ambient_key(device_type)
-        self._plain = False  # the last key had no autocast
-
-    def key(self) -> tuple:
-        dtype = torch.get_default_dtype()
-        if (
-            self._plain
-            and dtype is self._dtype
-            and not any(map(torch.is_autocast_enabled, self.devices))
-        ):
-            return self._key
-        key = ambient_key(self.devices[-1])
-        if key != self._key:
-            self._key = key
-        self._dtype = dtype
-        self._plain = all(d is None for _, d in key[0][1])
-        return self._key
-
-
-def batch_names(args: tuple, kwargs: dict, *, with_targets: bool) -> list[str]:
-    """A readable name for each tensor of a call's batch, in flattening order:
-    ``inputs['input_ids']`` and ``targets`` for ``step(inputs, targets)``, ``args[0]`` and
-    ``input_ids`` for ``step(*args, **kwargs)``."""
-    names = []
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if not isinstance(leaf, Tensor):
-            continue
-        top, rest = path[1], pytree.keystr(path[2:])
-        if path[0].idx == 0:  # positional
-            head = ("inputs", "targets")[top.idx] if with_targets else f"args[{top.idx}]"
-        else:
-            head = str(top.key)
-        names.append(head + rest)
-    return names
-
-
-def size_changes(
-    names: Sequence[str], old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]
-) -> list[str]:
-    """``["inputs['input_ids'] dim 1: 57 -> 91", ...]`` for every size that differs."""
-    out = []
-    for name, a, b in zip(names, old, new, strict=True):
-        out.extend(
-            f"{name} dim {d}: {x} -> {y}"
-            for d, (x, y) in enumerate(zip(a, b, strict=True))
-            if x != y
-        )
-    return out
-
-
-def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
-    """Where two signature keys first differ, e.g. ``inputs[0]: (8, 3) ... -> (5, 3) ...``.
-
-    Keys are nested plain tuples; ``(label, value)`` pairs name their part.
-    """
-    if type(old) is tuple and type(new) is tuple:
-        if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
-            label = old[0] if old[0] not in _MARKERS else ""
-            return describe_difference(old[1], new[1], " ".join(filter(None, (path, label))))
-        if len(old) == len(new):
-            for i, (a, b) in enumerate(zip(old, new, strict=True)):
-                if a != b:
-                    inner = f"{path}[{i}]" if path and _is_sequence_of_specs(old) else path
-                    return describe_difference(a, b, inner)
-        elif _is_labelled(old) and _is_labelled(new):  # entries added or removed
-            before, after = dict(old), dict(new)
-            added = [label for label in after if label not in before]
-            removed = [label for label in before if label not in after]
-            where = f"{path}: " if path else ""
-            return where + "; ".join(
-                [*(f"{label} added" for label in added), *(f"{label} removed" for label in removed)]
-            )
-    where = f"{path}: " if path else ""
-    return f"{where}{old!r} -> {new!r}"
-
-
-def filled_settings(old: Hashable, new: Hashable, path: str = "") -> list[str] | None:
-    """Where two signature keys differ only by settings that were ``None`` or absent in
-    ``old`` and hold a value in ``new`` (a forward's one-time lazy setting, such as a
-    Hugging Face config's ``problem_type``): their names, e.g.
-    ``["module attributes model.config problem_type"]``. ``None`` if anything else differs
-    (a value replaced by another, an entry removed).
-
-    Example:
-        >>> filled_settings((("mode", None), ("p", 0.1)), (("mode", "x"), ("p", 0.1)))
-        ['mode']
-        >>> filled_settings((("p", 0.1),), (("p", 0.2),)) is None
-        True
-    """
-    if old == new:
-        return []
-    if old is None:
-        return [path or "value"]
-    if type(old) is not tuple or type(new) is not tuple:
-        return None
-    if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
-        label = old[0] if old[0] not in _MARKERS else ""
-        return filled_settings(old[1], new[1], " ".join(filter(None, (path, label))))
-    if len(old) != len(new) and _is_labelled(old) and _is_labelled(new):
-        before = dict(old)
-        if len(before) != len(old) or not before.keys() <= dict(new).keys():
-            return None  # repeated labels, or an entry removed
-        found = []
-        for label, value in new:
-            where = " ".join(filter(None, (path, label)))
-            inner = [where] if label not in before else filled_settings(before[label], value, where)
-            if inner is None:
-                return None
-            found += inner
-        return found
-    if len(old) != len(new):
-        return None
-    found = []
-    for a, b in zip(old, new, strict=True):
-        inner = filled_settings(a, b, path)
-        if inner is None:
-            return None
-        found += inner
-    return found
-
-
-# Labels that say which kind of call a key is for, not what changed.
-_MARKERS = ("inplace", "pure")
-
-
-def _is_sequence_of_specs(key: tuple) -> bool:
-    return all(isinstance(x, (TensorSpec, LayoutSpec)) for x in key)
-
-
-def hashable_constant(x: Any) -> Any:
-    try:
-        hash(x)
-    except TypeError:
-        return repr(x)
-    return (type(x), x)
-
-
-def _is_labelled(key: tuple) -> bool:
-    """A tuple of ``(label, value)`` pairs, as keys hold a container's entries."""
-    return all(type(x) is tuple and len(x) == 2 and isinstance(x[0], str) for x in key)

@@ -1,7 +1,7 @@
 """``compile_step``: the whole training step as one traced, compiled pure function.
 
 The step is traced once per input signature with fake tensors, compiled, and replayed.
-Two forms share the same mathematics (:mod:`functacc.step_fn`):
+Two forms share the same mathematics (:mod:`functacc.frontends.step_fn`):
 
 - ``step(inputs, targets)`` updates the model's own tensors and the ``torch.optim``
   optimizer's own state in place (the graph's last ops write into them), so the rest of a
@@ -21,28 +21,26 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from ._env import env_flag
-from .backends import (
+from .._env import env_flag
+from ..backends import (
     Backend,
     check_backend,
     check_cuda_graphs,
     check_inductor_options,
     keep_freed_memory,
 )
-from .backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
-from .cache import TraceRecord
-from .core.engine import Engine
-from .functional import check_dense_gradients, tensor_attributes
-from .optim import GradientTransformation
-from .optim._torch import _check_supported
-from .parallel import resolve_strategy
-from .parallel.comm import CommStats
-from .parallel.strategy import check_same_model, sync_from_rank0
-from .precision import resolve_precision
-from .remat import POLICIES, RematPolicy, validate_remat
-from .signature import (
-    TensorSpec,
-)
+from ..backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
+from ..core.cache import TraceRecord
+from ..core.engine import Engine
+from ..core.functional import check_dense_gradients, tensor_attributes
+from ..core.signature import TensorSpec
+from ..optim import GradientTransformation
+from ..optim._torch import _check_supported
+from ..parallel import resolve_strategy
+from ..parallel.comm import CommStats
+from ..parallel.strategy import check_same_model, sync_from_rank0
+from ..transforms.precision import resolve_precision
+from ..transforms.remat import POLICIES, RematPolicy, validate_remat
 from .step_fn import LossFn, StepFunction, TrainState
 from .step_programs import StepProgram, StepPrograms
 from .step_signature import StepSignature, describe_batch

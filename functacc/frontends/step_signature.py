@@ -19,19 +19,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from .core.tracer import Traced
-from .functional import check_dense_gradients
-from .signature import (
-    AmbientWatch,
-    BatchWatch,
-    HookWatch,
-    ModelWatch,
-    StructureWatch,
-    TensorSpec,
-    filled_settings,
-    hashable_constant,
-)
-from .trace import describe_tensor
+from ..core.diagnostics import describe_tensor
+from ..core.differences import filled_settings
+from ..core.functional import check_dense_gradients
+from ..core.model_watch import HookWatch, ModelWatch, StructureWatch
+from ..core.signature import AmbientWatch, BatchWatch, TensorSpec, hashable_constant
+from ..core.tracer import Traced
 
 __all__ = ["StepSignature", "describe_batch"]
 

@@ -16,15 +16,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from .backends import mark_optimizer_inputs
-from .errors import argument_error
-from .functional import call_module, swap_attributes
-from .optim import GradientTransformation
-from .optim._transform import step_params
-from .parallel.strategy import Strategy
-from .precision import Precision
-from .remat import no_checkpoint_draws, rematerialize
-from .trace import describe_tensor
+from ..backends import mark_optimizer_inputs
+from ..core.diagnostics import describe_tensor
+from ..core.functional import call_module, swap_attributes
+from ..errors import argument_error
+from ..optim import GradientTransformation
+from ..optim._transform import step_params
+from ..parallel.strategy import Strategy
+from ..transforms.precision import Precision
+from ..transforms.remat import no_checkpoint_draws, rematerialize
 
 __all__ = ["LossFn", "StepFunction", "TrainState", "flat_form"]
 

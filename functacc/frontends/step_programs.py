@@ -15,12 +15,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .backends import CudaGraphRunner
-from .core.engine import Engine, Program
-from .core.tracer import Traced
-from .parallel.comm import CommStats, comm_stats
-from .remat import RematPolicy, save_matmuls
-from .signature import TensorSpec, batch_names, family_key
+from ..backends import CudaGraphRunner
+from ..core.engine import Engine, Program
+from ..core.signature import TensorSpec, batch_names, family_key
+from ..core.tracer import Traced
+from ..parallel.comm import CommStats, comm_stats
+from ..transforms.remat import RematPolicy, save_matmuls
 from .step_fn import StepFunction, TrainState, flat_form
 from .step_signature import StepSignature, describe_batch
 from .step_state import LiveState

@@ -22,11 +22,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..core.functional import check_module_classes
+from ..data import DeviceLoader
+from ..parallel.mesh import default_device, init_distributed, world_size
+from ..parallel.strategy import sync_from_rank0
 from .config import Config
-from .data import DeviceLoader
-from .functional import check_module_classes
-from .parallel.mesh import default_device, init_distributed, world_size
-from .parallel.strategy import sync_from_rank0
 
 __all__ = ["accelerate"]
 

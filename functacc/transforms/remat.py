@@ -25,7 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from .functional import check_module_classes
+from ..core.functional import check_module_classes
 
 __all__ = [
     "POLICIES",
@@ -390,7 +390,7 @@ class _NoCheckpointDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         if torch.Tag.nondeterministic_seeded in func.tags and _in_torch_checkpoint():
-            from .errors import argument_error
+            from ..errors import argument_error
 
             raise argument_error(
                 f"torch.utils.checkpoint recomputes a region that draws random numbers "

@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import Tensor
 
-from .errors import RetraceError
-from .signature import describe_difference, size_changes
+from ..errors import RetraceError
+from .differences import describe_difference, size_changes
 
 __all__ = ["ProgramCache", "SizeGuard", "TraceRecord"]
 

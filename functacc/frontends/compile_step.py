@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backends import Backend
-from .optim import GradientTransformation
-from .remat import RematPolicy
+from ..backends import Backend
+from ..optim import GradientTransformation
+from ..transforms.remat import RematPolicy
 from .step import Step
 from .step_fn import LossFn
 

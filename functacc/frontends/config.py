@@ -11,7 +11,7 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from .data.buckets import make_padder
+from ..data.buckets import make_padder
 
 __all__ = [
     "ComputeConfig",

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .errors import attribute_change_error
+from ..errors import attribute_change_error
 
 __all__ = [
     "ApplyFn",

@@ -1,0 +1,157 @@
+"""How failures of tracing and of a compiled run read.
+
+An exception raised while tracing becomes a :class:`~functacc.TraceError` that names the
+module and the source line it came from and the step's inputs, and says what to do: a
+branch on a tensor's value (data-dependent control flow), inputs the model rejects, a
+generator torch cannot trace. A compiled run that fails (a collective, a dtype rule fake
+tensors do not check) says that nothing was written.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from types import TracebackType
+
+import torch
+from torch import Tensor, nn
+
+from .. import _compat
+from ..errors import TraceError
+
+__all__ = ["describe_tensor", "run_error", "translate"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
+_STDLIB_DIR = os.path.dirname(os.__file__)
+
+
+def describe_tensor(t: Tensor) -> str:
+    dtype = str(t.dtype).removeprefix("torch.")
+    return f"{tuple(t.shape)} {dtype} on {t.device}"
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    data_dependent = (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        GuardOnDataDependentSymNode,
+    )
+    while exc is not None:
+        if isinstance(exc, data_dependent):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
+    """The innermost frame that is neither torch, functacc nor the standard library."""
+    frames = traceback.extract_tb(tb)
+    for frame in reversed(frames):
+        if frame.filename.startswith("<"):  # generated code (FX, dataclasses, eval)
+            continue
+        path = os.path.abspath(frame.filename)
+        if not path.startswith((_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)):
+            return frame
+    return None
+
+
+def _user_module(tb: TracebackType | None, model: nn.Module) -> str | None:
+    """The qualified name of the innermost module of ``model`` whose code was running."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, nn.Module) and id(candidate) in names:
+            name = names[id(candidate)]
+            found = (
+                f"'{name}' ({type(candidate).__name__})"
+                if name
+                else (f"the model's root ({type(candidate).__name__})")
+            )
+        tb = tb.tb_next
+    return found
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    tb = exc.__traceback__
+    frame = _user_frame(tb)
+    module = _user_module(tb, model)
+    parts = []
+    if module:
+        parts.append(f"in module {module}")
+    if frame is not None:
+        parts.append(f"at {frame.filename}:{frame.lineno}")
+        if frame.line:
+            parts.append(f"\n    {frame.line.strip()}")
+    return " ".join(parts) if parts else "(location unknown)"
+
+
+def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceError:
+    where = _where(exc, model)
+    if _is_data_dependent(exc):
+        return TraceError(
+            "functacc traces the whole training step once into a graph, so Python code "
+            "cannot branch on tensor values (if/while on a tensor, .item(), .tolist(), "
+            f"data-dependent shapes such as nonzero()), but the step does so {where}\n"
+            "Expected: control flow that depends only on shapes, dtypes and Python values. "
+            "Fix: replace the branch with tensor ops, e.g. torch.where(cond, a, b) or "
+            "torch.cond(pred, true_fn, false_fn, operands), or move the check out of "
+            f"forward(). Inputs were: {signature}."
+        )
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if (
+        isinstance(exc, NotImplementedError)
+        and "Generator" in message
+        and not _compat.make_fx_traces_generators()
+    ):
+        return TraceError(
+            f"the training step draws from a torch.Generator passed to an op {where}\n"
+            f"torch {torch.__version__} cannot trace that ({type(exc).__name__}: {message}); "
+            "torch 2.14 and later can. Fix: draw from torch's default generator (leave out "
+            "generator=, seed with torch.manual_seed) or install a newer torch (pip install "
+            "'torch>=2.14,<2.16')."
+        )
+    return TraceError(
+        f"tracing the training step failed {where}\n"
+        f"{type(exc).__name__}: {message}\n"
+        f"Inputs were: {signature}. Check that the inputs have the shapes, dtypes and "
+        "devices the model expects (the same call must work in eager PyTorch: "
+        "loss_fn(model(inputs), targets))."
+    )
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = f"{type(exc).__name__} {exc}".lower()
+    markers = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "c10d")
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(m in text for m in markers)
+
+
+def run_error(exc: BaseException, signature: str) -> TraceError:
+    """A compiled step that traced fine but failed while running (fake tensors do not check
+    every rule, e.g. some dtype mismatches; or a collective failed). The step writes its
+    state only after all computation, so nothing was updated."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _is_collective_failure(exc):
+        return TraceError(
+            "a collective of the training step failed: another rank has probably exited or "
+            "crashed, or the network between ranks failed. This rank's model and optimizer "
+            f"are unchanged by the failed step.\n{type(exc).__name__}: {message}\nEvery rank "
+            "waits for the others at most the process group's timeout "
+            "(functacc.init_distributed(timeout=...) or FUNCTACC_TIMEOUT seconds); restart "
+            "the job from the last checkpoint (torchrun --max-restarts does it automatically)."
+        )
+    return TraceError(
+        f"the compiled training step failed while running, before it wrote any state (model, "
+        f"optimizer and step count are unchanged)\n{type(exc).__name__}: {message}\n"
+        f"Inputs were: {signature}. Check that the inputs have the dtypes and devices the "
+        "model expects (the same call fails in eager PyTorch too)."
+    )

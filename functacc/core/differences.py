@@ -1,0 +1,113 @@
+"""Why a step is traced again: where two signatures differ, in words.
+
+Signature keys are nested plain tuples whose ``(label, value)`` pairs name their parts;
+the retrace record and warning name the first part that differs
+(``inputs[0]: (8, 3) ... -> (5, 3) ...``), the sizes that changed, or the settings a
+forward filled in at its first call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from .signature import LayoutSpec, TensorSpec
+
+__all__ = ["describe_difference", "filled_settings", "size_changes"]
+
+
+def size_changes(
+    names: Sequence[str], old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]
+) -> list[str]:
+    """``["inputs['input_ids'] dim 1: 57 -> 91", ...]`` for every size that differs."""
+    out = []
+    for name, a, b in zip(names, old, new, strict=True):
+        out.extend(
+            f"{name} dim {d}: {x} -> {y}"
+            for d, (x, y) in enumerate(zip(a, b, strict=True))
+            if x != y
+        )
+    return out
+
+
+def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
+    """Where two signature keys first differ, e.g. ``inputs[0]: (8, 3) ... -> (5, 3) ...``.
+
+    Keys are nested plain tuples; ``(label, value)`` pairs name their part.
+    """
+    if type(old) is tuple and type(new) is tuple:
+        if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
+            label = old[0] if old[0] not in _MARKERS else ""
+            return describe_difference(old[1], new[1], " ".join(filter(None, (path, label))))
+        if len(old) == len(new):
+            for i, (a, b) in enumerate(zip(old, new, strict=True)):
+                if a != b:
+                    inner = f"{path}[{i}]" if path and _is_sequence_of_specs(old) else path
+                    return describe_difference(a, b, inner)
+        elif _is_labelled(old) and _is_labelled(new):  # entries added or removed
+            before, after = dict(old), dict(new)
+            added = [label for label in after if label not in before]
+            removed = [label for label in before if label not in after]
+            where = f"{path}: " if path else ""
+            return where + "; ".join(
+                [*(f"{label} added" for label in added), *(f"{label} removed" for label in removed)]
+            )
+    where = f"{path}: " if path else ""
+    return f"{where}{old!r} -> {new!r}"
+
+
+def filled_settings(old: Hashable, new: Hashable, path: str = "") -> list[str] | None:
+    """Where two signature keys differ only by settings that were ``None`` or absent in
+    ``old`` and hold a value in ``new`` (a forward's one-time lazy setting, such as a
+    Hugging Face config's ``problem_type``): their names, e.g.
+    ``["module attributes model.config problem_type"]``. ``None`` if anything else differs
+    (a value replaced by another, an entry removed).
+
+    Example:
+        >>> filled_settings((("mode", None), ("p", 0.1)), (("mode", "x"), ("p", 0.1)))
+        ['mode']
+        >>> filled_settings((("p", 0.1),), (("p", 0.2),)) is None
+        True
+    """
+    if old == new:
+        return []
+    if old is None:
+        return [path or "value"]
+    if type(old) is not tuple or type(new) is not tuple:
+        return None
+    if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
+        label = old[0] if old[0] not in _MARKERS else ""
+        return filled_settings(old[1], new[1], " ".join(filter(None, (path, label))))
+    if len(old) != len(new) and _is_labelled(old) and _is_labelled(new):
+        before = dict(old)
+        if len(before) != len(old) or not before.keys() <= dict(new).keys():
+            return None  # repeated labels, or an entry removed
+        found = []
+        for label, value in new:
+            where = " ".join(filter(None, (path, label)))
+            inner = [where] if label not in before else filled_settings(before[label], value, where)
+            if inner is None:
+                return None
+            found += inner
+        return found
+    if len(old) != len(new):
+        return None
+    found = []
+    for a, b in zip(old, new, strict=True):
+        inner = filled_settings(a, b, path)
+        if inner is None:
+            return None
+        found += inner
+    return found
+
+
+# Labels that say which kind of call a key is for, not what changed.
+_MARKERS = ("inplace", "pure")
+
+
+def _is_sequence_of_specs(key: tuple) -> bool:
+    return all(isinstance(x, (TensorSpec, LayoutSpec)) for x in key)
+
+
+def _is_labelled(key: tuple) -> bool:
+    """A tuple of ``(label, value)`` pairs, as keys hold a container's entries."""
+    return all(type(x) is tuple and len(x) == 2 and isinstance(x[0], str) for x in key)
