@@ -12,7 +12,8 @@ from torch import nn
 
 import functacc
 from functacc.bench.memory import peak_memory
-from functacc.transforms.remat import _MATMULS, POLICIES, RECOMPUTE, order_recomputation
+from functacc.transforms.remat import POLICIES, RECOMPUTE
+from functacc.transforms.remat_passes import _MATMULS, order_recomputation
 
 
 class Block(nn.Module):

@@ -121,7 +121,7 @@ def compile_graph(
     ``options``: ``torch._inductor.config`` settings that override functacc's defaults.
     """
     from ..parallel.schedule import issue_collectives_early
-    from ..transforms.remat import order_recomputation
+    from ..transforms.remat_passes import order_recomputation
     from .inductor.masks import draw_masks_as_bytes
     from .split import remove_marker, split_at_optimizer
 

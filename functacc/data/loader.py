@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
@@ -18,17 +16,22 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
-    SequentialSampler,
 )
 
 from ..parallel.mesh import GroupRef, default_device, rank, world_size
 from .buckets import make_padder
+from .prefetch import prefetched
 from .sampling import (
     EpochPlan,
     RandomStates,
     draw_own,
     draw_shared,
     find_generators,
+    index_sampler,
+    loader_like,
+    loading_options,
+    plain_order,
+    samplers_with_epoch,
     sharding_source,
     shared_length,
 )
@@ -135,7 +138,7 @@ class DeviceLoader:
         # not), and a resumed epoch seeds its workers as the interrupted one did.
         self._worker_seeds = torch.Generator()
         self.loader = self._prepare(loader) if shard else loader
-        self._epoch_samplers = _samplers_with_epoch(loader, self.loader)
+        self._epoch_samplers = samplers_with_epoch(loader, self.loader)
         # A group of its own for the ranks' agreements (a collective call: every rank
         # creates its loader at the same point).
         shared_plan = self._plan is not None and self._own is None
@@ -157,7 +160,7 @@ class DeviceLoader:
         ):
             return loader  # the user shards: kept as it is
         shared = self.world > 1 or self.seed is not None
-        if shared and _plain_order(loader):
+        if shared and plain_order(loader):
             return self._with_distributed_sampler(loader)
         self._generators = find_generators(loader)
         if shared:
@@ -165,9 +168,9 @@ class DeviceLoader:
             generator = self._worker_seeds
         else:
             self._own = RandomStates(self._generators)
-            self._plan = EpochPlan(lambda: len(_index_sampler(loader)))
+            self._plan = EpochPlan(lambda: len(index_sampler(loader)))
             generator = loader.generator  # the workers' base seed, drawn as PyTorch does
-        return _loader_like(loader, self._plan, generator, self.device)
+        return loader_like(loader, self._plan, generator, self.device)
 
     def _with_distributed_sampler(self, loader: DataLoader) -> DataLoader:
         seed = self.seed or 0
@@ -185,7 +188,7 @@ class DeviceLoader:
             sampler=sampler,
             drop_last=loader.drop_last,
             generator=self._worker_seeds,
-            **_loading_options(loader, self.device),
+            **loading_options(loader, self.device),
         )
 
     # -- epochs and resumption ---------------------------------------------------------
@@ -264,7 +267,10 @@ class DeviceLoader:
         for _ in range(data_skip):
             next(batches, None)
             self._position += 1
-        source = self._prefetched(batches) if self.prefetch else map(self._to_device, batches)
+        if self.prefetch:
+            source = prefetched(batches, self._to_device, self.prefetch)
+        else:
+            source = map(self._to_device, batches)
         for batch in source:
             self._position += 1
             yield batch
@@ -310,7 +316,7 @@ class DeviceLoader:
                 own.set(start)
             elif drew and not fresh:
                 torch.empty((), dtype=torch.int64).random_(generator=loader.generator)  # type: ignore[attr-defined]
-            return draw_own(_index_sampler(loader))  # type: ignore[arg-type]
+            return draw_own(index_sampler(loader))  # type: ignore[arg-type]
 
         epoch = self._plan.start(draw, skip)
         try:
@@ -367,102 +373,6 @@ class DeviceLoader:
             ),
             batch,
         )
-
-    def _prefetched(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """Load and move up to ``prefetch`` batches ahead on a background thread."""
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-
-        def work() -> None:
-            try:
-                for batch in batches:
-                    if stop.is_set():
-                        return
-                    q.put(self._to_device(batch))
-                q.put(_DONE)
-            except BaseException as exc:  # re-raised in the consumer
-                q.put(exc)
-
-        thread = threading.Thread(target=work, name="functacc-prefetch", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = q.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            while thread.is_alive():
-                try:
-                    q.get_nowait()
-                except queue.Empty:
-                    thread.join(timeout=0.01)
-
-
-def _index_sampler(loader: DataLoader) -> Any:
-    """What the DataLoader draws indices from: its batch sampler, or its sampler when it
-    does not batch (``batch_size=None``)."""
-    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-
-
-def _plain_order(loader: DataLoader) -> bool:
-    """A DataLoader-made batch sampler over a plain shuffle or sequence, which a
-    ``DistributedSampler`` reproduces (with its shared seed)."""
-    source, rebatch = sharding_source(loader)
-    if not rebatch or source is not loader.sampler or loader.batch_size is None:
-        return False
-    if type(source) is SequentialSampler:
-        return True
-    # Sampling with replacement, or a num_samples of its own, is not a permutation.
-    return type(source) is RandomSampler and not source.replacement and source._num_samples is None
-
-
-def _loading_options(loader: DataLoader, device: torch.device) -> dict[str, Any]:
-    """How the user's DataLoader loads (workers, collation, pinning), to load the same way."""
-    return {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory or device.type == "cuda",
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "prefetch_factor": loader.prefetch_factor,
-        "persistent_workers": loader.persistent_workers,
-        "pin_memory_device": loader.pin_memory_device,
-        "in_order": loader.in_order,
-    }
-
-
-def _loader_like(
-    loader: DataLoader, plan: EpochPlan, generator: torch.Generator | None, device: torch.device
-) -> DataLoader:
-    """The user's DataLoader with its indices coming from ``plan``."""
-    options = _loading_options(loader, device)
-    if loader.batch_sampler is not None:
-        return DataLoader(loader.dataset, batch_sampler=plan, generator=generator, **options)
-    return DataLoader(loader.dataset, batch_size=None, sampler=plan, generator=generator, **options)
-
-
-def _samplers_with_epoch(*loaders: Any) -> list[Any]:
-    """The samplers to tell each epoch (``set_epoch``), each once."""
-    found: list[Any] = []
-    for loader in loaders:
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        for obj in (
-            getattr(loader, "sampler", None),
-            batch_sampler,
-            getattr(batch_sampler, "sampler", None),
-        ):
-            if (
-                obj is not None
-                and callable(getattr(obj, "set_epoch", None))
-                and all(obj is not f for f in found)
-            ):
-                found.append(obj)
-    return found
 
 
 def _agree_all_have_batch(has_batch: bool, group: Any) -> bool:

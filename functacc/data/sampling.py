@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
 __all__ = [
     "EpochItems",
@@ -36,6 +36,11 @@ __all__ = [
     "draw_own",
     "draw_shared",
     "find_generators",
+    "index_sampler",
+    "loader_like",
+    "loading_options",
+    "plain_order",
+    "samplers_with_epoch",
     "sharding_source",
     "shared_length",
 ]
@@ -240,3 +245,66 @@ def check_same_order(items: list[Any], name: str, seed: int, group: Any) -> None
             "a torch.Generator attribute, pass a DistributedSampler, or shard it yourself "
             "(DeviceLoader(..., shard=False))."
         )
+
+
+def index_sampler(loader: DataLoader) -> Any:
+    """What the DataLoader draws indices from: its batch sampler, or its sampler when it
+    does not batch (``batch_size=None``)."""
+    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+
+
+def plain_order(loader: DataLoader) -> bool:
+    """A DataLoader-made batch sampler over a plain shuffle or sequence, which a
+    ``DistributedSampler`` reproduces (with its shared seed)."""
+    source, rebatch = sharding_source(loader)
+    if not rebatch or source is not loader.sampler or loader.batch_size is None:
+        return False
+    if type(source) is SequentialSampler:
+        return True
+    # Sampling with replacement, or a num_samples of its own, is not a permutation.
+    return type(source) is RandomSampler and not source.replacement and source._num_samples is None
+
+
+def loading_options(loader: DataLoader, device: torch.device) -> dict[str, Any]:
+    """How the user's DataLoader loads (workers, collation, pinning), to load the same way."""
+    return {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory or device.type == "cuda",
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+        "in_order": loader.in_order,
+    }
+
+
+def loader_like(
+    loader: DataLoader, plan: EpochPlan, generator: torch.Generator | None, device: torch.device
+) -> DataLoader:
+    """The user's DataLoader with its indices coming from ``plan``."""
+    options = loading_options(loader, device)
+    if loader.batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=plan, generator=generator, **options)
+    return DataLoader(loader.dataset, batch_size=None, sampler=plan, generator=generator, **options)
+
+
+def samplers_with_epoch(*loaders: Any) -> list[Any]:
+    """The samplers to tell each epoch (``set_epoch``), each once."""
+    found: list[Any] = []
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for obj in (
+            getattr(loader, "sampler", None),
+            batch_sampler,
+            getattr(batch_sampler, "sampler", None),
+        ):
+            if (
+                obj is not None
+                and callable(getattr(obj, "set_epoch", None))
+                and all(obj is not f for f in found)
+            ):
+                found.append(obj)
+    return found

@@ -20,7 +20,8 @@ from ..core.engine import Engine, Program
 from ..core.signature import TensorSpec, batch_names, family_key
 from ..core.tracer import Traced
 from ..parallel.comm import CommStats, comm_stats
-from ..transforms.remat import RematPolicy, save_matmuls
+from ..transforms.remat import RematPolicy
+from ..transforms.remat_passes import save_matmuls
 from .step_fn import StepFunction, TrainState, flat_form
 from .step_signature import StepSignature, describe_batch
 from .step_state import LiveState

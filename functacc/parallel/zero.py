@@ -25,23 +25,23 @@ moment update, no step count, while the rest of its unit trains.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
-from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from ..core.functional import check_module_classes
 from .comm import all_gather, all_reduce, average_written, reduce_scatter
+from .flat import FlatUnit, Segment
 from .mesh import Topology
 from .strategy import Strategy
+from .zero_gather import Gatherer
+from .zero_state import ShardedOptimizerState
 
-__all__ = ["FlatUnit", "Segment", "Sharded", "ZeRO"]
+__all__ = ["Sharded", "ZeRO"]
 
 
 @dataclass(frozen=True)
@@ -79,76 +79,6 @@ class ZeRO:
         return Sharded(self, topology, model, groups)
 
 
-@dataclass
-class FlatUnit:
-    """Parameters flattened into one padded vector, sharded in equal chunks."""
-
-    key: str
-    module: str
-    group: int
-    names: list[str]
-    shapes: list[torch.Size]
-    dtype: torch.dtype
-    device: torch.device
-    shard_size: int
-    numels: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.numels = [math.prod(s) for s in self.shapes]
-
-    @property
-    def total(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def chunk(self) -> int:
-        return -(-self.total // self.shard_size)
-
-    def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
-        """Concatenate and zero-pad to ``shard_size`` equal chunks."""
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        pad = self.chunk * self.shard_size - self.total
-        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-    def my_chunk(self, flat: Tensor, shard_rank: int) -> Tensor:
-        return flat[shard_rank * self.chunk : (shard_rank + 1) * self.chunk]
-
-    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
-        pieces = flat[: self.total].split(self.numels)
-        return {n: p.view(s) for n, p, s in zip(self.names, pieces, self.shapes, strict=True)}
-
-    def segments(self, shard_rank: int) -> dict[str, Segment]:
-        """Where each parameter's part inside chunk ``shard_rank`` lies (possibly empty)."""
-        lo, hi = shard_rank * self.chunk, (shard_rank + 1) * self.chunk
-        out, offset = {}, 0
-        for name, numel in zip(self.names, self.numels, strict=True):
-            a = min(max(offset, lo), hi)
-            b = max(min(offset + numel, hi), a)
-            out[name] = Segment(self, a - lo, b - lo, a - offset if b > a else 0)
-            offset += numel
-        return out
-
-    def covered(self, shard_rank: int) -> int:
-        """Elements of chunk ``shard_rank`` that hold parameters (the rest is padding)."""
-        lo = shard_rank * self.chunk
-        return max(0, min(lo + self.chunk, self.total) - lo)
-
-
-@dataclass(frozen=True, eq=False)
-class Segment:
-    """The part of one parameter inside this rank's chunk of its unit: chunk elements
-    ``[start, stop)``, which are the parameter's flat elements from ``offset``."""
-
-    unit: FlatUnit
-    start: int
-    stop: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
 def _wrap_modules(model: nn.Module, classes: Collection[str] | None) -> list[str]:
     """Qualified names of the outermost modules whose class is in ``classes``."""
     if not classes:
@@ -163,7 +93,7 @@ def _wrap_modules(model: nn.Module, classes: Collection[str] | None) -> list[str
     return out
 
 
-class Sharded(Strategy):
+class Sharded(ShardedOptimizerState, Strategy):
     """The ZeRO strategy built by :class:`ZeRO`."""
 
     named_state = False
@@ -305,113 +235,6 @@ class Sharded(Strategy):
                 flat = unit.flatten([model_params[n].detach() for n in unit.names])
                 live[unit.key].copy_(unit.my_chunk(flat, self.topology.shard_rank))
 
-    def shard_optimizer_state(self, named_state: Any, transform: Any, opt_params: dict) -> Any:
-        """Shard a named optimizer state (torch's, when resuming) like the parameters: each
-        per-parameter tensor becomes its segment; per-parameter scalars (Adam's ``step``)
-        stay whole."""
-        fresh = transform.init(opt_params)
-        out = []
-        for fresh_group, named_group in zip(fresh, named_state, strict=True):
-            fields = {}
-            for field_name in fresh_group._fields:
-                new, old = getattr(fresh_group, field_name), getattr(named_group, field_name)
-                if isinstance(new, dict) and any(n in self.sharded_names for n in new):
-                    fields[field_name] = {
-                        name: self._segment_of(name, old[name], like) for name, like in new.items()
-                    }
-                else:
-                    fields[field_name] = old
-            out.append(fresh_group._replace(**fields))
-        return tuple(out)
-
-    def _segment_of(self, name: str, full: Tensor, like: Tensor) -> Tensor:
-        if like.dim() == 0:
-            return full.detach().clone().to(like)
-        seg = self.segment_of[name]
-        return full.detach().reshape(-1)[seg.offset : seg.offset + seg.numel].clone().to(like)
-
-    def full_optimizer_state(self, opt_state: Any) -> tuple:
-        """The named, full optimizer state (as data parallelism holds it) from this rank's
-        segments: each per-parameter tensor is all-gathered over the shard group, unit by
-        unit. A collective call: every rank of the shard group must make it."""
-        out = []
-        for group_state in opt_state:
-            fields = {}
-            for field_name in group_state._fields:
-                value = getattr(group_state, field_name)
-                if isinstance(value, dict) and any(n in self.sharded_names for n in value):
-                    fields[field_name] = self._gather_named(value)
-                else:
-                    fields[field_name] = value
-            out.append(group_state._replace(**fields))
-        return tuple(out)
-
-    def _gather_named(self, segments: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        full: dict[str, Tensor] = {}
-        for unit in self.units:
-            names = [n for n in unit.names if n in segments]
-            vectors = [n for n in names if segments[n].dim() > 0]
-            for n in names:
-                if segments[n].dim() == 0:
-                    full[n] = segments[n].detach().clone()
-            if not vectors:
-                continue
-            like = segments[vectors[0]]
-            rank_ = self.topology.shard_rank
-            pad = unit.chunk - unit.covered(rank_)
-            chunk = torch.cat(
-                [segments[n].detach().reshape(-1) for n in unit.names] + [like.new_zeros(pad)]
-            )
-            flat = chunk.new_empty(unit.chunk * unit.shard_size)
-            if self.topology.shard_group is None:
-                flat.copy_(chunk)
-            else:
-                dist.all_gather_into_tensor(flat, chunk, self.topology.shard_group)
-            full.update({n: t.clone() for n, t in unit.unflatten(flat).items() if n in vectors})
-        return full
-
-    def link_optimizer(self, link: Any, live: Callable[[], Any], transform: Callable) -> None:
-        """Make the ``torch.optim`` optimizer of ``link`` show the full state, as under data
-        parallelism: ``optimizer.state_dict()`` gathers it (a collective call: every rank
-        must make it) and ``optimizer.load_state_dict()`` shards what it loads into the
-        step's state. Between these calls ``optimizer.state`` stays empty (no full copy).
-        ``live()`` is the step's current TrainState (``None`` once the step is gone);
-        ``transform()`` its optimizer transformation."""
-        optimizer = link.optimizer
-
-        def before_state_dict(opt: Any) -> None:
-            state = live()
-            if state is None:
-                return
-            full = self.full_optimizer_state(state.opt_state)
-            link.install(full, _names_with_state(state.opt_state))
-
-        def after_state_dict(opt: Any, state_dict: dict) -> dict:
-            opt.state.clear()  # the returned dict keeps the gathered tensors
-            return state_dict
-
-        def after_load(opt: Any) -> None:
-            state = live()
-            if state is None:
-                return
-            like = dict(self._param_objects)
-            for name in self.sharded_names:  # ZeRO-3 holds empty placeholders in the model
-                unit = self.unit_of[name]
-                shape = unit.shapes[unit.names.index(name)]
-                like[name] = torch.empty(shape, dtype=unit.dtype, device=unit.device)
-            named = link.read_state(like, copy=True)
-            params = self.optimizer_params(state.params)
-            sharded = self.shard_optimizer_state(named, transform(), params)
-            with torch.no_grad():
-                leaves = pytree.tree_leaves(state.opt_state)
-                for old, new in zip(leaves, pytree.tree_leaves(sharded), strict=True):
-                    old.copy_(new)
-            opt.state.clear()
-
-        optimizer.register_state_dict_pre_hook(before_state_dict)
-        optimizer.register_state_dict_post_hook(after_state_dict)
-        optimizer.register_load_state_dict_post_hook(after_load)
-
     # -- inside the traced step ----------------------------------------------------------
     def differentiable(self, params: Mapping[str, Tensor], trainable: set[str]) -> list[str]:
         self._used = set()  # a new trace starts: materialize() records what gets gradients
@@ -426,7 +249,7 @@ class Sharded(Strategy):
         if self.stage < 3:
             yield params
             return
-        gatherer = _Gatherer(self, params, model)
+        gatherer = Gatherer(self, params, model)
         with gatherer.active():
             # The sharded names keep the model's own (emptied) tensors as placeholders until
             # the unit's pre-hook swaps the gathered weights in.
@@ -523,93 +346,3 @@ class Sharded(Strategy):
                 flat = all_gather(chunk, self.topology.shard_group)
             new.update(unit.unflatten(flat))
         return new
-
-
-def _names_with_state(opt_state: Any) -> set[str]:
-    """Parameters that have had a gradient (torch.optim creates their state then): Adam's
-    step count is positive, SGD's momentum buffer initialised."""
-    names = set()
-    for group in opt_state:
-        if hasattr(group, "step"):
-            names.update(n for n, t in group.step.items() if float(t) > 0)
-        elif hasattr(group, "initialized"):
-            names.update(n for n, t in group.initialized.items() if bool(t))
-    return names
-
-
-class _Gatherer:
-    """ZeRO-3's lazy all-gathers: a forward pre-hook per unit module swaps in the gathered
-    weights just before the module runs; a saved-tensor hook stores views of them as
-    (unit, layout) and re-gathers in backward instead of keeping the full weights alive."""
-
-    def __init__(self, strategy: Sharded, params: Mapping[str, Tensor], model: nn.Module):
-        self.strategy = strategy
-        self.params = params
-        self.model = model
-        self.accessor = NamedMemberAccessor(model)
-        self.unit_keys = {u.key for u in strategy.units}
-        self.by_module: dict[str, list[FlatUnit]] = {}
-        for unit in strategy.units:
-            self.by_module.setdefault(unit.module, []).append(unit)
-        self.gathered: dict[int, FlatUnit] = {}  # id(full flat tensor) -> unit
-        self.regathered: dict[str, Tensor] = {}
-
-    def gather(self, unit: FlatUnit, shard: Tensor) -> Tensor:
-        group = self.strategy.topology.shard_group
-        return shard if group is None else all_gather(shard, group)
-
-    def pre_hook(self, module_name: str):
-        def hook(module: nn.Module, args: Any) -> None:
-            for unit in self.by_module[module_name]:
-                full = self.gather(unit, self.params[unit.key])
-                self.gathered[id(full)] = unit
-                for name, view in unit.unflatten(full).items():
-                    if not self.strategy._param_objects[name].requires_grad:
-                        view = view.detach()  # frozen: no gradient, as in eager
-                    elif view.requires_grad:
-                        # Which parameters get a gradient (torch.optim skips the others):
-                        # the hook runs while backward is traced, only for used views.
-                        view.register_hook(self._record(name))
-                    for alias in (name, *self.strategy.aliases.get(name, ())):
-                        self.accessor.swap_tensor(alias, view)
-
-        return hook
-
-    def _record(self, name: str):
-        def hook(grad: Tensor) -> None:
-            self.strategy._used.add(name)
-
-        return hook
-
-    def pack(self, t: Tensor) -> Any:
-        base = t._base
-        if base is not None and id(base) in self.gathered:
-            unit = self.gathered[id(base)]
-            return ("functacc.regather", unit, t.size(), t.stride(), t.storage_offset())
-        return t
-
-    def unpack(self, packed: Any) -> Tensor:
-        if not (isinstance(packed, tuple) and packed and packed[0] == "functacc.regather"):
-            return packed
-        _, unit, size, stride, offset = packed
-        # One re-gather per unit serves all its saved weights. Keeping the gathered tensor
-        # here costs no memory by itself: in the graph a tensor lives from its producer to
-        # its last use, and a unit's backward uses are adjacent, except for the root unit
-        # (first and last layers), which stays gathered in between, as FSDP keeps its root.
-        if unit.key not in self.regathered:
-            shard = self.params[unit.key].detach()
-            self.regathered[unit.key] = self.gather(unit, shard)
-        return self.regathered[unit.key].as_strided(size, stride, offset)
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        handles = []
-        for module_name in self.by_module:
-            module = self.model.get_submodule(module_name)
-            handles.append(module.register_forward_pre_hook(self.pre_hook(module_name)))
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                yield
-        finally:
-            for handle in handles:
-                handle.remove()

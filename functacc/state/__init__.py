@@ -6,8 +6,9 @@ is) and a model's weights alone (safetensors); ``manager.py`` keeps the last few
 of a run; ``safe_io.py`` reads them without unpickling arbitrary objects.
 """
 
-from .checkpoint import load, load_model, save, save_model
+from .checkpoint import load, save
 from .manager import CheckpointManager
+from .model_file import load_model, save_model
 from .safe_io import CheckpointError
 
 __all__ = ["CheckpointError", "CheckpointManager", "load", "load_model", "save", "save_model"]
