@@ -19,6 +19,7 @@ __all__ = [
     "functionalize",
     "swap_attributes",
     "tensor_attributes",
+    "unwrap",
 ]
 
 ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]
@@ -154,3 +155,21 @@ def swap_attributes(
             vars(module)[attr] = value
         if others and not failed:
             raise attribute_change_error(others)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module to trace: ``torch.compile(model)`` gives its original module (the step
+    compiles the whole step itself; the two compute the same function, on the same
+    parameters); a data-parallel wrapper is an error, since functacc does that itself."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(model, OptimizedModule):
+        return unwrap(model._orig_mod)
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise TypeError(
+            f"model is wrapped in {type(model).__name__}; functacc parallelises the step "
+            "itself (data parallel over torchrun's processes by default, or "
+            "parallel=functacc.parallel.ZeRO(...)). Pass the module inside: "
+            "compile_step(model.module, ...)."
+        )
+    return model

@@ -32,7 +32,7 @@ from ..backends import (
 from ..backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
 from ..core.cache import TraceRecord
 from ..core.engine import Engine
-from ..core.functional import check_dense_gradients, tensor_attributes
+from ..core.functional import check_dense_gradients, tensor_attributes, unwrap
 from ..core.signature import TensorSpec
 from ..optim import GradientTransformation
 from ..optim._torch import _check_supported
@@ -88,7 +88,7 @@ class Step:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        model = _unwrap(model)
+        model = unwrap(model)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(
                 "loss_fn must be callable as loss_fn(outputs, targets) -> 0-dim tensor, or None "
@@ -385,24 +385,6 @@ class Step:
         if isinstance(batch, (tuple, list)):
             return tuple(batch), {}
         return (batch,), {}
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module to trace: ``torch.compile(model)`` gives its original module (the step
-    compiles the whole step itself; the two compute the same function, on the same
-    parameters); a data-parallel wrapper is an error, since functacc does that itself."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if isinstance(model, OptimizedModule):
-        return _unwrap(model._orig_mod)
-    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        raise TypeError(
-            f"model is wrapped in {type(model).__name__}; functacc parallelises the step "
-            "itself (data parallel over torchrun's processes by default, or "
-            "parallel=functacc.parallel.ZeRO(...)). Pass the module inside: "
-            "compile_step(model.module, ...)."
-        )
-    return model
 
 
 def _nbytes(tree: Any) -> int:
