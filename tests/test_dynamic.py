@@ -562,7 +562,7 @@ def test_retrace_reuses_the_compiled_update(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     _, _, step = pool_step(False)
-    step.backend = "inductor"
+    step._engine.backend = "inductor"
     counters.clear()
     for x, y in token_batches([5, 7]):
         step(x, y)

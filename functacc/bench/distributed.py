@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..backends import peak_memory
 from .args import parser
+from .memory import peak_memory
 from .models import build
 
 __all__ = ["launch", "worker"]

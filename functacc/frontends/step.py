@@ -104,7 +104,6 @@ class Step:
         check_dense_gradients(model)
         self.model = model
         self.loss_fn = loss_fn
-        self.backend = backend
         self.inductor_options = check_inductor_options(inductor_options, backend)
         self.grad_accum_steps = grad_accum_steps
         self._params: dict[str, Tensor] = dict(model.named_parameters())
@@ -183,6 +182,11 @@ class Step:
             keep_freed_memory()
 
     # -- public ------------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        """What the step compiles with: ``"inductor"`` or ``"eager"``."""
+        return self._engine.backend
+
     @property
     def num_traces(self) -> int:
         """How many times the step has been traced (once per new input signature)."""
