@@ -336,7 +336,7 @@ def test_symbolic_sizes_under_inductor() -> None:
     # 8: first call (no .grad yet); 12: .grad present, a new family, static; 16: that
     # family's sizes differ, symbolic; 20 and 9: the symbolic graph.
     assert step.num_traces == 3, [t.reason for t in step.traces]
-    assert step.traces[-1].dynamic == {"args[0]": [0], "args[1]": [0]}
+    assert step.traces[-1].dynamic == {"args[0][0]": [0], "args[0][1]": [0]}
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
