@@ -192,6 +192,11 @@ class ProgramCache:
             "compile_step(..., max_traces=None) means no limit. Nothing was changed by this call."
         )
 
+    def alias(self, key: Hashable, program: Any) -> None:
+        """Serve ``key`` exactly with a program compiled for another signature (not a new
+        trace: nothing is recorded or counted)."""
+        self._exact[key] = program
+
     def add(
         self,
         key: Hashable,

@@ -206,7 +206,7 @@ class Engine:
         new trace in the account (nothing was compiled)."""
         program.random = draws_random(program.graph)
         program.devices = plan.devices
-        self.cache._exact[plan.key] = program
+        self.cache.alias(plan.key, program)
 
     # -- 5. run ---------------------------------------------------------------------------
     def run(self, program: Program, inputs: list[Tensor], describe: Callable[[], str]) -> Any:

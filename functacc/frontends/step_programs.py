@@ -94,7 +94,7 @@ class StepPrograms:
         if program is None:
             # Not compiled for exactly these shapes: a graph with symbolic sizes may take them.
             family = ((("inputs", family_key(tensors)), *batch_key[1:]), context)
-            program = self.engine.lookup(key, family, tensors)
+            program = self.engine.cache.find(family, tensors)
             if program is None:
                 program, key = self._build(
                     key,
