@@ -11,6 +11,7 @@ from helpers import assert_close
 from torch import nn
 
 import functacc
+from functacc._compat import INDUCTOR_ROUNDS_16BIT_LIKE_EAGER
 
 
 def train_transformer(precision, steps: int = 100):
@@ -126,6 +127,14 @@ def test_bf16_model_trains_bit_for_bit_like_eager(backend, optimizer) -> None:
         ),
         "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
     }[optimizer]
+    if backend == "inductor" and not INDUCTOR_ROUNDS_16BIT_LIKE_EAGER:
+        # Measured on 2.11.0: after 4 steps 46 (SGD) and 555 (AdamW, up to 0.019 apart: Adam
+        # normalises the tiny gradient differences) of 4,096 weights differ from eager.
+        pytest.skip(
+            "needs Inductor to round each bf16 op inside a fused kernel as eager does, as "
+            f"torch after 2.11 does (2.14.1 and 2.15.0 tested); torch {torch.__version__} "
+            "keeps a product in float32"
+        )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
     ref = copy.deepcopy(model)

@@ -141,8 +141,11 @@ def adam(
                 second = max_sqs[name]
             else:
                 second = exp_avg_sq
-            # (second.sqrt() / bias_correction2_sqrt).add_(eps): three kernels
-            root = k(k.up(second).sqrt())
+            # (second.sqrt() / bias_correction2_sqrt).add_(eps): three kernels. The square
+            # root is torch's own kernel in the tensor's dtype: its fp16 CPU kernel does not
+            # always round as float32's sqrt rounded to fp16 would (15 of the 30,720 positive
+            # normal fp16 values, e.g. 0.01561737 -> 0.12494, not 0.125).
+            root = second.sqrt()
             denom = k(k.up(k(k.up(root) / k.factor(bias_correction2_sqrt))) + k.alpha(hyper["eps"]))
             if use_decay and decoupled_weight_decay:  # param.mul_(1 - lr * weight_decay)
                 param = k(k.up(param) * k.factor(1 - _mul(lr_t, hyper["weight_decay"])))

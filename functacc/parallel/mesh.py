@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
+import gc
 import os
 import warnings
 import weakref
@@ -66,6 +69,7 @@ def init_distributed(
         backend = default_backend(gpus, local_world)
     if "nccl" in backend:
         torch.cuda.set_device(local_rank)
+    _release_at_exit()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend, timeout=timeout)
@@ -77,6 +81,32 @@ def init_distributed(
     store = dist.PrefixStore(f"functacc/attempt{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank_, world_size=world_, timeout=timeout)
     return True
+
+
+@functools.cache
+def _release_at_exit() -> None:
+    """Free the process groups while Python is still whole, once, at exit.
+
+    A gloo worker thread frees each finished collective's tensors itself, which needs the
+    interpreter lock when a tensor has a Python object. A process group that outlives
+    ``destroy_process_group()`` (held in reference cycles, e.g. by a wrapped module's
+    hooks) is freed only while the interpreter shuts down, when a thread that asks for the
+    lock is ended instead: "terminate called without an active exception", SIGABRT.
+    Measured here (2-core CPU, torch 2.14.1, DDP then FSDP2 on gloo, tests/dist/worker.py
+    accelerate): 2 aborts in 28 runs under load, the core dump showing a gloo thread ended
+    in ``take_gil`` while freeing a barrier's work; 0 in 100 once the cycles are collected
+    before shutdown. atexit runs while Python is whole: destroying a gloo-only default group
+    (local, no collective) and collecting the cycles joins those threads there. A NCCL
+    group is left to the user's ``destroy_process_group()``: at exit after a failure its
+    teardown could wait on ranks that are gone.
+    """
+
+    def release() -> None:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+        gc.collect()
+
+    atexit.register(release)
 
 
 def default_backend(gpus: int, local_processes: int) -> str:
