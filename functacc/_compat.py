@@ -21,6 +21,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 __all__ = [
+    "INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING",
+    "INDUCTOR_KEEPS_RANDOM_ORDER",
     "INDUCTOR_ROUNDS_16BIT_LIKE_EAGER",
     "SUPPORTED",
     "TORCH",
@@ -111,6 +113,20 @@ def inductor_defers_input_checks() -> bool:
     # the first kernel, and there is nothing to move.
     return hasattr(PythonWrapperCodegen, "codegen_deferred_input_asserts")
 
+
+INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING = TORCH > (2, 11)
+"""Whether Inductor's C++ backend compiles size-generic kernels that bounds-check an index
+read from a tensor. A version gate: torch 2.11 emits the check on a variable declared in
+another scope (``'tmp2' was not declared in this scope``) for HF GPT-2's whole training step
+with a symbolic sequence length; 2.14 and 2.15 compile that graph."""
+
+INDUCTOR_KEEPS_RANDOM_ORDER = TORCH > (2, 11)
+"""Whether Inductor keeps eager's order of the random draws it calls eager's kernels for
+(``fallback_random``). A version gate: torch 2.11's reordering for peak memory
+(``reorder_for_peak_memory``) may move one draw before another, so they take other numbers
+from the generator than eager (a Transformer with attention and feed-forward dropout: loss
+1.470365 vs eager's 1.479578 after one step; with the reordering off, 1.479578). 2.14 and
+2.15 keep the order."""
 
 INDUCTOR_ROUNDS_16BIT_LIKE_EAGER = TORCH > (2, 11)
 """Whether Inductor, with ``emulate_precision_casts`` (functacc sets it), rounds each bf16 or

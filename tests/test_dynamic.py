@@ -18,6 +18,7 @@ from torch import nn
 
 import functacc
 from functacc import RetraceError, TraceError
+from functacc._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING
 from functacc.backends.inductor.compile import _views_to_reshapes
 from functacc.core.cache import SizeGuard
 from functacc.core.tracer import symbolic_fakes as _symbolic_fakes
@@ -129,6 +130,17 @@ def test_gpt2_dynamic_padding_under_inductor() -> None:
         (models.padded_text_batch([n, max(2, n - 3)], generator=g), None)
         for n in (7, 12, 9, 20, 15, 7)
     ]
+    if not INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING:
+        # torch 2.11's C++ code generator fails on this graph: a clear error naming the way
+        # out, and the failed call changed nothing.
+        before = copy.deepcopy(model.state_dict())
+        step_losses(step, batches[:1])
+        trained = copy.deepcopy(model.state_dict())
+        with pytest.raises(TraceError, match="dynamic=False"):
+            step_losses(step, batches[1:2])
+        assert_close(model.state_dict(), trained, rtol=0, atol=0, what="model")
+        assert not all(torch.equal(before[k], v) for k, v in trained.items())
+        return
     losses = step_losses(step, batches)
     ref_losses = eager_losses(ref, ref_opt, batches)
     assert step.num_traces == 2 and step.traces[1].dynamic

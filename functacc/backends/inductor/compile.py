@@ -17,6 +17,8 @@ from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import GraphModule
 
+from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING, INDUCTOR_KEEPS_RANDOM_ORDER
+from ...errors import TraceError
 from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
 from .call import direct_call
@@ -76,6 +78,12 @@ def compile_inductor(
         # (a noisy model's losses differed from eager's from the first step). Dropout's
         # bernoulli_ has no Inductor CPU kernel and was eager's already.
         options["fallback_random"] = True
+        seeded = torch.Tag.nondeterministic_seeded
+        if not INDUCTOR_KEEPS_RANDOM_ORDER and any(
+            seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes
+        ):
+            # torch 2.11 only: its peak-memory reordering may swap two draws (_compat).
+            options["reorder_for_peak_memory"] = False
         # A linear layer's bias added in the kernel of what reads the layer's output, not
         # by ATen's addmm (which copies it into the output first): bias_add.py. The input
         # checks made in one call before the first kernel (input_checks.py), and independent
@@ -118,7 +126,22 @@ def compile_inductor(
         if cpu:
             stack.enter_context(input_checks_first())
             stack.enter_context(independent_loops_nowait())
-        compiled = compile_fx(graph, list(fakes))
+        try:
+            compiled = compile_fx(graph, list(fakes))
+        except Exception as exc:
+            if (
+                sizes
+                and not INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING
+                and "CppCompileError" in repr(exc)
+            ):
+                raise TraceError(
+                    f"torch {torch.__version__}'s Inductor failed to compile this step's "
+                    "size-generic C++ kernels (torch 2.11 emits an index bounds check on a "
+                    "variable it declared elsewhere; torch 2.14 and 2.15 compile such steps). "
+                    "Build the step with dynamic=False (one graph per shape), or use a newer "
+                    "torch."
+                ) from exc
+            raise
     # compile_fx returns what Dynamo would call: a function of the unpacked inputs, inside
     # wrappers that have nothing to do for a static step graph; called directly where that
     # holds. Not for symbolic sizes: there the generated code takes more size inputs than
