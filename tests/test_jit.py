@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close
 from torch import Tensor, nn
 
 import functacc
@@ -461,14 +462,28 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
         body = make_step(first, second, opt)
         for x, y in jit_worker.batches(2):
             body(x, y)
-        # Sums over ranks in another order than over one batch: 4 steps of AdamW/SGD.
-        for label, module in (("first", first), ("second", second)):
-            for k, v in module.state_dict().items():
-                torch.testing.assert_close(
-                    got[name][label][k], v, rtol=1e-5, atol=2e-5, msg=f"{name} {label}.{k}"
+        for layout in jit_worker.LAYOUTS:
+            run, what = got[layout, name], f"{layout} {name}"
+            # Sums over ranks in another order than over one batch: 4 steps of AdamW/SGD.
+            for label, module in (("first", first), ("second", second)):
+                assert_close(
+                    run[label], module.state_dict(), rtol=1e-5, atol=2e-5, what=f"{what} {label}"
                 )
-        assert got[name]["traces"] == 1
-        assert got[name]["collectives"] >= 1  # the gradients' all-reduce is in the graph
+            assert_close(
+                run["optimizer"]["state"],
+                opt.state_dict()["state"],
+                rtol=1e-5,
+                atol=2e-5,
+                what=f"{what} optimizer state",
+            )
+            assert run["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
+            assert run["traces"] == 1
+            assert run["all_reduces"] >= 1  # the gradients' all-reduce is in the graph
+        # ZeRO-1: each rank updated its half and all-gathered the parameters, and the torch
+        # optimizer holds no full copy of the state between calls.
+        assert got["zero1", name]["all_gathers"] >= 1 and got["dp", name]["all_gathers"] == 0
+        assert got["zero1", name]["torch_state_between_calls"] == 0
+        assert got["dp", name]["torch_state_between_calls"] == len(opt.state)
 
 
 def test_pure_form_with_vmap_per_sample_gradients() -> None:

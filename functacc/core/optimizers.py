@@ -51,6 +51,7 @@ class LinkedOptimizer:
         self.optimizer = optimizer
         self.label = label
         self.names = names
+        self.sharding: Any = None  # ZeRO-1: functacc.parallel.zero_jit.ShardedOptimizer
         self._link_up()
 
     def _link_up(self) -> None:
@@ -59,10 +60,23 @@ class LinkedOptimizer:
         self.transform = self.link.transform()
         self._structure = self.link.structure_key()
         self._torch_state = self.optimizer.state
+        self.installed: frozenset[str] = frozenset()
+        if self.sharding is not None:
+            named = self.link.read_state(self.link.params, copy=True)
+            self.state = self.sharding.shard_state(named, self.transform, self.link.params)
+            # The shards are the state now; state_dict() gathers it whole.
+            self.optimizer.state.clear()
+            return
         # The optimizer's own tensors where it has state (copy=False): the graph writes
         # into them; fresh zeros for the rest, installed once their parameter steps.
         self.state = self.link.read_state(self.link.params, copy=False)
-        self.installed: frozenset[str] = frozenset()
+
+    def shard(self, sharding: Any) -> None:
+        """Keep and update only this rank's shard of the state (ZeRO-1; ``sharding`` is a
+        :class:`~functacc.parallel.zero_jit.ShardedOptimizer` for this optimizer)."""
+        self.sharding = sharding
+        self._link_up()
+        sharding.show_whole(self, lambda: self.transform)
 
     @property
     def state(self) -> tuple:
@@ -77,10 +91,20 @@ class LinkedOptimizer:
         """Follow what changed between calls (``load_state_dict``, hyperparameters, a new
         param group); returns the structure key (a new one: a new graph)."""
         if self.optimizer.state is not self._torch_state:
-            # load_state_dict() replaces the state dict: its tensors are the live state now.
-            self._link_up()
+            if self.sharding is None:
+                # load_state_dict() replaces the state dict: its tensors are the live state.
+                self._link_up()
+            else:
+                # Its post-hook (ShardedOptimizer.show_whole) sharded them into the state.
+                self._torch_state = self.optimizer.state
         if self.link.poll():
             if not self.link.same_groups():
+                if self.sharding is not None:
+                    raise argument_error(
+                        f"{self.label}'s param_groups changed (add_param_group, or params "
+                        "replaced) after functacc.jit sharded its state over the ranks "
+                        "(ZeRO). Build the step again with functacc.jit(...)."
+                    )
                 # add_param_group(): as in eager, the new parameters train from now on; the
                 # state of those trained so far carries over (it is torch's own).
                 self._link_up()
@@ -103,7 +127,7 @@ class LinkedOptimizer:
     def install(self, names_with_grads: frozenset[str]) -> None:
         """After a call: ``optimizer.state`` holds the state of every parameter stepped
         so far (torch creates it at a parameter's first step)."""
-        if not names_with_grads <= self.installed:
+        if not names_with_grads <= self.installed and self.sharding is None:
             self.installed = self.installed | names_with_grads
             self.link.install(self.state, set(self.installed))
         # What torch.optim.lr_scheduler checks to know the optimizer stepped.
@@ -162,12 +186,20 @@ class TracedOptimizer:
                 )
         with torch.no_grad():
             detached = {n: p.detach() for n, p in params.items()}
-            new_params, self.state = step_params(
-                self.linked.transform,
-                {n: g.detach() for n, g in grads.items()},
-                self.state,
-                detached,
-            )
+            detached_grads = {n: g.detach() for n, g in grads.items()}
+            shards = self.linked.sharding
+            if shards is None:
+                new_params, self.state = step_params(
+                    self.linked.transform, detached_grads, self.state, detached
+                )
+            else:  # ZeRO-1: this rank's segments, then every rank's all-gathered
+                segments, self.state = step_params(
+                    self.linked.transform,
+                    shards.segments(detached_grads),
+                    self.state,
+                    shards.segments(detached),
+                )
+                new_params = shards.gather(segments, detached)
             for n in grads:
                 params[n].copy_(new_params[n])
         self.stepped |= set(grads)

@@ -112,6 +112,9 @@ def jit(
             all-reduces inside the graph, before anything reads them (DDP's semantics);
             written buffers (BatchNorm statistics) are averaged at the end of the step. The
             modules start from rank 0's weights. Each rank passes its own part of the batch.
+            ``functacc.parallel.ZeRO(1)``: the same, and each optimizer keeps and updates
+            only this rank's shard of its state, all-gathering the new parameters
+            (:mod:`functacc.parallel.zero_jit`).
 
     A tensor the body reads that is none of these (a module not in ``modules``, a global
     tensor) is an error naming the op, never a constant baked into the graph. Python side
@@ -184,25 +187,30 @@ def _labels(fn: Callable[..., Any], objects: list[Any], what: str) -> list[str]:
 
 
 def _strategy(parallel: Any, capture: Capture) -> Any:
-    """The data-parallel strategy for a step under torchrun (``None`` on one process)."""
+    """The data-parallel strategy for a step under torchrun (``None`` on one process); under
+    ZeRO-1 each optimizer's state is sharded too."""
     from ..parallel import DataParallel, ZeRO
     from ..parallel.mesh import world_size
     from ..parallel.strategy import check_same_model, sync_from_rank0
+    from ..parallel.zero_jit import ShardedOptimizer
 
     if parallel is not None and not isinstance(parallel, (DataParallel, ZeRO)):
         raise TypeError(
-            "parallel must be None or functacc.parallel.DataParallel(...); got "
-            f"{type(parallel).__name__}"
+            "parallel must be None, functacc.parallel.DataParallel(...) or "
+            f"functacc.parallel.ZeRO(1); got {type(parallel).__name__}"
         )
-    if isinstance(parallel, ZeRO):
-        raise ValueError(
-            "functacc.jit does not shard optimizer state yet (ZeRO); use "
-            "parallel=functacc.parallel.DataParallel(), or compile_step(..., "
-            "parallel=ZeRO(...)) for the standard step."
-        )
+    if isinstance(parallel, ZeRO) and parallel.stage != 1:
+        ShardedOptimizer.check(parallel)
     if world_size() == 1 or not capture.params:
         return None
     parallel = parallel or DataParallel()
+    if isinstance(parallel, ZeRO):
+        # The gradients are averaged whole, as data parallelism does (the body reads p.grad);
+        # only the optimizers' updates are sharded.
+        holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+        for linked in capture.optimizers:
+            linked.shard(ShardedOptimizer(parallel, holder, linked.link.groups))
+        parallel = DataParallel(bucket_mb=parallel.bucket_mb)
     if parallel.compression not in (None, "bf16"):
         raise ValueError(
             "functacc.jit's data parallel takes compression=None or 'bf16' (PowerSGD keeps "

@@ -1,7 +1,8 @@
 """``functacc.jit`` under torchrun, for tests/test_jit.py: ``jit_worker.py OUT``.
 
 Every rank trains the distillation and the EMA+SAM step bodies on its half of each global
-batch with data parallel; rank 0 saves the trained tensors. The test trains the same bodies
+batch with data parallel, then with ZeRO-1; rank 0 saves the trained tensors and the
+optimizer's state_dict(). The test trains the same bodies
 eagerly in one process on the full batches and compares. Per-sample models only (no
 training-mode BatchNorm, no dropout): a half batch then gives half of the full batch's
 gradient sum, so data parallel must reproduce the full-batch step up to summation order.
@@ -88,32 +89,41 @@ def batches(world: int, seed: int = 1) -> list:
     ]
 
 
+LAYOUTS = {
+    "dp": functacc.parallel.DataParallel,
+    "zero1": lambda: functacc.parallel.ZeRO(1),
+}
+
+
 def main(out: str) -> None:
     functacc.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     saved = {}
-    for name, (objects, make_step) in SCENARIOS.items():
-        # Another seed on each rank: the step must start every rank from rank 0's weights.
-        first, second, opt = objects(seed=rank)
-        step = functacc.jit(
-            make_step(first, second, opt),
-            modules=[first, second],
-            optimizers=[opt],
-            backend="eager",
-            parallel=functacc.parallel.DataParallel(),
-        )
-        losses = []
-        for x, y in batches(world):
-            part = slice(rank * B, (rank + 1) * B)
-            losses.append(step(x[part], y[part]))
-        saved[name] = {
-            "first": {k: v.clone() for k, v in first.state_dict().items()},
-            "second": {k: v.clone() for k, v in second.state_dict().items()},
-            "traces": step.num_traces,
-            "collectives": sum(
-                "all_reduce" in str(n.target) for g in step.graphs for n in g.graph.nodes
-            ),
-        }
+    for layout, parallel in LAYOUTS.items():
+        for name, (objects, make_step) in SCENARIOS.items():
+            # Another seed on each rank: the step must start every rank from rank 0's weights.
+            first, second, opt = objects(seed=rank)
+            step = functacc.jit(
+                make_step(first, second, opt),
+                modules=[first, second],
+                optimizers=[opt],
+                backend="eager",
+                parallel=parallel(),
+            )
+            losses = []
+            for x, y in batches(world):
+                part = slice(rank * B, (rank + 1) * B)
+                losses.append(step(x[part], y[part]))
+            nodes = [str(n.target) for g in step.graphs for n in g.graph.nodes]
+            saved[layout, name] = {
+                "first": {k: v.clone() for k, v in first.state_dict().items()},
+                "second": {k: v.clone() for k, v in second.state_dict().items()},
+                "traces": step.num_traces,
+                "all_reduces": sum("all_reduce" in t for t in nodes),
+                "all_gathers": sum("all_gather" in t for t in nodes),
+                "torch_state_between_calls": len(opt.state),
+                "optimizer": opt.state_dict(),  # ZeRO: gathered whole, on every rank
+            }
     if rank == 0:
         torch.save(saved, out)
     dist.barrier()

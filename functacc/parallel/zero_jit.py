@@ -1,0 +1,95 @@
+"""ZeRO stage 1 for :func:`functacc.jit`: each rank keeps and updates a shard of the state of
+each ``torch.optim`` optimizer the step body calls.
+
+Under ``jit(..., parallel=ZeRO(1))`` every ``backward()`` still averages the gradients whole
+over the ranks, as data parallelism does, so the body reads ``p.grad`` as under DDP (a
+gradient penalty, clipping, SAM's ascent step). Each ``opt.step()`` then updates only this
+rank's chunk of each flat unit of the optimizer's parameters (:mod:`.flat`), from that chunk
+of the gradient and of the state, and all-gathers the chunks into the new parameters: each
+rank holds 1/world of Adam's moments. ``optimizer.state_dict()`` gathers the state whole (a
+collective call: every rank makes it) and ``load_state_dict()`` shards what it loads, as
+under :func:`functacc.compile_step`'s ZeRO; between those calls ``optimizer.state`` is empty.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from .zero import Sharded, ZeRO
+
+__all__ = ["ShardedOptimizer"]
+
+
+class ShardedOptimizer:
+    """The ZeRO-1 layout of one optimizer's parameters: ``groups`` are its param groups,
+    by the names the parameters have in ``holder`` (the jitted step's modules).
+
+    Example:
+        >>> import torch, functacc
+        >>> holder = torch.nn.ModuleDict({"model": torch.nn.Linear(4, 3)})
+        >>> shards = ShardedOptimizer(functacc.parallel.ZeRO(1), holder, [["model.weight"]])
+        >>> shards.segments({"model.weight": holder["model"].weight})["model.weight"].shape
+        torch.Size([12])
+    """
+
+    def __init__(self, config: ZeRO, holder: nn.Module, groups: Sequence[Sequence[str]]):
+        self.check(config)
+        self.sharded: Sharded = config.build(holder, [list(g) for g in groups])
+
+    @staticmethod
+    def check(config: ZeRO) -> None:
+        """A clear error for the stages that jit does not take."""
+        if config.stage != 1:
+            raise ValueError(
+                f"functacc.jit shards optimizer state (ZeRO stage 1); got stage {config.stage}. "
+                "Stage 2 would leave each rank a shard of p.grad, which a step body reads "
+                "whole as under DDP, and stage 3 a shard of each parameter. Use "
+                "parallel=functacc.parallel.ZeRO(1), or compile_step(..., "
+                f"parallel=ZeRO({config.stage})) for a standard step."
+            )
+
+    def segments(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's part of each of ``tensors`` (named as the parameters), flat."""
+        out = {}
+        for name, tensor in tensors.items():
+            seg = self.sharded.segment_of[name]
+            out[name] = tensor.reshape(-1)[seg.offset : seg.offset + seg.numel]
+        return out
+
+    def shard_state(self, named_state: Any, transform: Any, params: Mapping[str, Tensor]) -> Any:
+        """The optimizer's state for this rank's segments, from the full named state."""
+        return self.sharded.shard_optimizer_state(named_state, transform, self.segments(params))
+
+    def gather(
+        self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """The new full parameters: every rank's updated segments, all-gathered (inside the
+        traced step: a collective of the graph)."""
+        return self.sharded.new_params(updated, params)
+
+    def show_whole(self, linked: Any, transform: Callable[[], Any]) -> None:
+        """Make ``linked``'s ``torch.optim`` optimizer gather its state in ``state_dict()``
+        and shard it in ``load_state_dict()``. ``linked`` has ``state`` (this rank's) and
+        ``link``; it is held weakly, so the optimizer does not keep a dropped step alive."""
+        ref = weakref.ref(linked)
+
+        def live() -> Any:
+            current = ref()
+            if current is None:
+                return None
+            return _Live(current.state, dict(current.link.params))
+
+        self.sharded.link_optimizer(linked.link, live, transform)
+
+
+class _Live:
+    """What :meth:`Sharded.link_optimizer` reads of a step: the optimizer state and the
+    full parameters by name."""
+
+    def __init__(self, opt_state: Any, params: dict[str, Tensor]):
+        self.opt_state = opt_state
+        self.params = params
