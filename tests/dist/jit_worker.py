@@ -10,6 +10,7 @@ gradient sum, so data parallel must reproduce the full-batch step up to summatio
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -124,10 +125,49 @@ def main(out: str) -> None:
                 "torch_state_between_calls": len(opt.state),
                 "optimizer": opt.state_dict(),  # ZeRO: gathered whole, on every rank
             }
+    saved["resume"] = zero1_resume_under_inductor(rank, world)
     if rank == 0:
         torch.save(saved, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def zero1_resume_under_inductor(rank: int, world: int) -> dict:
+    """ZeRO-1 under Inductor: the distillation step for 4 steps, with the optimizer's
+    gathered state_dict() taken after 2; then a new step on fresh objects loads it and the
+    model's and trains the last 2."""
+    data = [(x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B]) for x, y in batches(world)]
+
+    def build(seed: int) -> tuple:
+        student, teacher, opt = distill_objects(seed=seed)
+        step = functacc.jit(
+            distill_step(student, teacher, opt),
+            modules=[student, teacher],
+            optimizers=[opt],
+            parallel=functacc.parallel.ZeRO(1),
+        )
+        return student, teacher, opt, step
+
+    student, teacher, opt, step = build(seed=rank)
+    losses = [step(x, y) for x, y in data[:2]]
+    checkpoint = (
+        {k: v.clone() for k, v in student.state_dict().items()},
+        copy.deepcopy(opt.state_dict()),
+    )
+    losses += [step(x, y) for x, y in data[2:]]
+    student2, teacher2, opt2, step2 = build(seed=rank + 10)
+    teacher2.load_state_dict(teacher.state_dict())
+    student2.load_state_dict(checkpoint[0])
+    opt2.load_state_dict(checkpoint[1])
+    resumed = [step2(x, y) for x, y in data[2:]]
+    return {
+        "losses": torch.stack(losses),
+        "student": {k: v.clone() for k, v in student.state_dict().items()},
+        "resumed_losses": torch.stack(resumed),
+        "resumed_student": {k: v.clone() for k, v in student2.state_dict().items()},
+        "resumed_optimizer": opt2.state_dict(),
+        "optimizer": opt.state_dict(),
+    }
 
 
 if __name__ == "__main__":
