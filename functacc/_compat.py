@@ -121,12 +121,14 @@ another scope (``'tmp2' was not declared in this scope``) for HF GPT-2's whole t
 with a symbolic sequence length; 2.14 and 2.15 compile that graph."""
 
 INDUCTOR_KEEPS_RANDOM_ORDER = TORCH > (2, 11)
-"""Whether Inductor keeps eager's order of the random draws it calls eager's kernels for
-(``fallback_random``). A version gate: torch 2.11's reordering for peak memory
-(``reorder_for_peak_memory``) may move one draw before another, so they take other numbers
-from the generator than eager (a Transformer with attention and feed-forward dropout: loss
-1.470365 vs eager's 1.479578 after one step; with the reordering off, 1.479578). 2.14 and
-2.15 keep the order."""
+"""Whether Inductor calls the random draws it leaves to eager's kernels
+(``fallback_random``) in the graph's order. A version gate: torch 2.11's scheduler may
+call two independent draws the other way round, so they take other numbers from the
+generator than eager (a Transformer with attention and feed-forward dropout: loss 1.470365
+vs eager's 1.479578 after one step). Turning 2.11's peak-memory reordering off fixed that
+model and broke another (a data-parallel dropout MLP), so nothing is switched: on 2.11 a
+step with several dropouts draws eager's distribution, not eager's numbers. 2.14 and 2.15
+keep the order."""
 
 INDUCTOR_ROUNDS_16BIT_LIKE_EAGER = TORCH > (2, 11)
 """Whether Inductor, with ``emulate_precision_casts`` (functacc sets it), rounds each bf16 or

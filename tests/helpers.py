@@ -6,6 +6,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -191,3 +192,16 @@ def assert_adamw_step_matches_eager(
         ref_opt.step()
         assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol, what="loss")
     assert_close(model.state_dict(), ref.state_dict(), rtol=rtol, atol=atol, what="model")
+
+
+def needs_inductor_random_order() -> None:
+    """Skip on a torch whose Inductor may call two random draws of a graph in another order
+    than the graph's (functacc._compat.INDUCTOR_KEEPS_RANDOM_ORDER: torch 2.11)."""
+    from functacc._compat import INDUCTOR_KEEPS_RANDOM_ORDER
+
+    if not INDUCTOR_KEEPS_RANDOM_ORDER:
+        pytest.skip(
+            "needs Inductor to call a graph's random draws in the graph's order, as torch "
+            f"after 2.11 does (2.14.1 and 2.15.0 tested); torch {torch.__version__} may swap "
+            "two dropouts' draws"
+        )

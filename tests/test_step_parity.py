@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 import models
 import pytest
 import torch
-from helpers import assert_close, assert_same_training, eager_train, functacc_train, twin
+from helpers import (
+    assert_close,
+    assert_same_training,
+    eager_train,
+    functacc_train,
+    needs_inductor_random_order,
+    twin,
+)
 from torch import nn
 
 import functacc
@@ -258,6 +265,8 @@ def test_parity_eager_backend(name: str) -> None:
 @pytest.mark.inductor
 @pytest.mark.parametrize("name", INDUCTOR_CASES)
 def test_parity_inductor(name: str) -> None:
+    if name == "transformer-sgd":  # attention and feed-forward dropout: two kinds of draws
+        needs_inductor_random_order()
     run_case(CASES[name], "inductor", CASES[name].inductor_tolerance)
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import GraphModule
 
-from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING, INDUCTOR_KEEPS_RANDOM_ORDER
+from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING
 from ...errors import TraceError
 from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
@@ -78,12 +78,6 @@ def compile_inductor(
         # (a noisy model's losses differed from eager's from the first step). Dropout's
         # bernoulli_ has no Inductor CPU kernel and was eager's already.
         options["fallback_random"] = True
-        seeded = torch.Tag.nondeterministic_seeded
-        if not INDUCTOR_KEEPS_RANDOM_ORDER and any(
-            seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes
-        ):
-            # torch 2.11 only: its peak-memory reordering may swap two draws (_compat).
-            options["reorder_for_peak_memory"] = False
         # A linear layer's bias added in the kernel of what reads the layer's output, not
         # by ATen's addmm (which copies it into the output first): bias_add.py. The input
         # checks made in one call before the first kernel (input_checks.py), and independent
