@@ -31,6 +31,7 @@ __all__ = [
     "make_fx_traces_generators",
     "optimization_hint",
     "reduce_scatter_single",
+    "warn_where_inductor_differs",
 ]
 
 SUPPORTED = ((2, 11), (2, 15))
@@ -136,6 +137,52 @@ fp16 op's result inside a fused kernel as eager rounds it. A version gate: torch
 scalar product in float32 into the add that follows (``a * 0.9 + b`` over 4,096 bf16 values:
 1,111 differ from eager on 2.11.0, none on 2.14.1), so a bf16 model's step there matches
 eager within a bf16 rounding, not bit for bit."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_where_inductor_differs(gm: torch.fx.GraphModule) -> list[str]:
+    """Warn, once per process and kind, where this torch's Inductor will not give eager's
+    numbers for the CPU graph ``gm`` that functacc otherwise matches: several random draws
+    (:data:`INDUCTOR_KEEPS_RANDOM_ORDER`), bf16/fp16 arithmetic
+    (:data:`INDUCTOR_ROUNDS_16BIT_LIKE_EAGER`). Returns the kinds that apply (warned or not).
+
+    Example:
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> warn_where_inductor_differs(make_fx(lambda x: x * 2)(torch.ones(2)))
+        []
+    """
+    seeded = torch.Tag.nondeterministic_seeded
+    draws = sum(seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
+    low = any(
+        getattr(n.meta.get("val"), "dtype", None) in (torch.bfloat16, torch.float16)
+        for n in gm.graph.nodes
+    )
+    kinds = []
+    if draws > 1 and not INDUCTOR_KEEPS_RANDOM_ORDER:
+        kinds.append("random order")
+    if low and not INDUCTOR_ROUNDS_16BIT_LIKE_EAGER:
+        kinds.append("16-bit rounding")
+    messages = {
+        "random order": (
+            f"this step draws random numbers {draws} times (dropout); torch "
+            f"{torch.__version__}'s Inductor may make those draws in another order than "
+            "eager, so the masks follow eager's distribution but are not eager's numbers "
+            "(torch 2.14 and later keep eager's order; backend='eager' draws eager's numbers "
+            "on any torch)."
+        ),
+        "16-bit rounding": (
+            f"torch {torch.__version__}'s Inductor rounds some bf16/fp16 results inside fused "
+            "kernels later than eager does, so this step matches eager within a 16-bit "
+            "rounding, not bit for bit (torch 2.14 and later round as eager)."
+        ),
+    }
+    for kind in kinds:
+        if kind not in _WARNED:
+            _WARNED.add(kind)
+            warnings.warn(messages[kind], UserWarning, stacklevel=2)
+    return kinds
 
 
 # --- make_fx ------------------------------------------------------------------------------

@@ -10,7 +10,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
+import functacc
 from functacc import _compat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +76,39 @@ def test_optimization_hint_reads_a_size_without_adding_a_guard() -> None:
     assert not env.guards  # a choice of speed must not specialise the graph on the size
     unbacked = env.create_unbacked_symint()
     assert _compat.optimization_hint(unbacked, fallback=5) == 5
+
+
+def _two_dropouts_in_bf16() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 4), nn.Dropout(0.1)).to(
+        torch.bfloat16
+    )
+
+
+def test_inductor_differences_are_named_on_the_torch_that_has_them(monkeypatch) -> None:
+    # Two dropouts in bf16: on torch 2.11 both differences apply (and warn once each);
+    # after 2.11 neither does (and nothing warns).
+    monkeypatch.setattr(_compat, "_WARNED", set())
+    model = _two_dropouts_in_bf16()
+    gm = make_fx(model)(torch.randn(4, 8, dtype=torch.bfloat16))
+    expected = [] if _compat.TORCH > (2, 11) else ["random order", "16-bit rounding"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _compat.warn_where_inductor_differs(gm) == expected
+        assert _compat.warn_where_inductor_differs(gm) == expected  # warned once only
+    assert len([w for w in caught if "Inductor" in str(w.message)]) == len(expected)
+    float32 = make_fx(nn.Linear(8, 4))(torch.randn(2, 8))
+    assert _compat.warn_where_inductor_differs(float32) == []
+
+
+@pytest.mark.inductor
+def test_an_inductor_step_warns_where_this_torch_differs_from_eager(monkeypatch) -> None:
+    monkeypatch.setattr(_compat, "_WARNED", set())
+    model = _two_dropouts_in_bf16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functacc.compile_step(model, lambda out, y: out.float().pow(2).mean(), opt)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(x, torch.zeros(4))
+    messages = [str(w.message) for w in caught if "Inductor" in str(w.message)]
+    assert len(messages) == (0 if _compat.TORCH > (2, 11) else 2), messages

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import GraphModule
 
-from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING
+from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING, warn_where_inductor_differs
 from ...errors import TraceError
 from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
@@ -78,6 +78,7 @@ def compile_inductor(
         # (a noisy model's losses differed from eager's from the first step). Dropout's
         # bernoulli_ has no Inductor CPU kernel and was eager's already.
         options["fallback_random"] = True
+        warn_where_inductor_differs(gm)  # torch 2.11: the draws' order, 16-bit rounding
         # A linear layer's bias added in the kernel of what reads the layer's output, not
         # by ATen's addmm (which copies it into the output first): bias_add.py. The input
         # checks made in one call before the first kernel (input_checks.py), and independent
