@@ -199,8 +199,8 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
             "parallel must be None, functacc.parallel.DataParallel(...) or "
             f"functacc.parallel.ZeRO(1); got {type(parallel).__name__}"
         )
-    if isinstance(parallel, ZeRO) and parallel.stage != 1:
-        ShardedOptimizer.check(parallel)
+    if isinstance(parallel, ZeRO):
+        ShardedOptimizer.check(parallel)  # on one process too: the same program everywhere
     if world_size() == 1 or not capture.params:
         return None
     parallel = parallel or DataParallel()
