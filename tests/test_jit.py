@@ -478,29 +478,53 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
             )
             assert run["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
             assert run["traces"] == 1
-            assert run["all_reduces"] >= 1  # the gradients' all-reduce is in the graph
-        # ZeRO-1: each rank updated its half and all-gathered the parameters, and the torch
+            if layout != "zero2":
+                assert run["all_reduces"] >= 1  # the gradients' all-reduce is in the graph
+        dp, zero1, zero2 = (got[layout, name] for layout in ("dp", "zero1", "zero2"))
+        # ZeRO-1/2: each rank updated its half and all-gathered the parameters, and the torch
         # optimizer holds no full copy of the state between calls.
-        assert got["zero1", name]["all_gathers"] >= 1 and got["dp", name]["all_gathers"] == 0
-        assert got["zero1", name]["torch_state_between_calls"] == 0
-        assert got["dp", name]["torch_state_between_calls"] == len(opt.state)
-    # ZeRO-1 under Inductor, resumed from the gathered state_dict() after 2 of 4 steps.
-    resume = got["resume"]
+        assert zero1["all_gathers"] >= 1 and dp["all_gathers"] == 0
+        assert zero1["torch_state_between_calls"] == zero2["torch_state_between_calls"] == 0
+        assert dp["torch_state_between_calls"] == len(opt.state)
+        # ZeRO-2: each backward reduce-scatters the student's gradients (no all-reduce is
+        # left: the teacher and the EMA copy are frozen, and no buffer is written).
+        assert zero2["reduce_scatters"] >= 1 and zero2["all_reduces"] == 0
+        assert dp["reduce_scatters"] == zero1["reduce_scatters"] == 0
+        # The gradients do not outlive the call: None where eager leaves them.
+        eager_grads = [p.grad is not None for p in first.parameters()]
+        assert dp["grads_after_call"] == zero1["grads_after_call"] == eager_grads
+        assert not any(zero2["grads_after_call"])
+    # Distillation never reads .grad whole: ZeRO-2 gathers the parameters only, as ZeRO-1.
+    # SAM reads the first backward's gradients, clipping reads (and scales) the gradients:
+    # one more gather each, for that read.
+    assert got["zero2", "distill"]["all_gathers"] == got["zero1", "distill"]["all_gathers"]
+    assert got["zero2", "ema_sam"]["all_gathers"] == got["zero1", "ema_sam"]["all_gathers"] + 1
+    assert got["zero2", "clip"]["all_gathers"] == got["zero1", "clip"]["all_gathers"] + 1
+    # Adding to the .grad a previous call left is an error under ZeRO-2 that changes nothing.
+    refused = got["accumulating"]
+    assert "reads the gradient that its previous call left on 'model.0.weight'" in (
+        refused["error"] or ""
+    ), refused["error"]
+    assert "use parallel=functacc.parallel.ZeRO(1)" in refused["error"]
+    assert refused["unchanged"] and all(g is None for g in refused["grads"])
+    # ZeRO-1/2 under Inductor, resumed from the gathered state_dict() after 2 of 4 steps.
     student, teacher, opt = jit_worker.distill_objects(seed=0)
     body = jit_worker.distill_step(student, teacher, opt)
     for x, y in jit_worker.batches(2):
         body(x, y)
-    # Inductor's kernels and the ranks' sums reorder float32 arithmetic.
-    assert_close(resume["student"], student.state_dict(), rtol=1e-4, atol=1e-5, what="student")
-    for key in ("state", "param_groups"):
-        assert_close(
-            resume["optimizer"][key], opt.state_dict()[key], rtol=1e-4, atol=1e-5, what=key
-        )
-    # The same graph on the same state: the resumed steps equal the uninterrupted ones.
-    exact = {"rtol": 0, "atol": 0}
-    assert_close(resume["resumed_losses"], resume["losses"][2:], **exact, what="resumed")
-    assert_close(resume["resumed_student"], resume["student"], **exact, what="resumed model")
-    assert_close(resume["resumed_optimizer"], resume["optimizer"], **exact, what="resumed opt")
+    for stage in (1, 2):
+        resume, what = got["resume", stage], f"ZeRO-{stage}"
+        # Inductor's kernels and the ranks' sums reorder float32 arithmetic.
+        assert_close(resume["student"], student.state_dict(), rtol=1e-4, atol=1e-5, what=what)
+        for key in ("state", "param_groups"):
+            assert_close(
+                resume["optimizer"][key], opt.state_dict()[key], rtol=1e-4, atol=1e-5, what=key
+            )
+        # The same graph on the same state: the resumed steps equal the uninterrupted ones.
+        exact = {"rtol": 0, "atol": 0}
+        assert_close(resume["resumed_losses"], resume["losses"][2:], **exact, what=what)
+        assert_close(resume["resumed_student"], resume["student"], **exact, what=what)
+        assert_close(resume["resumed_optimizer"], resume["optimizer"], **exact, what=what)
 
 
 def test_pure_form_with_vmap_per_sample_gradients() -> None:

@@ -31,7 +31,7 @@ from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, donation_target, poison
 from .engine import Engine, Program
-from .graph_passes import drop_unused_inputs
+from .graph_passes import drop_unread_collectives, drop_unused_inputs
 from .graph_passes import fingerprint as graph_fingerprint
 from .side_effects import OuterStateWatch
 from .signature import AmbientWatch, TensorSpec, family_key, hashable_constant
@@ -204,6 +204,9 @@ class StepBody:
             return (*produced, *new_grads)
 
         example = [*state, *tensors]
+        stand_ins = list(self.capture.stand_ins)  # read() just made them, for this call
+        for i in stand_ins:  # ZeRO-2's missing gradients: a tensor of their own to trace
+            example[i] = torch.empty_like(state[i])
         traced = self.engine.trace(
             body,
             example,
@@ -214,7 +217,19 @@ class StepBody:
             watches=[OuterStateWatch(self.fn)],
             on_error=lambda exc: self._trace_error(exc, plan.signature),
         )
+        drop_unread_collectives(traced.graph)
         used = drop_unused_inputs(traced.graph)
+        read = [names[i].removeprefix("grad ") for i in stand_ins if i in used]
+        if read:
+            raise TraceError(
+                f"{self.engine.cache.what} reads the gradient that its previous call left on "
+                f"{', '.join(map(repr, read))}: it adds to it in backward() (accumulating over "
+                "calls), reads it, or zeroes it in place (zero_grad(set_to_none=False)). Under "
+                "ZeRO(2) a call's gradients do not outlive it (each rank keeps only its shard, "
+                "inside the call), so .grad is None after the call where eager leaves them. "
+                "Fix: clear them at the start of the step (opt.zero_grad()), accumulate "
+                "micro-batches inside one call, or use parallel=functacc.parallel.ZeRO(1)."
+            )
         exit_ = meta["exit"]
         fingerprint = graph_fingerprint(
             traced.graph,

@@ -28,9 +28,10 @@ from .optimizers import LinkedOptimizer, TracedOptimizer
 
 __all__ = ["Capture", "Exit", "GradExit"]
 
-GradExit = Literal["kept", "new", "none"]
+GradExit = Literal["kept", "new", "none", "dropped"]
 """What a parameter's ``.grad`` is after the body: the tensor it came in as (perhaps
-written in place), a new tensor (an output of the graph), or ``None``."""
+written in place), a new tensor (an output of the graph), ``None``, or a new tensor that
+ZeRO-2 does not keep past the call (``None`` after it)."""
 
 
 @dataclass
@@ -102,7 +103,13 @@ class Capture:
             LinkedOptimizer(opt, names, label)
             for opt, label in zip(optimizers, optimizer_labels, strict=True)
         ]
-        self.strategy: Any = None  # data parallel: functacc.parallel's Replicated strategy
+        # Under torchrun: what backward() does with gradients over the ranks
+        # (functacc.parallel.jit_grads: averaged whole, or reduce-scattered for ZeRO-2).
+        self.strategy: Any = None
+        # ZeRO-2: parameters whose gradient the last call dropped where eager would have
+        # left it in .grad; the next trace checks that the body does not read it.
+        self.dropped: set[str] = set()
+        self.stand_ins: list[int] = []  # read()'s positions that stand for those gradients
         self._watched: tuple | None = None
         # Submodules or tensors replaced (registration hooks), hooks added or removed.
         self.structures = [StructureWatch(m) for m in self.modules]
@@ -133,10 +140,18 @@ class Capture:
                 )
             names.append(f"attribute {qualified}")
             tensors.append(value)
+        self.stand_ins = []
         for n, p in self.params.items():
             if p.grad is not None:
                 names.append(f"grad {n}")
                 tensors.append(p.grad)
+            elif n in self.dropped:
+                # The gradient eager would hold here, which ZeRO-2 did not keep: the
+                # parameter stands in for it (same shape and dtype; the trace replaces it
+                # and makes sure the graph never reads it).
+                self.stand_ins.append(len(tensors))
+                names.append(f"grad {n}")
+                tensors.append(p)
         watched = self.watch.key()
         if watched is not self._watched or any(w.replaced for w in self.structures):
             self._check_tables()
@@ -216,7 +231,7 @@ class Capture:
             for traced in traced_opts:
                 stack.enter_context(traced)
             if self.strategy is not None:
-                stack.enter_context(_reducing_backward(self.strategy, leaves))
+                stack.enter_context(self.strategy.reducing_backward(leaves))
             yield exit_
             self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)
         with torch.no_grad():
@@ -282,6 +297,8 @@ class Capture:
                 exit_.grads[n] = "none"
             elif grad is given:
                 exit_.grads[n] = "kept"
+            elif self.strategy is not None and n in self.strategy.transient:
+                exit_.grads[n] = "dropped"  # ZeRO-2: not kept whole past the call
             else:
                 exit_.grads[n] = "new"
                 exit_.traced_grads.append(grad)
@@ -295,45 +312,16 @@ class Capture:
             status = exit_.grads[n]
             if status == "new":
                 p.grad = next(fresh)
-            elif status == "none":
+            elif status in ("none", "dropped"):
                 p.grad = None
+            if status == "dropped":
+                self.dropped.add(n)
+            elif status != "kept":
+                self.dropped.discard(n)
             if p.requires_grad != exit_.requires_grad[n]:
                 p.requires_grad_(exit_.requires_grad[n])
         for opt, stepped in zip(self.optimizers, exit_.stepped, strict=True):
             opt.install(stepped)
-
-
-@contextlib.contextmanager
-def _reducing_backward(strategy: Any, leaves: dict[str, Tensor]) -> Iterator[None]:
-    """While tracing: every ``backward()`` averages the gradients it produces over the
-    ranks (bucketed all-reduces in the graph, started as soon as their gradients exist)
-    before anything can read them, as DDP does. Only this backward's contribution is
-    reduced; ``.grad`` that was there before is added afterwards. ``torch.autograd.grad``
-    is left alone (it does not write ``.grad``; DDP does not reduce it either)."""
-    original = torch.autograd.backward
-
-    def backward(*args: Any, **kwargs: Any) -> None:
-        trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
-        before = {n: leaf.grad for n, leaf in trainable.items()}
-        for leaf in trainable.values():
-            leaf.grad = None
-        try:
-            original(*args, **kwargs)
-        except BaseException:
-            for n, leaf in trainable.items():
-                leaf.grad = before[n]
-            raise
-        fresh = {n: leaf.grad for n, leaf in trainable.items() if leaf.grad is not None}
-        reduced, _ = strategy.reduce_gradients(fresh, {}, ())
-        for n, leaf in trainable.items():
-            old, new = before[n], reduced.get(n)
-            leaf.grad = old if new is None else (new if old is None else old + new)
-
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
 
 
 def _restore(tables: list) -> None:

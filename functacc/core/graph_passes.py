@@ -2,6 +2,8 @@
 
 - :func:`drop_unused_inputs`: inputs no op reads (a ``.grad`` the body discards) leave the
   graph, so graphs that differ only in them are the same program;
+- :func:`drop_unread_collectives`: a collective whose result no op reads (ZeRO-2's gather
+  of a gradient the body never reads whole) is not run;
 - :func:`bernoulli_in_place`: dropout's draw back in the in-place form the CPU masks pass
   rewrites;
 - :func:`direct_writes`: one copy per written input at the end, not two;
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -18,7 +21,13 @@ from torch.fx import GraphModule
 
 from .signature import TensorSpec
 
-__all__ = ["bernoulli_in_place", "direct_writes", "drop_unused_inputs", "fingerprint"]
+__all__ = [
+    "bernoulli_in_place",
+    "direct_writes",
+    "drop_unread_collectives",
+    "drop_unused_inputs",
+    "fingerprint",
+]
 
 
 def drop_unused_inputs(gm: GraphModule) -> list[int]:
@@ -31,6 +40,42 @@ def drop_unused_inputs(gm: GraphModule) -> list[int]:
             gm.graph.erase_node(node)
     gm.recompile()
     return used
+
+
+def drop_unread_collectives(gm: GraphModule) -> int:
+    """Remove the ops whose results nothing reads: pure ATen ops and functional
+    collectives (``wait_tensor`` counts as a side effect, so FX's dead-code elimination keeps
+    every collective); return how many collectives went. Writes and random draws stay. Every
+    rank traces the same body, so every rank drops the same collectives."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    dropped = 0
+    for node in reversed(list(gm.graph.nodes)):  # readers before what they read
+        if node.users or node.op != "call_function":
+            continue
+        if node.target is wait:
+            if len(node.args[0].users) != 1:
+                continue
+        elif _is_collective(node):
+            dropped += 1
+        elif not _pure(node):
+            continue
+        gm.graph.erase_node(node)
+    if dropped:
+        gm.recompile()
+    return dropped
+
+
+def _is_collective(node: torch.fx.Node) -> bool:
+    return getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
 
 
 def bernoulli_in_place(gm: GraphModule) -> None:

@@ -51,7 +51,7 @@ class LinkedOptimizer:
         self.optimizer = optimizer
         self.label = label
         self.names = names
-        self.sharding: Any = None  # ZeRO-1: functacc.parallel.zero_jit.ShardedOptimizer
+        self.sharding: Any = None  # ZeRO: functacc.parallel.zero_jit.ShardedOptimizer
         self._link_up()
 
     def _link_up(self) -> None:
@@ -72,7 +72,7 @@ class LinkedOptimizer:
         self.state = self.link.read_state(self.link.params, copy=False)
 
     def shard(self, sharding: Any) -> None:
-        """Keep and update only this rank's shard of the state (ZeRO-1; ``sharding`` is a
+        """Keep and update only this rank's shard of the state (ZeRO; ``sharding`` is a
         :class:`~functacc.parallel.zero_jit.ShardedOptimizer` for this optimizer)."""
         self.sharding = sharding
         self._link_up()
@@ -186,18 +186,16 @@ class TracedOptimizer:
                 )
         with torch.no_grad():
             detached = {n: p.detach() for n, p in params.items()}
-            detached_grads = {n: g.detach() for n, g in grads.items()}
             shards = self.linked.sharding
             if shards is None:
+                detached_grads = {n: g.detach() for n, g in grads.items()}
                 new_params, self.state = step_params(
                     self.linked.transform, detached_grads, self.state, detached
                 )
-            else:  # ZeRO-1: this rank's segments, then every rank's all-gathered
+            else:  # ZeRO: this rank's segments, then every rank's all-gathered
+                grad_segments = {n: g.detach() for n, g in shards.grad_segments(grads).items()}
                 segments, self.state = step_params(
-                    self.linked.transform,
-                    shards.segments(detached_grads),
-                    self.state,
-                    shards.segments(detached),
+                    self.linked.transform, grad_segments, self.state, shards.segments(detached)
                 )
                 new_params = shards.gather(segments, detached)
             for n in grads:

@@ -114,7 +114,11 @@ def jit(
             modules start from rank 0's weights. Each rank passes its own part of the batch.
             ``functacc.parallel.ZeRO(1)``: the same, and each optimizer keeps and updates
             only this rank's shard of its state, all-gathering the new parameters
-            (:mod:`functacc.parallel.zero_jit`).
+            (:mod:`functacc.parallel.zero_jit`). ``ZeRO(2)``: the optimizers' parameters'
+            gradients are reduce-scattered instead, each rank receiving its shard; a body
+            may still read them whole (they are gathered for it), but they do not outlive
+            the call: their ``.grad`` is ``None`` afterwards, and a body that reads the
+            ``.grad`` a previous call left (accumulating over calls) is an error.
 
     A tensor the body reads that is none of these (a module not in ``modules``, a global
     tensor) is an error naming the op, never a constant baked into the graph. Python side
@@ -187,9 +191,11 @@ def _labels(fn: Callable[..., Any], objects: list[Any], what: str) -> list[str]:
 
 
 def _strategy(parallel: Any, capture: Capture) -> Any:
-    """The data-parallel strategy for a step under torchrun (``None`` on one process); under
-    ZeRO-1 each optimizer's state is sharded too."""
+    """What the step's ``backward()`` does with gradients under torchrun (``None`` on one
+    process): averaged whole (data parallel, ZeRO-1) or reduce-scattered (ZeRO-2); under
+    ZeRO each optimizer's state is sharded too."""
     from ..parallel import DataParallel, ZeRO
+    from ..parallel.jit_grads import AveragedGradients, ShardedGradients
     from ..parallel.mesh import world_size
     from ..parallel.strategy import check_same_model, sync_from_rank0
     from ..parallel.zero_jit import ShardedOptimizer
@@ -197,20 +203,14 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     if parallel is not None and not isinstance(parallel, (DataParallel, ZeRO)):
         raise TypeError(
             "parallel must be None, functacc.parallel.DataParallel(...) or "
-            f"functacc.parallel.ZeRO(1); got {type(parallel).__name__}"
+            f"functacc.parallel.ZeRO(1 or 2); got {type(parallel).__name__}"
         )
     if isinstance(parallel, ZeRO):
         ShardedOptimizer.check(parallel)  # on one process too: the same program everywhere
     if world_size() == 1 or not capture.params:
         return None
-    parallel = parallel or DataParallel()
-    if isinstance(parallel, ZeRO):
-        # The gradients are averaged whole, as data parallelism does (the body reads p.grad);
-        # only the optimizers' updates are sharded.
-        holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
-        for linked in capture.optimizers:
-            linked.shard(ShardedOptimizer(parallel, holder, linked.link.groups))
-        parallel = DataParallel(bucket_mb=parallel.bucket_mb)
+    zero = parallel if isinstance(parallel, ZeRO) else None
+    parallel = DataParallel(bucket_mb=zero.bucket_mb) if zero else (parallel or DataParallel())
     if parallel.compression not in (None, "bf16"):
         raise ValueError(
             "functacc.jit's data parallel takes compression=None or 'bf16' (PowerSGD keeps "
@@ -220,4 +220,13 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     check_same_model(capture.params, "parameter")
     check_same_model(capture.buffers, "buffer")
     sync_from_rank0({**capture.params, **capture.buffers})
-    return parallel.build(capture.modules[0], None)
+    replicated = parallel.build(capture.modules[0], None)
+    if zero is None:
+        return AveragedGradients(replicated)
+    holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+    shards = [ShardedOptimizer(zero, holder, linked.link.groups) for linked in capture.optimizers]
+    for linked, sharded in zip(capture.optimizers, shards, strict=True):
+        linked.shard(sharded)
+    if zero.stage == 2:
+        return ShardedGradients(replicated, shards)
+    return AveragedGradients(replicated)

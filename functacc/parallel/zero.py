@@ -329,20 +329,26 @@ class Sharded(ShardedOptimizerState, Strategy):
     ) -> dict[str, Tensor]:
         new = dict(params)
         old = self.optimizer_params(params)
-        shard_rank = self.topology.shard_rank
         for unit in self.units:
             if not any(n in updated for n in unit.names):
                 continue
             pieces = [updated.get(n, old[n]) for n in unit.names]
-            pad = unit.chunk - unit.covered(shard_rank)
-            if pad:  # padding stays zero
-                pieces.append(pieces[0].new_zeros(pad))
-            chunk = torch.cat(pieces)
             if self.stage == 3:
-                new[unit.key] = chunk
+                new[unit.key] = self.chunk_of(unit, pieces)
                 continue
-            flat = chunk
-            if self.topology.shard_group is not None:
-                flat = all_gather(chunk, self.topology.shard_group)
-            new.update(unit.unflatten(flat))
+            new.update(self.gather_unit(unit, pieces))
         return new
+
+    def chunk_of(self, unit: FlatUnit, pieces: Sequence[Tensor]) -> Tensor:
+        """This rank's chunk of ``unit`` from its segments (one per name, in the unit's
+        order); the padding is zero."""
+        pad = unit.chunk - unit.covered(self.topology.shard_rank)
+        return torch.cat([*pieces, pieces[0].new_zeros(pad)] if pad else list(pieces))
+
+    def gather_unit(self, unit: FlatUnit, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Every rank's segments of ``unit`` (this rank's: ``pieces``), all-gathered into
+        whole tensors by name (views of one gathered vector)."""
+        flat = self.chunk_of(unit, pieces)
+        if self.topology.shard_group is not None:
+            flat = all_gather(flat, self.topology.shard_group)
+        return unit.unflatten(flat)

@@ -1,14 +1,19 @@
-"""ZeRO stage 1 for :func:`functacc.jit`: each rank keeps and updates a shard of the state of
-each ``torch.optim`` optimizer the step body calls.
+"""ZeRO stages 1 and 2 for :func:`functacc.jit`: each rank keeps and updates a shard of the
+state of each ``torch.optim`` optimizer the step body calls.
 
 Under ``jit(..., parallel=ZeRO(1))`` every ``backward()`` still averages the gradients whole
 over the ranks, as data parallelism does, so the body reads ``p.grad`` as under DDP (a
 gradient penalty, clipping, SAM's ascent step). Each ``opt.step()`` then updates only this
 rank's chunk of each flat unit of the optimizer's parameters (:mod:`.flat`), from that chunk
 of the gradient and of the state, and all-gathers the chunks into the new parameters: each
-rank holds 1/world of Adam's moments. ``optimizer.state_dict()`` gathers the state whole (a
-collective call: every rank makes it) and ``load_state_dict()`` shards what it loads, as
-under :func:`functacc.compile_step`'s ZeRO; between those calls ``optimizer.state`` is empty.
+rank holds 1/world of Adam's moments. Under ``ZeRO(2)`` each ``backward()`` reduce-scatters
+those parameters' gradients instead, so that each rank receives only its chunk
+(:class:`~.jit_grads.ShardedGradients`): a body that reads ``p.grad`` whole still can (the
+chunks are gathered for that read), and ``.grad`` is ``None`` after the call.
+
+``optimizer.state_dict()`` gathers the state whole (a collective call: every rank makes it)
+and ``load_state_dict()`` shards what it loads, as under :func:`functacc.compile_step`'s
+ZeRO; between those calls ``optimizer.state`` is empty.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ __all__ = ["ShardedOptimizer"]
 
 
 class ShardedOptimizer:
-    """The ZeRO-1 layout of one optimizer's parameters: ``groups`` are its param groups,
+    """The ZeRO-1/2 layout of one optimizer's parameters: ``groups`` are its param groups,
     by the names the parameters have in ``holder`` (the jitted step's modules).
 
     Example:
@@ -39,18 +44,25 @@ class ShardedOptimizer:
     def __init__(self, config: ZeRO, holder: nn.Module, groups: Sequence[Sequence[str]]):
         self.check(config)
         self.sharded: Sharded = config.build(holder, [list(g) for g in groups])
+        self.gradients: Any = None  # ZeRO-2: the step's jit_grads.ShardedGradients
 
     @staticmethod
     def check(config: ZeRO) -> None:
-        """A clear error for the stages that jit does not take."""
-        if config.stage != 1:
+        """A clear error for the stage that jit does not take."""
+        if config.stage == 3:
             raise ValueError(
-                f"functacc.jit shards optimizer state (ZeRO stage 1); got stage {config.stage}. "
-                "Stage 2 would leave each rank a shard of p.grad, which a step body reads "
-                "whole as under DDP, and stage 3 a shard of each parameter. Use "
-                "parallel=functacc.parallel.ZeRO(1), or compile_step(..., "
-                f"parallel=ZeRO({config.stage})) for a standard step."
+                "functacc.jit shards optimizer state (ZeRO stage 1) and gradients (stage 2); "
+                "got stage 3, which would leave each rank a shard of every parameter, where a "
+                "step body calls its modules whole. Use parallel=functacc.parallel.ZeRO(2), "
+                "or compile_step(..., parallel=ZeRO(3)) for a standard step."
             )
+
+    def grad_segments(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's part of each gradient (named as the parameters), flat: under ZeRO-2
+        the reduce-scattered shard itself where the body left the gradient as it came."""
+        if self.gradients is None:
+            return self.segments(grads)
+        return {n: self.gradients.shard_of(n, g) for n, g in grads.items()}
 
     def segments(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """This rank's part of each of ``tensors`` (named as the parameters), flat."""

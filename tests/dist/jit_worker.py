@@ -1,8 +1,8 @@
 """``functacc.jit`` under torchrun, for tests/test_jit.py: ``jit_worker.py OUT``.
 
 Every rank trains the distillation and the EMA+SAM step bodies on its half of each global
-batch with data parallel, then with ZeRO-1; rank 0 saves the trained tensors and the
-optimizer's state_dict(). The test trains the same bodies
+batch with data parallel, then with ZeRO-1 and ZeRO-2; rank 0 saves the trained tensors and
+the optimizer's state_dict(). The test trains the same bodies
 eagerly in one process on the full batches and compares. Per-sample models only (no
 training-mode BatchNorm, no dropout): a half batch then gives half of the full batch's
 gradient sum, so data parallel must reproduce the full-batch step up to summation order.
@@ -79,7 +79,31 @@ def ema_step(model: nn.Module, ema: nn.Module, opt) -> object:
     return body
 
 
-SCENARIOS = {"distill": (distill_objects, distill_step), "ema_sam": (ema_objects, ema_step)}
+def clip_objects(seed: int = 0) -> tuple:
+    torch.manual_seed(seed)
+    encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+    head = nn.Linear(32, 5)
+    return encoder, head, torch.optim.Adam([*encoder.parameters(), *head.parameters()], lr=1e-2)
+
+
+def clip_step(encoder: nn.Module, head: nn.Module, opt) -> object:
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(head(encoder(x)), y)
+        loss.backward()
+        # In place on the averaged gradients (ZeRO-2: gathered whole for it), then stepped.
+        torch.nn.utils.clip_grad_norm_([*encoder.parameters(), *head.parameters()], 0.05)
+        opt.step()
+        return loss.detach()
+
+    return body
+
+
+SCENARIOS = {
+    "distill": (distill_objects, distill_step),
+    "ema_sam": (ema_objects, ema_step),
+    "clip": (clip_objects, clip_step),
+}
 
 
 def batches(world: int, seed: int = 1) -> list:
@@ -93,6 +117,7 @@ def batches(world: int, seed: int = 1) -> list:
 LAYOUTS = {
     "dp": functacc.parallel.DataParallel,
     "zero1": lambda: functacc.parallel.ZeRO(1),
+    "zero2": lambda: functacc.parallel.ZeRO(2),
 }
 
 
@@ -115,25 +140,65 @@ def main(out: str) -> None:
             for x, y in batches(world):
                 part = slice(rank * B, (rank + 1) * B)
                 losses.append(step(x[part], y[part]))
-            nodes = [str(n.target) for g in step.graphs for n in g.graph.nodes]
+            # The steady state's graph (a second signature may trace again, to the same
+            # code: see "traces" below).
+            nodes = [str(n.target) for n in step.graphs[-1].graph.nodes]
             saved[layout, name] = {
                 "first": {k: v.clone() for k, v in first.state_dict().items()},
                 "second": {k: v.clone() for k, v in second.state_dict().items()},
                 "traces": step.num_traces,
                 "all_reduces": sum("all_reduce" in t for t in nodes),
                 "all_gathers": sum("all_gather" in t for t in nodes),
+                "reduce_scatters": sum("reduce_scatter" in t for t in nodes),
+                "grads_after_call": [p.grad is not None for p in first.parameters()],
                 "torch_state_between_calls": len(opt.state),
                 "optimizer": opt.state_dict(),  # ZeRO: gathered whole, on every rank
             }
-    saved["resume"] = zero1_resume_under_inductor(rank, world)
+    for stage in (1, 2):
+        saved["resume", stage] = resume_under_inductor(rank, world, stage)
+    saved["accumulating"] = zero2_refuses_accumulating_over_calls(rank, world)
     if rank == 0:
         torch.save(saved, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def zero1_resume_under_inductor(rank: int, world: int) -> dict:
-    """ZeRO-1 under Inductor: the distillation step for 4 steps, with the optimizer's
+def zero2_refuses_accumulating_over_calls(rank: int, world: int) -> dict:
+    """A body that adds to the .grad its previous call left (no zero_grad) under ZeRO(2):
+    the first call trains, the second is a clear error that changes nothing."""
+    model = ema_objects(seed=0)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step = functacc.jit(
+        body, modules=[model], optimizers=[opt], backend="eager", parallel=functacc.parallel.ZeRO(2)
+    )
+    (x, y), *_ = batches(world)
+    part = slice(rank * B, (rank + 1) * B)
+    step(x[part], y[part])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = copy.deepcopy(opt.state_dict())
+    try:
+        step(x[part], y[part])
+        error = None
+    except functacc.TraceError as exc:
+        error = str(exc)
+    unchanged = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    opt_after = opt.state_dict()
+    unchanged = unchanged and all(
+        torch.equal(opt_after["state"][i]["momentum_buffer"], s["momentum_buffer"])
+        for i, s in opt_before["state"].items()
+    )
+    return {"error": error, "unchanged": unchanged, "grads": [p.grad for p in model.parameters()]}
+
+
+def resume_under_inductor(rank: int, world: int, stage: int) -> dict:
+    """ZeRO under Inductor: the distillation step for 4 steps, with the optimizer's
     gathered state_dict() taken after 2; then a new step on fresh objects loads it and the
     model's and trains the last 2."""
     data = [(x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B]) for x, y in batches(world)]
@@ -144,7 +209,7 @@ def zero1_resume_under_inductor(rank: int, world: int) -> dict:
             distill_step(student, teacher, opt),
             modules=[student, teacher],
             optimizers=[opt],
-            parallel=functacc.parallel.ZeRO(1),
+            parallel=functacc.parallel.ZeRO(stage),
         )
         return student, teacher, opt, step
 

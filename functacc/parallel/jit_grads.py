@@ -1,0 +1,162 @@
+"""What a jitted step's ``backward()`` does with gradients over the ranks (:func:`functacc.jit`).
+
+While a step body is traced under ``torchrun``, each ``backward()`` it calls runs autograd
+and then hands the gradients it produced (this call's contribution only; ``.grad`` that was
+there before is added afterwards, and ``torch.autograd.grad`` is left alone, as under DDP)
+to a policy:
+
+- :class:`AveragedGradients` (data parallel, ZeRO-1): averaged whole with bucketed
+  all-reduces, started as soon as their gradients exist; ``.grad`` is the mean over the
+  ranks, as DDP leaves it.
+- :class:`ShardedGradients` (ZeRO-2): the gradients of the parameters a ZeRO optimizer
+  shards are reduce-scattered, so each rank receives the mean of its own chunk, which is
+  what its optimizer updates. Where the body reads such a ``.grad`` whole (a norm,
+  clipping, SAM's ascent step), the chunks are all-gathered for that read; a gather nobody
+  reads is dropped from the graph (:func:`functacc.core.graph_passes.drop_unread_collectives`).
+  These gradients do not outlive the call (that is the memory stage 2 saves): after it,
+  their ``.grad`` is ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["AveragedGradients", "ShardedGradients"]
+
+
+class AveragedGradients:
+    """Data parallelism's gradients: each ``backward()``'s averaged whole over the ranks.
+
+    ``replicated`` is the data-parallel strategy (:class:`~.strategy.Replicated`) whose
+    bucketed all-reduce averages them and which averages written buffers.
+    """
+
+    transient: frozenset[str] = frozenset()
+    """Parameters whose gradients do not outlive a call (none here)."""
+
+    def __init__(self, replicated: Any):
+        self.replicated = replicated
+
+    def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self.replicated.sync_buffers(buffers)
+
+    def after_backward(
+        self, before: Mapping[str, Tensor | None], fresh: Mapping[str, Tensor]
+    ) -> dict[str, Tensor | None]:
+        """The new ``.grad`` of each of ``before``'s parameters: what was there plus the
+        average over the ranks of what this backward produced (``fresh``)."""
+        reduced, _ = self.replicated.reduce_gradients(dict(fresh), {}, ())
+        return {n: _add(old, reduced.get(n)) for n, old in before.items()}
+
+    @contextlib.contextmanager
+    def reducing_backward(self, leaves: Mapping[str, Tensor]) -> Iterator[None]:
+        """While tracing: every ``backward()`` hands what it produces for ``leaves`` (the
+        traced parameters, by name) to :meth:`after_backward` before anything can read it."""
+        original = torch.autograd.backward
+        self.reset()
+
+        def backward(*args: Any, **kwargs: Any) -> None:
+            trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
+            before = {n: leaf.grad for n, leaf in trainable.items()}
+            for leaf in trainable.values():
+                leaf.grad = None
+            try:
+                original(*args, **kwargs)
+            except BaseException:
+                for n, leaf in trainable.items():
+                    leaf.grad = before[n]
+                raise
+            fresh = {n: leaf.grad for n, leaf in trainable.items() if leaf.grad is not None}
+            for n, grad in self.after_backward(before, fresh).items():
+                trainable[n].grad = grad
+
+        torch.autograd.backward = backward
+        try:
+            yield
+        finally:
+            torch.autograd.backward = original
+
+    def reset(self) -> None:
+        """A new trace starts."""
+
+
+class ShardedGradients(AveragedGradients):
+    """ZeRO-2's gradients: reduce-scattered by unit for the parameters that ``optimizers``
+    (:class:`~.zero_jit.ShardedOptimizer`, one per ``torch.optim`` optimizer of the step)
+    shard; averaged whole, as :class:`AveragedGradients`, for the others.
+
+    Example:
+        >>> import torch, functacc
+        >>> from functacc.parallel.strategy import Replicated
+        >>> from functacc.parallel.zero_jit import ShardedOptimizer
+        >>> holder = torch.nn.ModuleDict({"model": torch.nn.Linear(4, 3)})
+        >>> names = [["model.weight", "model.bias"]]
+        >>> shards = ShardedOptimizer(functacc.parallel.ZeRO(2), holder, names)
+        >>> policy = ShardedGradients(Replicated(shards.sharded.topology, bucket_mb=25), [shards])
+        >>> sorted(policy.transient)
+        ['model.bias', 'model.weight']
+    """
+
+    def __init__(self, replicated: Any, optimizers: Sequence[Any]):
+        super().__init__(replicated)
+        self.owners = [o.sharded for o in optimizers]
+        self.owner_of = {n: owner for owner in self.owners for n in owner.sharded_names}
+        self.transient = frozenset(self.owner_of)
+        for o in optimizers:
+            o.gradients = self
+        # While tracing: each whole .grad this policy made -> (it, its version, its shard),
+        # so that the optimizer updates from the shard itself while the body has not changed
+        # the gradient, and the gather stays unread.
+        self._made: dict[int, tuple[Tensor, int, Tensor]] = {}
+
+    def reset(self) -> None:
+        self._made = {}
+
+    def after_backward(
+        self, before: Mapping[str, Tensor | None], fresh: Mapping[str, Tensor]
+    ) -> dict[str, Tensor | None]:
+        others = {n: g for n, g in before.items() if n not in self.owner_of}
+        whole = {n: g for n, g in fresh.items() if n not in self.owner_of}
+        out = super().after_backward(others, whole)
+        out.update({n: g for n, g in before.items() if n in self.owner_of})
+        for owner in self.owners:
+            mine = {n: g for n, g in fresh.items() if self.owner_of.get(n) is owner}
+            if not mine:
+                continue
+            added, _ = owner.reduce_gradients(mine, {}, ())  # this rank's segments, averaged
+            for unit in owner.units:
+                if not any(n in added for n in unit.names):
+                    continue
+                like = next(added[n] for n in unit.names if n in added)
+                shards, pieces = {}, []
+                for n in unit.names:
+                    if n in added:
+                        old = before.get(n)
+                        shards[n] = added[n] if old is None else self.shard_of(n, old) + added[n]
+                    # Other names' part of the gather is not read: zeros do.
+                    pieces.append(shards.get(n, like.new_zeros(owner.segment_of[n].numel)))
+                gathered = owner.gather_unit(unit, pieces)
+                for n, shard in shards.items():
+                    out[n] = gathered[n]
+                    self._made[id(gathered[n])] = (gathered[n], gathered[n]._version, shard)
+        return out
+
+    def shard_of(self, name: str, grad: Tensor) -> Tensor:
+        """This rank's segment of ``name``'s gradient ``grad``: the reduce-scattered shard
+        itself where ``grad`` is the untouched gather of it, else a slice of ``grad``."""
+        made = self._made.get(id(grad))
+        if made is not None and made[0] is grad and grad._version == made[1]:
+            return made[2]
+        seg = self.owner_of[name].segment_of[name]
+        return grad.reshape(-1)[seg.offset : seg.offset + seg.numel]
+
+
+def _add(old: Tensor | None, new: Tensor | None) -> Tensor | None:
+    if new is None:
+        return old
+    return new if old is None else old + new
