@@ -190,6 +190,131 @@ def test_step_with_symbolic_sizes_captures_per_size(monkeypatch) -> None:
     assert symbolic == {"calls": 8, "captures": 4, "kept": 2, "evictions": 2}
 
 
+# -- functacc.jit ---------------------------------------------------------------------------
+def accumulating(seed: int = 0) -> tuple:
+    """A body that adds to the .grad its previous call left (no zero_grad): the graph reads
+    and writes the gradients, which the capture bakes in like the rest of the state."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g))] * 3
+    return (model, opt), body, [model], [opt], data
+
+
+def jit_cases() -> dict:
+    from test_jit import CASES
+
+    return {**CASES, "accumulating": accumulating}
+
+
+def captured(step: functacc.Jitted, monkeypatch) -> functacc.Jitted:
+    """``step`` captures every program, with :class:`RecordedGraph` standing in for CUDA."""
+    monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
+    monkeypatch.setattr(cudagraph, "_default_pool", object)
+    step._engine._captures = lambda devices: True
+    return step
+
+
+@pytest.mark.parametrize("case", sorted(jit_cases()))
+def test_jit_with_graph_replay_matches_plain_jit(case: str, monkeypatch) -> None:
+    from test_jit import assert_same, tensors_of
+
+    _, body, modules, optimizers, data = jit_cases()[case]()
+    _, ref_body, ref_modules, ref_optimizers, _ = jit_cases()[case]()
+    ref = functacc.jit(ref_body, modules=ref_modules, optimizers=ref_optimizers, backend="eager")
+    step = functacc.jit(body, modules=modules, optimizers=optimizers, backend="eager")
+    step = captured(step, monkeypatch)
+    for i, batch in enumerate(data * 2):  # warm-up, capture, then replays
+        torch.manual_seed(i)
+        out = step(*batch)
+        torch.manual_seed(i)
+        expected = ref(*batch)
+        for x, y in zip(
+            torch.utils._pytree.tree_leaves(out),
+            torch.utils._pytree.tree_leaves(expected),
+            strict=True,
+        ):
+            assert torch.equal(x, y)
+        assert_same(tensors_of(modules, optimizers), tensors_of(ref_modules, ref_optimizers))
+    runners = [p.run for p in step._engine.cache.programs()]
+    assert all(isinstance(r, cudagraph.CudaGraphRunner) for r in runners)
+    assert not any(
+        isinstance(p.run, cudagraph.CudaGraphRunner) for p in ref._engine.cache.programs()
+    )
+    # The steady state's program: captured once, then replayed.
+    assert runners[-1].captures == 1 and runners[-1].calls >= 4, runners[-1].describe()
+
+
+def test_jit_pure_form_with_graph_replay_writes_the_donated_state(monkeypatch) -> None:
+    from test_jit import example
+
+    ex = example("pure_loop")
+    apply_fn, opt, state = ex.build()
+    train_step = ex.make_step(apply_fn, opt)
+    reference = ex.build()[2]
+    step = captured(functacc.jit(train_step, donate=(0,), backend="eager"), monkeypatch)
+    for batch in ex.batches(5):
+        address = state["params"]["0.weight"].data_ptr()
+        state, metrics = step(state, batch)
+        reference, expected = train_step(reference, batch)
+        # The replay wrote into its static copy of the state, copied back into the donated
+        # memory, which the new state is.
+        assert state["params"]["0.weight"].data_ptr() == address
+        for x, y in zip(
+            torch.utils._pytree.tree_leaves((state, metrics)),
+            torch.utils._pytree.tree_leaves((reference, expected)),
+            strict=True,
+        ):
+            assert torch.equal(x, y)
+    (program,) = step._engine.cache.programs()
+    assert program.run.describe() == {"calls": 5, "captures": 1, "kept": 1, "evictions": 0}
+
+
+def test_jit_cuda_graphs_true_on_cpu_is_an_error() -> None:
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
+        functacc.jit(lambda x: model(x).sum(), modules=[model], optimizers=[opt], cuda_graphs=True)
+    step = functacc.jit(lambda w: (w * 2,), cuda_graphs=True, backend="eager")  # pure form
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
+        step(torch.ones(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_jit_cuda_graph_matches_uncaptured_on_gpu() -> None:
+    from test_jit import example
+
+    runs = []
+    for cuda_graphs in (True, False):
+        ex = example("ema_sam")
+        model, ema, _ = ex.build()
+        model, ema = model.cuda(), ema.cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        step = functacc.jit(
+            ex.make_step(model, ema, opt),
+            modules=[model, ema],
+            optimizers=[opt],
+            cuda_graphs=cuda_graphs,
+        )
+        losses = [step(x.cuda(), y.cuda()) for x, y in ex.batches(6)]
+        runs.append((torch.stack(losses), model.state_dict(), ema.state_dict()))
+        if cuda_graphs:
+            runner = step._engine.cache.programs()[-1].run
+            assert isinstance(runner, cudagraph.CudaGraphRunner) and runner.captures == 1
+    # The same compiled kernels, replayed or launched one by one.
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0)
+    assert_close(runs[0][1], runs[1][1], rtol=0, atol=0, what="model")
+    assert_close(runs[0][2], runs[1][2], rtol=0, atol=0, what="ema")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_step_matches_uncaptured_step_on_gpu() -> None:
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ state moves — is tested on CPU.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -139,8 +139,12 @@ class _Capture:
 class CudaGraphRunner:
     """Wraps a compiled step ``run(inputs) -> outputs`` with capture and replay.
 
-    ``num_state`` leading inputs are the live state (stable addresses); the rest is the
-    batch. Each batch shape gets ``warmup_calls`` uncaptured calls, then a capture.
+    ``num_state`` leading inputs are the live state, whose addresses a capture bakes in (a
+    state tensor that moves is captured again); the rest is the batch, copied into static
+    buffers before each replay. Each batch shape gets ``warmup_calls`` uncaptured calls,
+    then a capture. ``written`` are batch positions that the step writes into (a donated
+    argument of :func:`functacc.jit`): after a replay their static buffers are copied back
+    into the caller's tensors.
     """
 
     def __init__(
@@ -152,9 +156,11 @@ class CudaGraphRunner:
         graph_factory: GraphFactory | None = None,
         pool_factory: Callable[[], Any] | None = None,
         warmup_calls: int = 1,
+        written: Collection[int] = (),
     ):
         self.run = run
         self.num_state = num_state
+        self.written = sorted(i for i in written if i >= num_state)
         self.cache_size = cache_size
         self.graph_factory = graph_factory or DEFAULT_GRAPH_FACTORY
         self.pool_factory = pool_factory or _default_pool
@@ -189,6 +195,8 @@ class CudaGraphRunner:
             for static, new in zip(entry.static_batch, batch, strict=True):
                 static.copy_(new, non_blocking=True)
         entry.graph.replay()
+        for i in self.written:
+            inputs[i].copy_(entry.static_batch[i - self.num_state])
         # The next replay overwrites the graph's outputs: hand out copies.
         return [t.clone() for t in entry.graph.outputs]
 

@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from ..backends import Backend
+from ..backends import Backend, CudaGraphRunner, check_cuda_graphs
 from ..errors import TraceError
 from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, donation_target, poison
 from .engine import Engine, Program
-from .graph_passes import drop_unread_collectives, drop_unused_inputs
+from .graph_passes import drop_unread_collectives, drop_unused_inputs, written_inputs
 from .graph_passes import fingerprint as graph_fingerprint
 from .side_effects import OuterStateWatch
 from .signature import AmbientWatch, TensorSpec, family_key, hashable_constant
@@ -66,10 +67,12 @@ class StepBody:
         max_traces: int | None,
         donate: frozenset[int],
         what: str,
+        cuda_graphs: bool | None = None,
     ):
         self.fn = fn
         self.capture = capture
         self.donate = donate
+        self.cuda_graphs = cuda_graphs  # None: on where the step runs on CUDA (capturable)
         self.engine = Engine(
             what,
             backend=backend,
@@ -249,16 +252,35 @@ class StepBody:
             donated=donated_targets(meta["kinds"]),
         )
         symbolic = traced.fakes is not None
+        capture_graphs = self._captures(plan.devices)
         reuse = None if symbolic else self.engine.compiled(fingerprint)
         if reuse is not None:
             program.run = reuse
             self.engine.reused += 1
             self.engine.alias(plan, program)
-            return program
-        self.engine.check_budget(plan)
-        program.run = self.engine.compile(traced, example, used=used, fingerprint=fingerprint)
-        self.engine.keep(plan, program, traced, n_fixed=n_state)
+        else:
+            self.engine.check_budget(plan)
+            program.run = self.engine.compile(traced, example, used=used, fingerprint=fingerprint)
+            self.engine.keep(plan, program, traced, n_fixed=n_state)
+        if capture_graphs:
+            # The state's addresses are baked into a capture (a .grad the body replaces
+            # every call is captured again); the batch is copied in, and a donated
+            # argument's new value copied back out.
+            program.run = CudaGraphRunner(
+                program.run,
+                sum(i < n_state for i in used),
+                written=written_inputs(program.graph),
+            )
         return program
+
+    def _captures(self, devices: frozenset[torch.device]) -> bool:
+        """Whether this program is captured as a CUDA graph (``cuda_graphs``, checked
+        against the devices the step runs on and the ranks' collectives)."""
+        if not devices and not self.cuda_graphs:
+            return False
+        device = min(devices, key=str) if devices else torch.device("cpu")
+        collectives = dist.get_backend_config() if self.capture.strategy is not None else None
+        return check_cuda_graphs(self.cuda_graphs, device, collectives)
 
     def _trace_error(self, exc: Exception, described: str) -> Exception:
         if "convert all Tensors to FakeTensors" in str(exc):

@@ -7,6 +7,8 @@
 - :func:`bernoulli_in_place`: dropout's draw back in the in-place form the CPU masks pass
   rewrites;
 - :func:`direct_writes`: one copy per written input at the end, not two;
+- :func:`written_inputs`: which inputs the graph writes into (CUDA graphs copy those that
+  are not baked into the capture back out);
 - :func:`fingerprint`: what makes two traced graphs the same program.
 """
 
@@ -27,6 +29,7 @@ __all__ = [
     "drop_unread_collectives",
     "drop_unused_inputs",
     "fingerprint",
+    "written_inputs",
 ]
 
 
@@ -63,6 +66,17 @@ def drop_unread_collectives(gm: GraphModule) -> int:
     if dropped:
         gm.recompile()
     return dropped
+
+
+def written_inputs(gm: GraphModule) -> list[int]:
+    """The positions of the inputs that the graph writes into (functionalized writes are
+    ``copy_`` into the input, at the end)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    targets = {
+        n.args[0]
+        for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+    }
+    return [i for i, p in enumerate(placeholders) if p in targets]
 
 
 def _is_collective(node: torch.fx.Node) -> bool:

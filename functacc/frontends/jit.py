@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backends import Backend, check_backend, check_inductor_options
+from ..backends import Backend, check_backend, check_cuda_graphs, check_inductor_options
 from ..core.body import StepBody
 from ..core.cache import TraceRecord
 from ..core.capture import Capture
@@ -86,6 +86,7 @@ def jit(
     dynamic: bool | None = None,
     max_traces: int | None = 32,
     parallel: Any = None,
+    cuda_graphs: bool | None = None,
 ) -> Jitted:
     """Compile a whole training step, written as eager code or as a pure function.
 
@@ -120,6 +121,12 @@ def jit(
             the call: their ``.grad`` is ``None`` afterwards, and a body that reads the
             ``.grad`` a previous call left (accumulating over calls) is an error.
 
+        cuda_graphs: capture each compiled step as a CUDA graph and replay it (the batch
+            is copied into static buffers, the outputs out). ``None``: on where the step's
+            tensors are on CUDA (and, under torchrun, its collectives are NCCL's); ``True``
+            elsewhere is an error. Not yet run on a GPU (tested on CPU with a stand-in
+            graph).
+
     A tensor the body reads that is none of these (a module not in ``modules``, a global
     tensor) is an error naming the op, never a constant baked into the graph. Python side
     effects run once, when the body is traced.
@@ -149,6 +156,11 @@ def jit(
             raise TypeError(
                 f"optimizers[{i}] must be a torch.optim.Optimizer; got {type(o).__name__}"
             )
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be None, True or False; got {cuda_graphs!r}")
+    params = [p for m in modules for p in m.parameters()]
+    if cuda_graphs and params:  # the pure form's device is known at its first call
+        check_cuda_graphs(True, params[0].device)
     donated = frozenset(donate)
     if any(not isinstance(i, int) or i < 0 for i in donated):
         raise ValueError(f"donate must hold argument positions (ints >= 0); got {donate!r}")
@@ -165,6 +177,7 @@ def jit(
         max_traces=max_traces,
         donate=donated,
         what=f"the jitted step {getattr(fn, '__qualname__', 'fn')}",
+        cuda_graphs=cuda_graphs,
     )
     return Jitted(fn, engine)
 
