@@ -527,6 +527,54 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
         assert_close(resume["resumed_optimizer"], resume["optimizer"], **exact, what=what)
 
 
+def test_zero2_on_one_process_keeps_the_gradients_to_the_call() -> None:
+    # As under torchrun (tests/dist/jit_worker.py): the optimizer's gradients do not outlive
+    # the call, and a body that would read those of its previous call is an error.
+    sys.path.insert(0, str(Path(__file__).parent / "dist"))
+    import jit_worker
+
+    student, teacher, opt = jit_worker.distill_objects()
+    ref_student, ref_teacher, ref_opt = jit_worker.distill_objects()
+    step = functacc.jit(
+        jit_worker.distill_step(student, teacher, opt),
+        modules=[student, teacher],
+        optimizers=[opt],
+        backend="eager",
+        parallel=functacc.parallel.ZeRO(2),
+    )
+    body = jit_worker.distill_step(ref_student, ref_teacher, ref_opt)
+    for x, y in jit_worker.batches(1):
+        assert torch.equal(step(x, y), body(x, y))
+    assert all(p.grad is None for p in student.parameters())
+    assert all(p.grad is not None for p in ref_student.parameters())
+    for p in ref_student.parameters():
+        p.grad = None
+    assert_same(tensors_of([student], [opt]), tensors_of([ref_student], [ref_opt]))
+    assert step.num_traces == 1
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def accumulating(x: Tensor) -> Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = functacc.jit(
+        accumulating,
+        modules=[model],
+        optimizers=[opt],
+        backend="eager",
+        parallel=functacc.parallel.ZeRO(2),
+    )
+    step(torch.ones(3, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(functacc.TraceError, match=r"previous call left on 'model.weight'"):
+        step(torch.ones(3, 4))
+    assert_same({k: v.clone() for k, v in model.state_dict().items()}, before)  # nothing changed
+
+
 def test_pure_form_with_vmap_per_sample_gradients() -> None:
     # DP-SGD's per-sample clipping: vmap(grad(...)) inside the jitted pure step.
     def per_sample_loss(w: Tensor, x: Tensor, y: Tensor) -> Tensor:

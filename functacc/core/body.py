@@ -279,7 +279,8 @@ class StepBody:
         if not devices and not self.cuda_graphs:
             return False
         device = min(devices, key=str) if devices else torch.device("cpu")
-        collectives = dist.get_backend_config() if self.capture.strategy is not None else None
+        ranks = dist.is_initialized() and dist.get_world_size() > 1
+        collectives = dist.get_backend_config() if ranks else None
         return check_cuda_graphs(self.cuda_graphs, device, collectives)
 
     def _trace_error(self, exc: Exception, described: str) -> Exception:

@@ -208,7 +208,7 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     process): averaged whole (data parallel, ZeRO-1) or reduce-scattered (ZeRO-2); under
     ZeRO each optimizer's state is sharded too."""
     from ..parallel import DataParallel, ZeRO
-    from ..parallel.jit_grads import AveragedGradients, ShardedGradients
+    from ..parallel.jit_grads import AveragedGradients, LocalGradients, ShardedGradients
     from ..parallel.mesh import world_size
     from ..parallel.strategy import check_same_model, sync_from_rank0
     from ..parallel.zero_jit import ShardedOptimizer
@@ -221,6 +221,9 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     if isinstance(parallel, ZeRO):
         ShardedOptimizer.check(parallel)  # on one process too: the same program everywhere
     if world_size() == 1 or not capture.params:
+        if isinstance(parallel, ZeRO) and parallel.stage == 2:
+            # The gradients' lifetime is the same on one process as on several ranks.
+            return LocalGradients({n for o in capture.optimizers for g in o.link.groups for n in g})
         return None
     zero = parallel if isinstance(parallel, ZeRO) else None
     parallel = DataParallel(bucket_mb=zero.bucket_mb) if zero else (parallel or DataParallel())

@@ -15,18 +15,20 @@ to a policy:
   reads is dropped from the graph (:func:`functacc.core.graph_passes.drop_unread_collectives`).
   These gradients do not outlive the call (that is the memory stage 2 saves): after it,
   their ``.grad`` is ``None``.
+- :class:`LocalGradients` (ZeRO-2 on one process): the same ``.grad`` rule, nothing to
+  reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["AveragedGradients", "ShardedGradients"]
+__all__ = ["AveragedGradients", "LocalGradients", "ShardedGradients"]
 
 
 class AveragedGradients:
@@ -154,6 +156,30 @@ class ShardedGradients(AveragedGradients):
             return made[2]
         seg = self.owner_of[name].segment_of[name]
         return grad.reshape(-1)[seg.offset : seg.offset + seg.numel]
+
+
+class LocalGradients(AveragedGradients):
+    """ZeRO-2 on one process: nothing to reduce, but the gradients of the ``transient``
+    parameters (those the optimizers update) do not outlive the call either, so that a
+    body behaves on one process as under torchrun.
+
+    Example:
+        >>> policy = LocalGradients({"model.weight"})
+        >>> sorted(policy.transient), policy.sync_buffers({}) == {}
+        (['model.weight'], True)
+    """
+
+    def __init__(self, transient: Collection[str]):
+        super().__init__(None)
+        self.transient = frozenset(transient)
+
+    def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+        return buffers
+
+    def after_backward(
+        self, before: Mapping[str, Tensor | None], fresh: Mapping[str, Tensor]
+    ) -> dict[str, Tensor | None]:
+        return {n: _add(old, fresh.get(n)) for n, old in before.items()}
 
 
 def _add(old: Tensor | None, new: Tensor | None) -> Tensor | None:
