@@ -659,3 +659,31 @@ def test_a_forward_hook_added_later_retraces() -> None:
     model[2].register_forward_hook(lambda m, i, o: o * 2)
     assert torch.equal(step(x), 2 * before) and step.num_traces == 2
     assert "hooks" in step.traces[1].reason
+
+
+def test_unread_ops_are_dropped_but_asserts_writes_and_draws_stay() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from functacc.core.graph_passes import drop_unread_ops
+
+    def fn(x: Tensor, out: Tensor) -> Tensor:
+        x.cos().exp()  # read by nothing
+        torch.rand(3)  # read by nothing, but it advances the generator as eager does
+        torch._assert_async(x.sum() > -1.0e9)
+        out.copy_(x)  # a write into an input
+        return x * 2
+
+    gm = make_fx(fn)(torch.randn(3), torch.zeros(3))
+    before = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.cos.default in before
+    assert drop_unread_ops(gm) == 0  # no collectives among them
+    after = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    aten = torch.ops.aten
+    assert aten.cos.default not in after and aten.exp.default not in after
+    for kept in (
+        aten.rand.default,
+        aten._assert_async.default,
+        aten.copy_.default,
+        aten.mul.Tensor,
+    ):
+        assert kept in after, (kept, after)

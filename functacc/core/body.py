@@ -32,7 +32,7 @@ from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, donation_target, poison
 from .engine import Engine, Program
-from .graph_passes import drop_unread_collectives, drop_unused_inputs, written_inputs
+from .graph_passes import drop_unread_ops, drop_unused_inputs, written_inputs
 from .graph_passes import fingerprint as graph_fingerprint
 from .side_effects import OuterStateWatch
 from .signature import AmbientWatch, TensorSpec, family_key, hashable_constant
@@ -220,7 +220,7 @@ class StepBody:
             watches=[OuterStateWatch(self.fn)],
             on_error=lambda exc: self._trace_error(exc, plan.signature),
         )
-        drop_unread_collectives(traced.graph)
+        drop_unread_ops(traced.graph)
         used = drop_unused_inputs(traced.graph)
         read = [names[i].removeprefix("grad ") for i in stand_ins if i in used]
         if read:

@@ -2,8 +2,8 @@
 
 - :func:`drop_unused_inputs`: inputs no op reads (a ``.grad`` the body discards) leave the
   graph, so graphs that differ only in them are the same program;
-- :func:`drop_unread_collectives`: a collective whose result no op reads (ZeRO-2's gather
-  of a gradient the body never reads whole) is not run;
+- :func:`drop_unread_ops`: an op whose result no op reads is not run, collectives
+  included (ZeRO-2's gather of a gradient the body never reads whole);
 - :func:`bernoulli_in_place`: dropout's draw back in the in-place form the CPU masks pass
   rewrites;
 - :func:`direct_writes`: one copy per written input at the end, not two;
@@ -26,7 +26,7 @@ from .signature import TensorSpec
 __all__ = [
     "bernoulli_in_place",
     "direct_writes",
-    "drop_unread_collectives",
+    "drop_unread_ops",
     "drop_unused_inputs",
     "fingerprint",
     "written_inputs",
@@ -45,7 +45,7 @@ def drop_unused_inputs(gm: GraphModule) -> list[int]:
     return used
 
 
-def drop_unread_collectives(gm: GraphModule) -> int:
+def drop_unread_ops(gm: GraphModule) -> int:
     """Remove the ops whose results nothing reads: pure ATen ops and functional
     collectives (``wait_tensor`` counts as a side effect, so FX's dead-code elimination keeps
     every collective); return how many collectives went. Writes and random draws stay. Every
@@ -60,7 +60,7 @@ def drop_unread_collectives(gm: GraphModule) -> int:
                 continue
         elif _is_collective(node):
             dropped += 1
-        elif not _pure(node):
+        elif node.is_impure() or not _pure(node):  # asserts, writes, random draws
             continue
         gm.graph.erase_node(node)
     if dropped:
@@ -89,7 +89,13 @@ def _pure(node: torch.fx.Node) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+    schema = target._schema
+    # An op that returns nothing runs for its effect (aten._assert_async).
+    return (
+        bool(schema.returns)
+        and not schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in target.tags
+    )
 
 
 def bernoulli_in_place(gm: GraphModule) -> None:

@@ -12,7 +12,7 @@ to a policy:
   shards are reduce-scattered, so each rank receives the mean of its own chunk, which is
   what its optimizer updates. Where the body reads such a ``.grad`` whole (a norm,
   clipping, SAM's ascent step), the chunks are all-gathered for that read; a gather nobody
-  reads is dropped from the graph (:func:`functacc.core.graph_passes.drop_unread_collectives`).
+  reads is dropped from the graph (:func:`functacc.core.graph_passes.drop_unread_ops`).
   These gradients do not outlive the call (that is the memory stage 2 saves): after it,
   their ``.grad`` is ``None``.
 - :class:`LocalGradients` (ZeRO-2 on one process): the same ``.grad`` rule, nothing to
