@@ -207,7 +207,7 @@ class StepBody:
             return (*produced, *new_grads)
 
         example = [*state, *tensors]
-        stand_ins = list(self.capture.stand_ins)  # read() just made them, for this call
+        stand_ins = self.capture.stand_ins(names, state)
         for i in stand_ins:  # ZeRO-2's missing gradients: a tensor of their own to trace
             example[i] = torch.empty_like(state[i])
         traced = self.engine.trace(

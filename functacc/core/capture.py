@@ -109,7 +109,6 @@ class Capture:
         # ZeRO-2: parameters whose gradient the last call dropped where eager would have
         # left it in .grad; the next trace checks that the body does not read it.
         self.dropped: set[str] = set()
-        self.stand_ins: list[int] = []  # read()'s positions that stand for those gradients
         self._watched: tuple | None = None
         # Submodules or tensors replaced (registration hooks), hooks added or removed.
         self.structures = [StructureWatch(m) for m in self.modules]
@@ -140,7 +139,6 @@ class Capture:
                 )
             names.append(f"attribute {qualified}")
             tensors.append(value)
-        self.stand_ins = []
         for n, p in self.params.items():
             if p.grad is not None:
                 names.append(f"grad {n}")
@@ -149,7 +147,6 @@ class Capture:
                 # The gradient eager would hold here, which ZeRO-2 did not keep: the
                 # parameter stands in for it (same shape and dtype; the trace replaces it
                 # and makes sure the graph never reads it).
-                self.stand_ins.append(len(tensors))
                 names.append(f"grad {n}")
                 tensors.append(p)
         watched = self.watch.key()
@@ -164,6 +161,15 @@ class Capture:
             tensors.extend(leaves)
         hooks = tuple(h.key() for h in self.hooks)
         return names, tensors, (watched, hooks, tuple(structure))
+
+    def stand_ins(self, names: Sequence[str], tensors: Sequence[Tensor]) -> list[int]:
+        """The positions in :meth:`read`'s lists where a parameter stands for the gradient
+        that ZeRO-2 dropped after the last call."""
+        return [
+            i
+            for i, (n, t) in enumerate(zip(names, tensors, strict=True))
+            if n.startswith("grad ") and t is self.params.get(n.removeprefix("grad "))
+        ]
 
     def _check_tables(self) -> None:
         """A parameter, buffer or submodule replaced or added after the step was built

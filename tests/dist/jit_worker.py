@@ -1,11 +1,12 @@
 """``functacc.jit`` under torchrun, for tests/test_jit.py: ``jit_worker.py OUT``.
 
-Every rank trains the distillation and the EMA+SAM step bodies on its half of each global
-batch with data parallel, then with ZeRO-1 and ZeRO-2; rank 0 saves the trained tensors and
-the optimizer's state_dict(). The test trains the same bodies
-eagerly in one process on the full batches and compares. Per-sample models only (no
-training-mode BatchNorm, no dropout): a half batch then gives half of the full batch's
-gradient sum, so data parallel must reproduce the full-batch step up to summation order.
+Every rank trains the distillation, EMA+SAM, clipping and edge-case (tied weight, frozen
+layer, a parameter without gradient) step bodies on its half of each global batch with data
+parallel, then with ZeRO-1 and ZeRO-2; rank 0 saves the trained tensors and the optimizer's
+state_dict(). The test trains the same bodies eagerly in one process on the full batches and
+compares. Per-sample models only (no training-mode BatchNorm, no dropout): a half batch then
+gives half of the full batch's gradient sum, so data parallel must reproduce the full-batch
+step up to summation order.
 """
 
 from __future__ import annotations
@@ -99,10 +100,44 @@ def clip_step(encoder: nn.Module, head: nn.Module, opt) -> object:
     return body
 
 
+class Edges(nn.Module):
+    """A tied weight (the head uses the embedding's transpose), a frozen layer and a
+    parameter that gets no gradient: AdamW skips it, as torch.optim skips a .grad of None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 24, bias=False)
+        self.frozen = nn.Linear(24, 24).requires_grad_(False)
+        self.unused = nn.Parameter(torch.randn(7))
+        self.bias = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.frozen(self.embed(x)))
+        return F.linear(h, self.embed.weight.t(), self.bias)[:, :5]
+
+
+def edges_objects(seed: int = 0) -> tuple:
+    torch.manual_seed(seed)
+    model, other = Edges(), nn.Linear(5, 5).requires_grad_(False)
+    return model, other, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def edges_step(model: nn.Module, other: nn.Module, opt) -> object:
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(other(model(x)), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return body
+
+
 SCENARIOS = {
     "distill": (distill_objects, distill_step),
     "ema_sam": (ema_objects, ema_step),
     "clip": (clip_objects, clip_step),
+    "edges": (edges_objects, edges_step),
 }
 
 
