@@ -15,7 +15,9 @@ a write to what it mutates and an output that Inductor writes in place into a de
 write to that input — and that has no reduction (whose partial results a later part of the
 kernel combines); a buffer written through a view of another (the parts of a ``torch.cat``)
 counts as that other. The region's own closing barrier stays, so the kernel still returns
-only when every nest is done. Other kernels keep Inductor's code. Measured on the bench MLP
+only when every nest is done. Other kernels keep Inductor's code, and so does any kernel
+whose analysis fails inside torch's internals (a renamed attribute in a new torch): the
+first such failure is logged at debug level. Measured on the bench MLP
 (2-core CPU): see the README.
 
 Example:
@@ -26,11 +28,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
 __all__ = ["independent_loops_nowait", "pairwise_independent"]
+
+log = logging.getLogger("functacc")
 
 _WORKSHARE = re.compile(r"^(\s*#pragma omp (?:single|for)\b.*?)\s*$")
 
@@ -38,7 +45,12 @@ _WORKSHARE = re.compile(r"^(\s*#pragma omp (?:single|for)\b.*?)\s*$")
 @contextlib.contextmanager
 def independent_loops_nowait() -> Iterator[None]:
     """While active, a CPU kernel whose loop nests are pairwise independent runs them
-    without OpenMP barriers between them."""
+    without OpenMP barriers between them.
+
+    The analysis reads Inductor's internals (its kernel's code buffer, scheduler nodes and
+    buffers), which change between torch releases. Where any of that fails, the kernel keeps
+    Inductor's own code, barriers included, and the first such failure is logged at debug
+    level (logger ``"functacc"``): a rename in torch costs the speed-up, never a compile."""
     try:
         from torch._inductor.codegen.cpp import KernelGroup
     except ImportError:
@@ -48,20 +60,41 @@ def independent_loops_nowait() -> Iterator[None]:
 
     def finalize_kernel(self: Any, new_kernel: Any, nodes: Sequence[Any]) -> None:
         # One call writes one fused node's loops: note its nodes and how many work-sharing
-        # nests it wrote (more than one: its nests may depend on each other).
-        before = len(_lines(self.loops_code))
+        # nests it wrote (more than one: its nests may depend on each other). Inductor's
+        # own finalize runs outside the try blocks: its errors are its own to raise.
+        units = self.__dict__.setdefault(_UNITS, [])
+        before = None
+        if units is not None:
+            try:
+                before = len(_lines(self.loops_code))
+            except Exception as exc:
+                _give_up(self, exc)
         finalize(self, new_kernel, nodes)
-        nests = _worksharing_lines(_lines(self.loops_code)[before:])
-        self.__dict__.setdefault("_functacc_units", []).append((list(nodes), nests))
+        if before is None:
+            return
+        try:
+            nests = _worksharing_lines(_lines(self.loops_code)[before:])
+        except Exception as exc:
+            _give_up(self, exc)
+            return
+        units.append((list(nodes), nests))
 
     def codegen_group(self: Any, name: str | None = None) -> str:
         code = codegen(self, name)
-        units = self.__dict__.get("_functacc_units", [])
-        one_nest_each = all(nests <= 1 for _, nests in units)
-        shared = _inplace_aliases(self.args)
-        if code and one_nest_each and pairwise_independent([n for n, _ in units], shared):
-            code = without_barriers(code)
-        return code
+        units = self.__dict__.get(_UNITS, [])
+        if not code or units is None:
+            return code
+        try:
+            independent = all(nests <= 1 for _, nests in units) and pairwise_independent(
+                [n for n, _ in units], _inplace_aliases(self.args)
+            )
+        except Exception as exc:
+            # Not only this module's _UnknownAlias (pairwise_independent answers False for
+            # it): an AttributeError or TypeError from a torch that renamed what is read
+            # here. Unsure whether the nests are independent, the kernel keeps its barriers.
+            _log_fallback(exc)
+            return code
+        return without_barriers(code) if independent else code
 
     KernelGroup.finalize_kernel = finalize_kernel
     KernelGroup.codegen_group = codegen_group
@@ -69,6 +102,33 @@ def independent_loops_nowait() -> Iterator[None]:
         yield
     finally:
         KernelGroup.finalize_kernel, KernelGroup.codegen_group = finalize, codegen
+
+
+# A kernel group's attribute: its fused nodes and work-sharing nests so far, one entry per
+# finalize_kernel call, or None once reading them failed (the kernel then keeps its barriers).
+_UNITS = "_functacc_units"
+_logged = False  # whether a fallback to Inductor's barriers was logged in this process
+
+
+def _give_up(kernel: Any, exc: Exception) -> None:
+    kernel.__dict__[_UNITS] = None
+    _log_fallback(exc)
+
+
+def _log_fallback(exc: Exception) -> None:
+    # Once per process: every kernel of every compile would fail the same way.
+    global _logged
+    if not _logged:
+        _logged = True
+        log.debug(
+            "independent_loops: a CPU kernel keeps Inductor's OpenMP barriers between its "
+            "loop nests: reading Inductor's internals failed with %s: %s (torch %s; "
+            "functacc's analysis may need updating for it). Later such kernels fall back "
+            "silently.",
+            type(exc).__name__,
+            exc,
+            torch.__version__,
+        )
 
 
 def _inplace_aliases(args: Any) -> dict[str, str]:
