@@ -14,19 +14,24 @@ package may still work, but nothing has run it there.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
 __all__ = [
+    "COMPILE_TAKES_RECOMPILE_LIMIT",
     "INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING",
     "INDUCTOR_KEEPS_RANDOM_ORDER",
     "INDUCTOR_ROUNDS_16BIT_LIKE_EAGER",
     "SUPPORTED",
     "TORCH",
     "all_gather_single",
+    "compile_with_recompile_limit",
     "inductor_defers_input_checks",
     "make_fx_traces_generators",
     "optimization_hint",
@@ -82,6 +87,52 @@ all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gat
 reduce_scatter_single = (
     getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 )
+
+
+# --- torch.compile ------------------------------------------------------------------------
+def _compile_takes_recompile_limit() -> bool:
+    # Newer torch.compile takes ``recompile_limit`` (pytorch#177936, March 2026; 2.14 has it):
+    # Dynamo then patches its config with it around each compilation of that call's frames.
+    # Without it, compile_with_recompile_limit patches the config around each call itself.
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+COMPILE_TAKES_RECOMPILE_LIMIT = _compile_takes_recompile_limit()
+"""Whether ``torch.compile`` takes ``recompile_limit`` (a feature check)."""
+
+
+def compile_with_recompile_limit(
+    fn: Callable[..., Any], recompile_limit: int, **kwargs: Any
+) -> Callable[..., Any]:
+    """``torch.compile(fn, **kwargs)`` whose frames Dynamo may compile up to
+    ``recompile_limit`` times each, leaving the process-wide
+    ``torch._dynamo.config.recompile_limit`` (the user's other compiled code) as it is.
+
+    Example:
+        >>> before = torch._dynamo.config.recompile_limit
+        >>> f = compile_with_recompile_limit(lambda x: x + 1, before + 8, backend="eager")
+        >>> f(torch.ones(2)), torch._dynamo.config.recompile_limit == before
+        (tensor([2., 2.]), True)
+    """
+    if COMPILE_TAKES_RECOMPILE_LIMIT:
+        return torch.compile(fn, recompile_limit=recompile_limit, **kwargs)
+    compiled = torch.compile(fn, **kwargs)
+    config = torch._dynamo.config
+
+    @functools.wraps(fn)
+    def call(*args: Any, **call_kwargs: Any) -> Any:
+        # Dynamo reads the limit when a call meets a frame that no compiled entry's guards
+        # accept (convert_frame's exceeds_recompile_limit), inside the call: set for the
+        # call, it holds for every compilation of this function's frames and for nothing
+        # else. Set and restored by hand: 4 us a call here (2-core CPU), config.patch 17 us.
+        before = config.recompile_limit
+        config.recompile_limit = recompile_limit
+        try:
+            return compiled(*args, **call_kwargs)
+        finally:
+            config.recompile_limit = before
+
+    return call
 
 
 # --- symbolic shapes ----------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import subprocess
 import sys
@@ -133,6 +134,79 @@ def test_unknown_config_attribute_raises() -> None:
         config.dist.fsdp.wrap_layer_class = {"Block"}
     with pytest.raises(AttributeError, match="no field 'gpu'"):
         config.gpu = 1
+
+
+class BreakingBlock(nn.Module):
+    """A wrap unit whose forward Dynamo compiles as a frame of its own, as it does each
+    FSDP2 unit's (it breaks the graph at FSDP2's hooks)."""
+
+    def __init__(self, width_in: int, width_out: int):
+        super().__init__()
+        self.linear = nn.Linear(width_in, width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        torch._dynamo.graph_break()
+        return x.relu()
+
+
+@pytest.mark.parametrize("per_call_patch", [False, True], ids=["torch.compile", "patched call"])
+def test_sharded_compile_raises_the_recompile_limit_for_its_model_only(
+    monkeypatch, per_call_patch
+) -> None:
+    # accelerate's FSDP2 path on one process: the ranks, rank 0's broadcast and the sharding
+    # stood in for (what is tested is Dynamo's recompile limit, not FSDP2), and the eager
+    # backend for Inductor (Dynamo counts frames the same way; Inductor would take minutes).
+    # Five units of one class and five widths, batches of 8 and a last one of 3: 10 graphs of
+    # BreakingBlock.forward, more than Dynamo's default limit of 8.
+    acc = functacc.frontends.accelerate
+    monkeypatch.setattr(acc, "world_size", lambda: 2)
+    monkeypatch.setattr(acc, "sync_from_rank0", lambda tensors: None)
+
+    def units(model: nn.Module, *args) -> list[nn.Module]:
+        return [m for m in model.modules() if isinstance(m, BreakingBlock)]
+
+    monkeypatch.setattr(acc, "_fully_shard", units)
+    real = acc.compile_with_recompile_limit
+    monkeypatch.setattr(
+        acc,
+        "compile_with_recompile_limit",
+        lambda fn, limit, options, **kw: real(fn, limit, backend="eager", **kw),
+    )
+    if per_call_patch:
+        # Older torch's way (torch.compile takes no recompile_limit there): Dynamo's config
+        # patched around each call of the compiled model.
+        monkeypatch.setattr(functacc._compat, "COMPILE_TAKES_RECOMPILE_LIMIT", False)
+    elif not functacc._compat.COMPILE_TAKES_RECOMPILE_LIMIT:
+        pytest.skip(f"torch {torch.__version__}'s torch.compile takes no recompile_limit")
+    widths = [4, 5, 6, 7, 8, 9]
+    torch.manual_seed(0)
+    model = nn.Sequential(*(BreakingBlock(a, b) for a, b in itertools.pairwise(widths)))
+    model.append(nn.Linear(9, 5))
+    ref = copy.deepcopy(model)
+    config = functacc.Config()
+    config.dist.fsdp.size = 2
+    config.dist.fsdp.wrap_layer_cls = {"BreakingBlock"}
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(n, 4, generator=g), torch.randint(0, 5, (n,), generator=g))
+        for n in (8, 3, 8, 3)
+    ]
+    user_limit = torch._dynamo.config.recompile_limit
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs = stats["unique_graphs"]
+    torch._dynamo.reset()  # no entries of BreakingBlock.forward from another test
+    try:
+        # A hard error where Dynamo would give up compiling a frame (and run it eagerly).
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            functacc.accelerate(model, config=config, device="cpu")
+            assert torch._dynamo.config.recompile_limit == user_limit
+            losses = loop(model, batches)
+            assert torch._dynamo.config.recompile_limit == user_limit
+        assert stats["unique_graphs"] - graphs >= 10  # compiled, not run eagerly
+    finally:
+        torch._dynamo.reset()
+    assert_close(losses, loop(ref, batches), rtol=0, atol=0, what="losses")
 
 
 @pytest.mark.skipif(

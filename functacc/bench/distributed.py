@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import compile_with_recompile_limit
 from .args import parser
 from .memory import peak_memory
 from .models import build
@@ -171,13 +172,13 @@ def _compile_units(units: list[torch.nn.Module], workload: Any) -> None:
 
     Units of one class share their compiled code; static shapes give each distinct width
     its own graph (automatic dynamic shapes fail in Inductor's backward on ResNet-50's
-    Bottlenecks, see ``functacc.accelerate``), and the recompile limit must hold them."""
+    Bottlenecks, see ``functacc.accelerate``), and the recompile limit must hold them: these
+    functions' own limit, not the process-wide one."""
     shapes = {(type(u), tuple(tuple(q.shape) for q in u.parameters())) for u in units}
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 2 * len(shapes))
+    limit = max(torch._dynamo.config.recompile_limit, 2 * len(shapes))
     for unit in units:
-        unit.forward = torch.compile(
-            unit.forward, dynamic=False, options=_compile_options(workload)
+        unit.forward = compile_with_recompile_limit(
+            unit.forward, limit, dynamic=False, options=_compile_options(workload)
         )
 
 

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .._compat import compile_with_recompile_limit
 from ..core.functional import check_module_classes
 from ..data import DeviceLoader
 from ..parallel.mesh import default_device, init_distributed, world_size
@@ -131,14 +132,17 @@ def _compile_sharded(model: nn.Module, units: list[nn.Module], device: torch.dev
     TypeError: Cannot convert expression to float"). Static shapes give every distinct
     unit its own specialised graph instead, the code that whole-model compilation would
     produce; the recompile limit must then hold one entry per distinct unit, twice over
-    for a last, smaller batch.
+    for a last, smaller batch. That limit is this model's own: the process-wide
+    ``torch._dynamo.config.recompile_limit`` stays the user's.
     """
     shapes = {
         (type(unit), tuple(tuple(p.shape) for p in unit.parameters(recurse=True))) for unit in units
     }
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 2 * len(shapes))
-    model.compile(dynamic=False, options=_compile_options(device))
+    limit = max(torch._dynamo.config.recompile_limit, 2 * len(shapes))
+    # What nn.Module.compile does (it sets this attribute and nothing else), with the limit.
+    model._compiled_call_impl = compile_with_recompile_limit(
+        model._call_impl, limit, dynamic=False, options=_compile_options(device)
+    )
 
 
 def _compile_options(device: torch.device) -> dict[str, Any]:
