@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import random
@@ -269,6 +270,53 @@ def test_replacing_a_tensor_or_module_after_building_is_an_error(replace, path) 
     with pytest.raises(RuntimeError, match=r"copy_\(new\)"):
         step.apply(state, x, y)
     snap.assert_unchanged()
+
+
+def functacc_registration_hooks() -> list[str]:
+    """Which of torch's process-wide registration-hook tables hold functacc's hook."""
+    from torch.nn.modules import module as module_api
+
+    from functacc.core.model_watch import _on_registration
+
+    tables = ("parameter", "buffer", "module")
+    return [
+        kind
+        for kind in tables
+        if any(
+            hook is _on_registration
+            for hook in getattr(module_api, f"_global_{kind}_registration_hooks").values()
+        )
+    ]
+
+
+def build_and_run(frontend: str, model: nn.Module):
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
+    if frontend == "compile_step":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+        return step, lambda: step(x, y)
+    step = functacc.jit(lambda x: model(x).sum(), modules=[model], backend="eager")
+    return step, lambda: step(x)
+
+
+@pytest.mark.parametrize("frontend", ["compile_step", "jit"])
+def test_the_registration_hooks_live_only_as_long_as_a_step(frontend) -> None:
+    # They run on every assignment of a parameter, buffer or submodule in the process, any
+    # model's: installed while a step watches a model (a replaced layer is an error), removed
+    # with the last such step.
+    gc.collect()
+    assert functacc_registration_hooks() == [], "a step of an earlier test is still alive"
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    for layer in (2, 0):  # twice: the hooks come back with a later step
+        step, run = build_and_run(frontend, model)
+        run()
+        assert functacc_registration_hooks() == ["parameter", "buffer", "module"]
+        model[layer] = nn.Linear(*model[layer].weight.shape[::-1])
+        with pytest.raises(RuntimeError, match=rf"model\.{layer} was replaced"):
+            run()
+        del step, run
+        gc.collect()
+        assert functacc_registration_hooks() == []
 
 
 @pytest.mark.parametrize("steps_before", [1, 0])

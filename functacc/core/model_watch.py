@@ -289,10 +289,18 @@ class StructureWatch:
 
     PyTorch calls its global registration hooks
     (``torch.nn.modules.module.register_module_{parameter,buffer,module}_registration_hook``)
-    on every such assignment; functacc installs one, once per process, that only looks the
-    module up among the watched ones. Per call the step reads one attribute
-    (:attr:`replaced`); in-place changes (``copy_``, ``load_state_dict``, ``model.to()``)
-    keep the tensors and are not replacements.
+    on every such assignment; functacc installs one, which only looks the module up among
+    the watched ones, while any ``StructureWatch`` is alive: the last one to be garbage
+    collected removes it. Per call the step reads one attribute (:attr:`replaced`); in-place
+    changes (``copy_``, ``load_state_dict``, ``model.to()``) keep the tensors and are not
+    replacements.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> watch = StructureWatch(model)
+        >>> model.bias = torch.nn.Parameter(torch.zeros(2))
+        >>> watch.replaced
+        'bias'
     """
 
     def __init__(self, model: nn.Module):
@@ -301,6 +309,8 @@ class StructureWatch:
         self._tensors = self._registered(model)
         self._names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         _install_registration_hooks()
+        # Not at exit: the process is ending, and torch's tables with it.
+        weakref.finalize(self, _release_registration_hooks).atexit = False
         for module in model.modules():
             watchers = _WATCHED.setdefault(module, [])
             watchers[:] = [ref for ref in watchers if ref() is not None]  # steps since dropped
@@ -335,19 +345,33 @@ class StructureWatch:
 
 _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MISSING = object()
-_hooks_installed = False
+# The registration hooks run on every parameter, buffer and submodule assignment in the
+# process (every model being built, functacc's or not), so they stay only while a
+# StructureWatch needs them: their handles, and how many watches are alive.
+_handles: list[Any] = []
+_live = 0
 
 
 def _install_registration_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
+    global _live
+    # Counted before installing: a dying watch's finalizer, run by a garbage collection in
+    # between, then sees this one alive and leaves the hooks.
+    _live += 1
+    if _handles:
         return
     from torch.nn.modules import module as module_api
 
-    module_api.register_module_parameter_registration_hook(_on_registration)
-    module_api.register_module_buffer_registration_hook(_on_registration)
-    module_api.register_module_module_registration_hook(_on_registration)
-    _hooks_installed = True
+    _handles.append(module_api.register_module_parameter_registration_hook(_on_registration))
+    _handles.append(module_api.register_module_buffer_registration_hook(_on_registration))
+    _handles.append(module_api.register_module_module_registration_hook(_on_registration))
+
+
+def _release_registration_hooks() -> None:
+    global _live
+    _live -= 1
+    if _live == 0:
+        while _handles:
+            _handles.pop().remove()
 
 
 def _on_registration(module: nn.Module, name: str, value: Any) -> None:
