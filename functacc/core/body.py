@@ -28,16 +28,20 @@ from torch import Tensor, nn
 
 from ..backends import Backend, CudaGraphRunner, check_cuda_graphs
 from ..errors import TraceError
+from .body_trace import TracedBody, known_generators
 from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
-from .donation import donated_positions, donated_targets, donation_target, poison
+from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
-from .graph_passes import drop_unread_ops, drop_unused_inputs, written_inputs
+from .graph_passes import drop_unread_ops, drop_unused_inputs, host_scalars, written_inputs
 from .graph_passes import fingerprint as graph_fingerprint
-from .side_effects import OuterStateWatch
+from .python_effects import build
+from .python_state import PythonPlan, PythonState
 from .signature import AmbientWatch, TensorSpec, family_key, hashable_constant
 
 __all__ = ["BodyProgram", "StepBody"]
+
+_MAX_PYTHON_RETRACES = 16  # traces of one signature while the body's Python state is learned
 
 
 @dataclass
@@ -51,6 +55,8 @@ class BodyProgram(Program):
     n_out: int = 0  # tensor outputs of the body (the new .grad tensors follow them)
     fingerprint: tuple = ()
     donated: list[int] = field(default_factory=list)  # batch inputs whose memory is reused
+    n_grads: int = 0  # the new .grad tensors (the body's Python outputs follow them)
+    python: PythonPlan = field(default_factory=PythonPlan)  # what runs before and after
 
 
 class StepBody:
@@ -82,6 +88,8 @@ class StepBody:
             max_traces=max_traces,
         )
         self.cache = self.engine.cache
+        # What the body reads and writes in Python: guarded, fed or replayed.
+        self.python = PythonState(fn, capture.optimizers)
         # Autocast on the CPU and, where there is one, the GPU: a body may run on either.
         self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")
         self._last_state: list[Tensor | None] = []
@@ -108,17 +116,33 @@ class StepBody:
             ("grad mode", torch.is_grad_enabled()),
             ("batch", spec, constants, tuple(donated)),
         )
-        key = (tuple(map(TensorSpec.of, tensors)), context)
-        family = (family_key(tensors), context)
+
+        def keys() -> tuple[tuple, tuple]:
+            full = (*context, ("python", self.python.key()))
+            return (tuple(map(TensorSpec.of, tensors)), full), (family_key(tensors), full)
+
+        key, family = keys()
         program = self.engine.lookup(key, family, tensors)
         if program is None:
-            program = self._build(key, family, names, state, leaves, spec, tensors, donated)
-        flat = [*state, *tensors]
-        outputs = self.engine.run(
-            program, [flat[i] for i in program.used], lambda: _describe(leaves)
-        )
-        self.capture.apply_exit(program.exit, outputs[program.n_out :])
-        return self._outputs(program, outputs, tensors)
+            program = self._build(keys, names, state, leaves, spec, tensors, donated)
+        replay = self.python.before_run(program.python)
+        if replay.changed:  # a scheduler stepped before the graph: its new hyperparameters
+            self.capture.sync_hyperparameters()
+        flat = [*state, *self.python.inputs(program.python), *tensors]
+        try:
+            outputs = self.engine.run(
+                program, [flat[i] for i in program.used], lambda: _describe(leaves)
+            )
+        except BaseException:
+            replay.undo()
+            if replay.changed:
+                self.capture.sync_hyperparameters()
+            raise
+        grads_end = program.n_out + program.n_grads
+        self.capture.apply_exit(program.exit, outputs[program.n_out : grads_end])
+        python_outputs = outputs[grads_end:]
+        replay.after(python_outputs)
+        return self._outputs(program, outputs, tensors, python_outputs, replay.lrs)
 
     def _state_specs(self, names: list[str], state: list[Tensor]) -> tuple:
         """The state tensors' specs; those of the tensors that persist across calls
@@ -139,15 +163,22 @@ class StepBody:
         return tuple(new_specs)
 
     def _outputs(
-        self, program: BodyProgram, outputs: Sequence[Tensor], tensors: list[Tensor]
+        self,
+        program: BodyProgram,
+        outputs: Sequence[Tensor],
+        tensors: list[Tensor],
+        python_outputs: Sequence[Any],
+        lrs: dict,
     ) -> Any:
         produced = iter(outputs[: program.n_out])
         leaves = []
         for kind in program.out_kinds:
             if kind == "tensor":
                 leaves.append(next(produced))
-            elif isinstance(kind, tuple) and kind[0] == "donated":
+            elif kind[0] == "donated":
                 leaves.append(tensors[kind[1]].detach())  # a new handle on the reused memory
+            elif kind[0] == "python":  # a number the graph computed, or a scheduler's lr
+                leaves.append(build(kind[1], python_outputs, lrs))
             else:
                 leaves.append(kind[1])
         for i in program.donated:
@@ -157,8 +188,7 @@ class StepBody:
     # -- tracing -----------------------------------------------------------------------
     def _build(
         self,
-        key: tuple,
-        family: tuple,
+        keys: Callable[[], tuple[tuple, tuple]],
         names: list[str],
         state: list[Tensor],
         leaves: list,
@@ -166,93 +196,75 @@ class StepBody:
         tensors: list[Tensor],
         donated: list[int],
     ) -> BodyProgram:
+        key, family = keys()
         batch_names = [f"args{pytree.keystr(p)}" for p, x in _paths(leaves, spec) if _is_t(x)]
         plan = self.engine.plan(key, family, batch_names, tensors, _describe(leaves))
-        n_state = len(state)
-        is_tensor = [isinstance(x, Tensor) for x in leaves]
-        constants = [x for x in leaves if not isinstance(x, Tensor)]
-        meta: dict[str, Any] = {}
-        grad_mode = torch.is_grad_enabled()
-
-        def body(*flat: Tensor) -> tuple[Tensor, ...]:
-            batch_in, consts = iter(flat[n_state:]), iter(constants)
-            call = [next(batch_in) if t else next(consts) for t in is_tensor]
-            call_args, call_kwargs = pytree.tree_unflatten(call, spec)
-            with (
-                self.capture.installed(names, flat[:n_state]) as exit_,
-                torch.set_grad_enabled(grad_mode),
-            ):
-                result = self.fn(*call_args, **call_kwargs)
-            out, out_spec = pytree.tree_flatten(result)
-            kinds: list[Any] = []
-            produced: list[Tensor] = []
-            free = {i: flat[n_state + i] for i in donated}
-            for value in out:
-                if not isinstance(value, Tensor):
-                    kinds.append(("constant", value))
-                    continue
-                target = donation_target(value, free)
-                if target is None:
-                    kinds.append("tensor")
-                    produced.append(value.detach())
-                    continue
-                placeholder = free.pop(target)
-                if value is not placeholder:
-                    with torch.no_grad():
-                        placeholder.copy_(value)  # functionalized: a write at the very end
-                kinds.append(("donated", target))
-            meta.update(exit=exit_, out_spec=out_spec, kinds=kinds, n_out=len(produced))
-            new_grads = [g.detach() for g in exit_.traced_grads]
-            exit_.traced_grads = []
-            return (*produced, *new_grads)
-
-        example = [*state, *tensors]
         stand_ins = self.capture.stand_ins(names, state)
-        for i in stand_ins:  # ZeRO-2's missing gradients: a tensor of their own to trace
-            example[i] = torch.empty_like(state[i])
-        traced = self.engine.trace(
-            body,
-            example,
-            plan,
-            n_fixed=n_state,
-            functional=True,
-            strict=True,
-            watches=[OuterStateWatch(self.fn)],
-            on_error=lambda exc: self._trace_error(exc, plan.signature),
-        )
+        # Counters the body writes are fed from the first trace, numbers it branches on are
+        # guarded: each discovery traces again (fake tensors, cheap), never compiles twice.
+        for _ in range(_MAX_PYTHON_RETRACES):
+            fed = self.python.prepare()
+            example = [*state, *self.python.inputs(), *tensors]
+            for i in stand_ins:  # ZeRO-2's missing gradients: a tensor of their own to trace
+                example[i] = torch.empty_like(state[i])
+            body = TracedBody(self, names, len(state), fed, leaves, spec, donated)
+            known = known_generators(self.capture.modules, self.python.roots)
+            try:
+                traced = self.engine.trace(
+                    body,
+                    example,
+                    plan,
+                    n_fixed=len(state) + len(fed),
+                    functional=True,
+                    strict=True,
+                    on_error=lambda exc: self._trace_error(exc, plan.signature),
+                )
+            except Exception as exc:
+                if self.python.retry(exc):
+                    continue
+                raise
+            break
+        else:
+            raise TraceError(f"{self.engine.cache.what}: its Python state kept changing shape")
+        python = self.python.finish(body.recorder, fed)
+        self.python.generator_resets(python, traced.graph, known)
+        plan.key, plan.family = keys()  # with the guards this trace found
         drop_unread_ops(traced.graph)
         used = drop_unused_inputs(traced.graph)
-        read = [names[i].removeprefix("grad ") for i in stand_ins if i in used]
-        if read:
-            raise TraceError(
-                f"{self.engine.cache.what} reads the gradient that its previous call left on "
-                f"{', '.join(map(repr, read))}: it adds to it in backward() (accumulating over "
-                "calls), reads it, or zeroes it in place (zero_grad(set_to_none=False)). Under "
-                "ZeRO(2) a call's gradients do not outlive it (each rank keeps only its shard, "
-                "inside the call), so .grad is None after the call where eager leaves them. "
-                "Fix: clear them at the start of the step (opt.zero_grad()), accumulate "
-                "micro-batches inside one call, or use parallel=functacc.parallel.ZeRO(1)."
-            )
-        exit_ = meta["exit"]
+        self._check_stand_ins([names[i] for i in stand_ins if i in used])
+        n_fixed = len(state) + len(fed)
+        input_names = [*names, *(f"python {loc.label}" for loc in fed)]
         fingerprint = graph_fingerprint(
             traced.graph,
-            [(names[i] if i < n_state else f"batch {i - n_state}") for i in used],
+            [(input_names[i] if i < n_fixed else f"batch {i - n_fixed}") for i in used],
             [TensorSpec.of(example[i]) for i in used],
-            (exit_.signature(), meta["out_spec"], _kinds_key(meta["kinds"])),
+            (body.exit.signature(), body.out_spec, _kinds_key(body.kinds), python.signature()),
         )
         program = BodyProgram(
             run=None,  # type: ignore[arg-type]  # set below
             graph=traced.graph,
             used=used,
-            exit=exit_,
-            out_spec=meta["out_spec"],
-            out_kinds=meta["kinds"],
-            n_out=meta["n_out"],
+            exit=body.exit,
+            out_spec=body.out_spec,
+            out_kinds=body.kinds,
+            n_out=body.n_out,
             fingerprint=fingerprint,
-            donated=donated_targets(meta["kinds"]),
+            donated=donated_targets(body.kinds),
+            n_grads=body.n_grads,
+            python=python,
         )
         symbolic = traced.fakes is not None
         capture_graphs = self._captures(plan.devices)
+        if capture_graphs and (python.fed or python.n_outputs or host_scalars(traced.graph)):
+            # Python numbers in or out (a counter, loss.item()) are host memory that a
+            # replay would not read or write: such a graph runs uncaptured.
+            if self.cuda_graphs:
+                raise ValueError(
+                    "cuda_graphs=True, but this step's graph takes or returns Python numbers "
+                    "(a counter it writes, a .item() it returns), which a CUDA graph replay "
+                    "would not update. Leave cuda_graphs=None (such a step runs uncaptured)."
+                )
+            capture_graphs = False
         reuse = None if symbolic else self.engine.compiled(fingerprint)
         if reuse is not None:
             program.run = reuse
@@ -261,17 +273,31 @@ class StepBody:
         else:
             self.engine.check_budget(plan)
             program.run = self.engine.compile(traced, example, used=used, fingerprint=fingerprint)
-            self.engine.keep(plan, program, traced, n_fixed=n_state)
+            self.engine.keep(plan, program, traced, n_fixed=n_fixed)
         if capture_graphs:
             # The state's addresses are baked into a capture (a .grad the body replaces
             # every call is captured again); the batch is copied in, and a donated
             # argument's new value copied back out.
             program.run = CudaGraphRunner(
                 program.run,
-                sum(i < n_state for i in used),
+                sum(i < len(state) for i in used),
                 written=written_inputs(program.graph),
             )
         return program
+
+    def _check_stand_ins(self, read: list[str]) -> None:
+        if not read:
+            return
+        read = [n.removeprefix("grad ") for n in read]
+        raise TraceError(
+            f"{self.engine.cache.what} reads the gradient that its previous call left on "
+            f"{', '.join(map(repr, read))}: it adds to it in backward() (accumulating over "
+            "calls), reads it, or zeroes it in place (zero_grad(set_to_none=False)). Under "
+            "ZeRO(2) a call's gradients do not outlive it (each rank keeps only its shard, "
+            "inside the call), so .grad is None after the call where eager leaves them. "
+            "Fix: clear them at the start of the step (opt.zero_grad()), accumulate "
+            "micro-batches inside one call, or use parallel=functacc.parallel.ZeRO(1)."
+        )
 
     def _captures(self, devices: frozenset[torch.device]) -> bool:
         """Whether this program is captured as a CUDA graph (``cuda_graphs``, checked

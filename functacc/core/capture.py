@@ -162,6 +162,12 @@ class Capture:
         hooks = tuple(h.key() for h in self.hooks)
         return names, tensors, (watched, hooks, tuple(structure))
 
+    def sync_hyperparameters(self) -> None:
+        """The optimizers' hyperparameter inputs follow ``param_groups`` again (a scheduler
+        stepped between :meth:`read` and the run)."""
+        for opt in self.optimizers:
+            opt.refresh()
+
     def stand_ins(self, names: Sequence[str], tensors: Sequence[Tensor]) -> list[int]:
         """The positions in :meth:`read`'s lists where a parameter stands for the gradient
         that ZeRO-2 dropped after the last call."""
@@ -187,11 +193,14 @@ class Capture:
                 )
 
     @contextlib.contextmanager
-    def installed(self, names: Sequence[str], inputs: Sequence[Tensor]) -> Iterator[Exit]:
+    def installed(
+        self, names: Sequence[str], inputs: Sequence[Tensor], python: Any = None
+    ) -> Iterator[Exit]:
         """While tracing: the modules, ``.grad`` and optimizers hold the traced ``inputs``
         (named as :meth:`read` names them). On leaving, the state the body left behind is
         written into the inputs (the graph's final writes) and described in the yielded
-        :class:`Exit`."""
+        :class:`Exit`. ``python``: the trace's :class:`~.python_trace.Recorder`, told of
+        each ``opt.step()`` and given the optimizers' hyperparameter inputs."""
         by_name = dict(zip(names, inputs, strict=True))
         leaves: dict[str, Tensor] = {}
         for n, p in self.params.items():
@@ -227,7 +236,11 @@ class Capture:
         for opt in self.optimizers:
             paths, _ = opt.leaves()
             placeholders = [by_name[f"{opt.label}{path}"] for path in paths]
-            traced_opts.append(TracedOptimizer(opt, placeholders, leaves.__getitem__))
+            traced_opts.append(TracedOptimizer(opt, placeholders, leaves.__getitem__, python))
+        if python is not None:
+            for i, traced in enumerate(traced_opts):
+                for j, hyper in enumerate(traced.hyperparameters()):
+                    python.hyper[(i, j)] = hyper
         exit_ = Exit()
         with contextlib.ExitStack() as stack:
             for table, key, value in tables:

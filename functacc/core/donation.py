@@ -8,6 +8,7 @@ silent read of the new values.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -17,7 +18,13 @@ from torch import Tensor
 from ..errors import argument_error
 from .diagnostics import describe_tensor
 
-__all__ = ["donated_positions", "donated_targets", "donation_target", "poison"]
+__all__ = [
+    "check_donatable",
+    "donated_positions",
+    "donated_targets",
+    "donation_target",
+    "poison",
+]
 
 
 def donated_positions(donate: frozenset[int], args: tuple, leaves: list) -> list[int]:
@@ -39,6 +46,7 @@ def donated_positions(donate: frozenset[int], args: tuple, leaves: list) -> list
             seen[id(leaf)] = seen.get(id(leaf), 0) + 1
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     for i in positions:
+        check_donatable(tensors[i])
         if seen[id(tensors[i])] > 1:
             raise argument_error(
                 f"a tensor of a donated argument ({describe_tensor(tensors[i])}) is also "
@@ -46,6 +54,38 @@ def donated_positions(donate: frozenset[int], args: tuple, leaves: list) -> list
                 "for the outputs, so it may be passed once only. Pass a .clone()."
             )
     return positions
+
+
+def check_donatable(t: Tensor) -> None:
+    """Refuse, before anything runs, a donated tensor whose memory others still reach: the
+    call writes the new state into it, and eager would leave their values alone.
+
+    Example:
+        >>> import torch
+        >>> state = torch.zeros(4)
+        >>> check_donatable(state)  # nothing else holds its memory
+        >>> view = state[:2]
+        >>> check_donatable(state)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: a donated tensor ... is shared: ...
+    """
+    what = f"a donated tensor ({describe_tensor(t)})"
+    fix = (
+        "Fix: donate only state that nothing else holds (state, out = step(state, batch), "
+        "keeping no other handle on it), pass a .clone(), or leave the argument out of "
+        "donate=. Nothing was changed."
+    )
+    if t._base is not None:
+        raise argument_error(
+            f"{what} is a view of another tensor: the call would write the new state into "
+            f"that tensor's memory too, which eager leaves alone. {fix}"
+        )
+    if weakref.getweakrefs(t) or t._use_count() > 1:
+        raise argument_error(
+            f"{what} is shared: a view of it is alive, or autograd holds it (saved for a "
+            "backward pass), or a weak reference points to it. The call writes the new "
+            f"state into its memory, so those would see their values change. {fix}"
+        )
 
 
 def donated_targets(kinds: list[Any]) -> list[int]:

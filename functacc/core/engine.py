@@ -31,6 +31,7 @@ from ..backends import Backend, Compiled, check_generators, compile_graph
 from . import tracer
 from .cache import ProgramCache, SizeGuard, TraceRecord
 from .diagnostics import run_error
+from .graph_passes import host_scalars
 
 __all__ = ["Engine", "Plan", "Program", "draws_random", "rng_state", "set_rng_state"]
 
@@ -165,6 +166,10 @@ class Engine:
         """Compile the traced graph (after the front door's transforms) over ``example``,
         or over the inputs at ``used`` where the graph reads only those."""
         fakes = traced.fakes
+        if fakes is None and traced.fake_mode is not None and host_scalars(traced.graph):
+            # Python numbers read from tensors are symbols of the trace's fake mode: the
+            # graph compiles in it (static shapes).
+            fakes = [traced.fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example]
         if used is not None:
             example = [example[i] for i in used]
             fakes = None if fakes is None else [fakes[i] for i in used]

@@ -158,3 +158,17 @@ def fingerprint(gm: GraphModule, inputs: list[str], specs: list, meta: tuple) ->
         if isinstance(value, Tensor)
     )
     return (code, tuple(inputs), tuple(specs), meta, constants)
+
+
+def host_scalars(gm: GraphModule) -> bool:
+    """Whether the graph reads a tensor's value into a Python number (``.item()``, a
+    Python number fed to the step): such a graph's numbers live in its trace's fake mode.
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> host_scalars(make_fx(lambda x: x * x.sum().item(), tracing_mode="fake")(torch.ones(2)))
+        True
+    """
+    target = torch.ops.aten._local_scalar_dense.default
+    return any(n.target is target for n in gm.graph.nodes)

@@ -139,7 +139,13 @@ class TracedOptimizer:
     parameters from their ``.grad`` and carries the new state; ``zero_grad()`` is torch's
     own, over the traced parameters (``param_groups`` hold them meanwhile)."""
 
-    def __init__(self, linked: LinkedOptimizer, placeholders: list[Tensor], leaf_of: Callable):
+    def __init__(
+        self,
+        linked: LinkedOptimizer,
+        placeholders: list[Tensor],
+        leaf_of: Callable,
+        python: Any = None,
+    ):
         self.linked = linked
         self.placeholders = placeholders
         spec = pytree.tree_structure(linked.state)
@@ -147,6 +153,13 @@ class TracedOptimizer:
         self.leaf_of = leaf_of  # parameter name -> the traced tensor standing for it
         self.stepped: set[str] = set()
         self._saved: dict[str, Any] = {}
+        # The body's Python (functacc.core.python_trace.Recorder): hyperparameters it assigns
+        # in param_groups before step() are the ones that step uses.
+        self.python = python
+
+    def hyperparameters(self) -> list[dict[str, Tensor]]:
+        """Per param group, the hyperparameter inputs of the graph (lr, betas, ...)."""
+        return [dict(getattr(s, "hyperparams", None) or {}) for s in self.state]
 
     def __enter__(self) -> TracedOptimizer:
         opt = self.linked.optimizer
@@ -187,20 +200,58 @@ class TracedOptimizer:
         with torch.no_grad():
             detached = {n: p.detach() for n, p in params.items()}
             shards = self.linked.sharding
+            state = self._with_assigned_hyperparameters()
             if shards is None:
                 detached_grads = {n: g.detach() for n, g in grads.items()}
-                new_params, self.state = step_params(
-                    self.linked.transform, detached_grads, self.state, detached
+                new_params, new_state = step_params(
+                    self.linked.transform, detached_grads, state, detached
                 )
             else:  # ZeRO: this rank's segments, then every rank's all-gathered
                 grad_segments = {n: g.detach() for n, g in shards.grad_segments(grads).items()}
-                segments, self.state = step_params(
-                    self.linked.transform, grad_segments, self.state, shards.segments(detached)
+                segments, new_state = step_params(
+                    self.linked.transform, grad_segments, state, shards.segments(detached)
                 )
                 new_params = shards.gather(segments, detached)
+            self.state = _keep_hyperparameters(new_state, self.state)
             for n in grads:
                 params[n].copy_(new_params[n])
         self.stepped |= set(grads)
+        if self.python is not None:
+            self.python.stepped(self.linked.optimizer)
+
+    def _with_assigned_hyperparameters(self) -> Any:
+        """The state, with the hyperparameters the body assigned in ``param_groups`` before
+        this step in place of the graph's inputs (constants, or values the graph computes
+        from fed Python numbers)."""
+        if self.python is None:
+            return self.state
+        assigned = self.python.overrides(self.linked.optimizer)
+        if not any(assigned):
+            return self.state
+        groups = []
+        for i, (group_state, values) in enumerate(zip(self.state, assigned, strict=True)):
+            hyper = dict(getattr(group_state, "hyperparams", None) or {})
+            for key, value in values.items():
+                names = ("beta1", "beta2") if key == "betas" else (key,)
+                if not all(n in hyper for n in names):
+                    if key in _STRUCTURE_KEYS:
+                        raise argument_error(
+                            f"the step assigns {self.linked.label}.param_groups[{i}]"
+                            f"[{key!r}] before {self.linked.label}.step(); that setting "
+                            "changes which update the traced step runs, which is fixed when "
+                            "the step is traced. Fix: set it outside the step (the next call "
+                            "traces the new update)."
+                        )
+                    continue  # not read by the update (initial_lr, a scheduler's max_lr)
+                parts = value if key == "betas" else (value,)
+                for n, part in zip(names, parts, strict=True):
+                    like = hyper[n]
+                    if isinstance(part, Tensor):
+                        hyper[n] = part.detach().to(like.dtype).reshape(())
+                    else:
+                        hyper[n] = torch.full((), part, dtype=like.dtype, device=like.device)
+            groups.append(group_state._replace(hyperparams=hyper))
+        return type(self.state)(groups)
 
     def write_back(self) -> None:
         """At the end of the traced body: the new state goes into the state's inputs
@@ -210,3 +261,29 @@ class TracedOptimizer:
             for old, value in zip(self.placeholders, new, strict=True):
                 if value is not old:
                     old.copy_(value)
+
+
+# param_groups entries that decide which update runs (not values fed to it).
+_STRUCTURE_KEYS = frozenset(
+    {
+        "nesterov",
+        "maximize",
+        "amsgrad",
+        "foreach",
+        "fused",
+        "capturable",
+        "differentiable",
+        "decoupled_weight_decay",
+    }
+)
+
+
+def _keep_hyperparameters(new: Any, old: Any) -> Any:
+    """``new`` with ``old``'s hyperparameter tensors (assigned ones are not written back:
+    ``param_groups`` stays the source of them)."""
+    if not isinstance(new, tuple) or len(new) != len(old):
+        return new
+    return type(new)(
+        n._replace(hyperparams=o.hyperparams) if hasattr(o, "hyperparams") else n
+        for n, o in zip(new, old, strict=True)
+    )

@@ -40,10 +40,19 @@ class Traced:
     condition, over the dynamic inputs, under which the graph is valid (``None``: none).
     """
 
-    def __init__(self, graph: GraphModule, fakes: list[Tensor] | None, guard: str | None):
+    def __init__(
+        self,
+        graph: GraphModule,
+        fakes: list[Tensor] | None,
+        guard: str | None,
+        fake_mode: Any = None,
+    ):
         self.graph = graph
         self.fakes = fakes
         self.guard = guard
+        # The fake mode of the trace: a graph whose Python numbers came from tensors
+        # (``.item()``: unbacked symbols) is compiled in it, where those symbols live.
+        self.fake_mode = fake_mode
 
 
 def trace(
@@ -127,7 +136,7 @@ def _trace(
             mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=not strict)
             fakes = [mode.from_tensor(t, static_shapes=True) for t in detached]
             graph = _make_fx(fn, fakes, "fake", functional, strict)
-            return Traced(graph, None, None)
+            return Traced(graph, None, None, mode)
         fakes = symbolic_fakes(detached, dynamic, strict=strict)
         with _eager_dropout():
             graph = _make_fx(fn, fakes, "symbolic", functional, strict)
@@ -135,7 +144,8 @@ def _trace(
     dynamic_fakes = [f for f, dims in zip(fakes, dynamic, strict=True) if dims]
     # Guards over the inputs with symbolic dimensions only (named t0, t1, ... in that
     # order); the static dimensions are checked exactly by the caller.
-    return Traced(graph, fakes, shape_env.produce_guards_expression(dynamic_fakes))
+    guard = shape_env.produce_guards_expression(dynamic_fakes)
+    return Traced(graph, fakes, guard, fakes[0].fake_mode)
 
 
 def _make_fx(

@@ -1,0 +1,163 @@
+"""One trace of a jitted step body: the flat function of tensors the tracer runs.
+
+:class:`TracedBody` is what :class:`~.body.StepBody` hands the engine to trace. It puts the
+traced inputs where the body reads them (the modules' tables, ``.grad``, the optimizers, the
+Python locations fed to the graph), calls the body, and turns what the body leaves behind
+into the graph's outputs, in this order:
+
+1. the tensors the body returns (those written into a donated argument's memory are not
+   outputs: their copy is one of the graph's final writes);
+2. the new ``.grad`` tensors (:class:`~.capture.Exit`);
+3. the Python values the body returns or writes that the graph computes: ``loss.item()``,
+   a counter's new value, a tensor stored on an object (:mod:`.python_trace`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from .capture import Exit
+from .donation import donation_target
+from .python_reach import Location, Root, plain_objects
+from .python_trace import Recorder
+
+__all__ = ["TracedBody", "known_generators"]
+
+
+class TracedBody:
+    """``body(*state, *fed, *batch) -> (*returned, *new_grads, *python_values)``."""
+
+    def __init__(
+        self,
+        step: Any,  # the StepBody
+        names: list[str],
+        n_state: int,
+        fed: list[Location],
+        leaves: list,
+        spec: Any,
+        donated: list[int],
+    ):
+        self.step = step
+        self.names = names
+        self.n_state = n_state
+        self.fed = fed
+        self.is_tensor = [isinstance(x, Tensor) for x in leaves]
+        self.constants = [x for x in leaves if not isinstance(x, Tensor)]
+        self.spec = spec
+        self.donated = donated
+        self.grad_mode = torch.is_grad_enabled()
+        # Filled in by the trace:
+        self.recorder: Recorder | None = None
+        self.exit = Exit()
+        self.out_spec: Any = None
+        self.kinds: list[Any] = []
+        self.n_out = 0
+        self.n_grads = 0
+
+    def __call__(self, *flat: Tensor) -> tuple[Any, ...]:
+        n_fixed = self.n_state + len(self.fed)
+        batch_in, consts = iter(flat[n_fixed:]), iter(self.constants)
+        call = [next(batch_in) if t else next(consts) for t in self.is_tensor]
+        call_args, call_kwargs = pytree.tree_unflatten(call, self.spec)
+        python, capture = self.step.python, self.step.capture
+        with python.scope(self.fed, flat[self.n_state : n_fixed]) as recorder:
+            self.recorder = recorder
+            with (
+                capture.installed(self.names, flat[: self.n_state], recorder) as exit_,
+                torch.set_grad_enabled(self.grad_mode),
+            ):
+                result = self.step.fn(*call_args, **call_kwargs)
+            out, self.out_spec = pytree.tree_flatten(result)
+            free = {i: flat[n_fixed + i] for i in self.donated}
+            self._donated_inputs = list(free.values())
+            produced = self._returned(out, free)
+            recorder.finish()  # the body's writes, as effects (may ask for another trace)
+            self.exit = exit_
+            new_grads = [g.detach() for g in exit_.traced_grads]
+            exit_.traced_grads = []
+            self.n_out, self.n_grads = len(produced), len(new_grads)
+            return (*produced, *new_grads, *recorder.outputs)
+
+    def _returned(self, out: list, free: dict[int, Tensor]) -> list[Tensor]:
+        """The kinds of the returned leaves, and the tensors among them that are outputs.
+
+        A returned tensor that *is* a donated input stays where it is; the others take the
+        memory of a donated input of their shape. Every donated input is read before any is
+        written: a value that shares memory with one (``{"a": s["b"] + 1, "b": s["a"]}``
+        donated, or a view of one) is copied out first, as eager's values are separate."""
+        assert self.recorder is not None
+        kept = {id(v) for v in out if isinstance(v, Tensor) and any(v is p for p in free.values())}
+        targets: dict[int, int] = {}
+        for i, p in list(free.items()):
+            if id(p) in kept:
+                targets[id(p)] = i
+                del free[i]
+        values = []
+        for value in out:
+            shared = isinstance(value, Tensor) and id(value) not in targets
+            if shared and any(_shares_memory(value, p) for p in self._donated_inputs):
+                value = value.clone()
+            values.append(value)
+        produced: list[Tensor] = []
+        self.kinds = []
+        writes = []
+        for value in values:
+            if not isinstance(value, Tensor):
+                template = self.recorder.template(value, "the step's return value")
+                if template[0] == "const":
+                    self.kinds.append(("constant", template[1]))
+                else:
+                    self.kinds.append(("python", template))
+                continue
+            if id(value) in targets:
+                self.kinds.append(("donated", targets.pop(id(value))))
+                continue
+            target = donation_target(value, free)
+            if target is None:
+                self.kinds.append("tensor")
+                produced.append(value.detach())
+                continue
+            writes.append((free.pop(target), value))
+            self.kinds.append(("donated", target))
+        with torch.no_grad():
+            for placeholder, value in writes:
+                placeholder.copy_(value)  # functionalized: a write at the very end
+        return produced
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    return a is b or torch._C._is_alias_of(a, b)
+
+
+def known_generators(
+    modules: Sequence[nn.Module], roots: Sequence[Root]
+) -> dict[int, tuple[torch.Generator, Tensor]]:
+    """The ``torch.Generator`` objects the modules and the body's Python state hold now,
+    with their states: a generator a trace finds in the graph that is not among them was
+    made by the body."""
+    found: dict[int, tuple[torch.Generator, Tensor]] = {}
+
+    def note(value: Any) -> None:
+        if isinstance(value, torch.Generator) and id(value) not in found:
+            found[id(value)] = (value, value.get_state())
+
+    for module in modules:
+        for m in module.modules():
+            for value in vars(m).values():
+                note(value)
+                if isinstance(value, (list, tuple, dict)):
+                    for v in value.values() if isinstance(value, dict) else value:
+                        note(v)
+    for root in roots:
+        note(root.get())
+    for _, obj in plain_objects(list(roots)).values():
+        if not isinstance(obj, (dict, list)):
+            obj = vars(obj)
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            note(v)
+    return found

@@ -1,0 +1,321 @@
+"""What a jitted step does in Python besides its graph, replayed on every call as eager would.
+
+A trace (:mod:`.python_trace`) turns the body's Python writes into *effects*:
+
+- ``("assign", location, template)`` / ``("delete", location)``: ``self.step = ...``, a
+  closure or global variable, a dict entry, an optimizer's ``param_groups`` entry;
+- ``("append", location, [template, ...])``: ``history.append(loss.item())``;
+- :class:`SchedulerEvent`: ``lr_scheduler.step()``, run for real before the graph (where the
+  body steps it before the optimizer) or after it;
+- :class:`Seed`: ``torch.manual_seed(...)`` before any draw, run before the graph.
+
+A *template* says how a written value is made after each call: ``("const", value)``, ``("out",
+k)`` (the graph's ``k``-th Python output: a tensor, or a number such as ``loss.item()`` or a
+counter's ``u0 + 1``), a tuple, list or dict of templates, or ``("lr", marker)`` (a
+scheduler's learning rate after its replayed steps).
+
+Example:
+    >>> build(("tuple", [("const", 1), ("out", 0)]), [2.5], {})
+    (1, 2.5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import TraceError
+from .python_reach import MISSING, Location
+
+__all__ = [
+    "Effect",
+    "LastLR",
+    "SchedulerEvent",
+    "Seed",
+    "Template",
+    "build",
+    "list_effect",
+    "patch_random_and_schedulers",
+]
+
+Template = tuple
+
+
+class Effect:
+    """Constructors of effect tuples."""
+
+    @staticmethod
+    def assign(
+        target: Location, value: Any, template: Callable[[Any, str], Template], *, where: str
+    ) -> tuple:
+        if value is MISSING:
+            return ("delete", target)
+        return ("assign", target, template(value, where))
+
+
+def list_effect(
+    location: Location, before: list, after: list, template: Callable[[Any, str], Template]
+) -> tuple | None:
+    """The effect of the body on a list: ``None`` (untouched), or the items it appended."""
+    if len(after) == len(before) and all(a is b for a, b in zip(after, before, strict=True)):
+        return None
+    if len(after) > len(before) and all(
+        a is b for a, b in zip(after[: len(before)], before, strict=True)
+    ):
+        added = [template(v, f"an item appended to {location.label}") for v in after[len(before) :]]
+        return ("append", location, added)
+    raise TraceError(
+        f"the step changes the list {location.label} other than by appending to it (it held "
+        f"{len(before)} items, then {len(after)}). functacc.jit replays a step's appends "
+        "after each call, as eager makes them; other changes of a list (pop, insert, "
+        "assigning an item, clear) it cannot replay. Fix: append only, or return the values "
+        "and keep the list outside the step."
+    )
+
+
+def build(template: Template, outputs: Any, lrs: dict) -> Any:
+    """The value a template stands for after a call (``outputs``: the graph's Python
+    outputs; ``lrs``: the replayed schedulers' learning rates)."""
+    kind = template[0]
+    if kind == "const":
+        return template[1]
+    if kind == "out":
+        return outputs[template[1]]
+    if kind == "lr":
+        marker = template[1]
+        return lrs[id(marker.scheduler)][marker.count][marker.index]
+    if kind == "dict":
+        return {k: build(t, outputs, lrs) for k, t in template[1].items()}
+    items = [build(t, outputs, lrs) for t in template[1]]
+    return tuple(items) if kind == "tuple" else items
+
+
+# -- learning-rate schedulers ----------------------------------------------------------------
+@dataclass
+class SchedulerEvent:
+    """``scheduler.step(*args)`` in the body, after ``position`` steps of its optimizer."""
+
+    scheduler: Any
+    args: list[Template]
+    kwargs: dict[str, Template]
+    position: int
+    phase: str = ""  # "before" or "after" the graph, once the whole body is seen
+
+
+class LastLR:
+    """``scheduler.get_last_lr()[index]`` as the body read it, after ``count`` of the
+    scheduler's steps in this call: known only once the steps are replayed, so it can be
+    returned or stored, not computed with."""
+
+    def __init__(self, scheduler: Any, count: int, index: int):
+        self.scheduler, self.count, self.index = scheduler, count, index
+
+    def __repr__(self) -> str:
+        return f"<learning rate {self.index} of {type(self.scheduler).__name__}, after the step>"
+
+
+def _refuse(self: LastLR, *args: Any) -> Any:
+    raise TraceError(
+        "the step computes with scheduler.get_last_lr() after stepping the scheduler inside "
+        "the step. functacc.jit steps the scheduler for real after the graph (as eager steps "
+        "it), so its new learning rate is known only then: the step may return it or store "
+        "it (a list, an attribute), not compute with it. Fix: read "
+        "optimizer.param_groups[i]['lr'] before scheduler.step() inside the step, or "
+        "scheduler.get_last_lr() outside it."
+    )
+
+
+for _name in [
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__pow__",
+    "__rpow__",
+    "__neg__",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__format__",
+    "__round__",
+    "__abs__",
+]:
+    setattr(LastLR, _name, _refuse)
+
+
+# -- seeds ---------------------------------------------------------------------------------
+@dataclass
+class Seed:
+    """``torch.manual_seed(value)`` (or a CUDA seed) before any draw of the step."""
+
+    function: Callable[[int], Any]
+    value: Any  # an int, or a sympy expression over fed locations' symbols
+    symbols: dict = field(default_factory=dict)  # sympy symbol -> Location
+
+    def evaluate(self, values: dict[Location, Any]) -> int:
+        if not self.symbols:
+            return int(self.value)
+        import sympy
+
+        result = self.value.xreplace(
+            {s: sympy.Integer(values[loc]) for s, loc in self.symbols.items()}
+        )
+        return int(result)
+
+
+def _draws_so_far() -> int:
+    """Random draws traced so far in the body (dropout, ``torch.rand``)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return 0
+    seeded = torch.Tag.nondeterministic_seeded
+    return sum(seeded in getattr(n.target, "tags", ()) for n in mode.tracer.graph.nodes)
+
+
+def _seeding(recorder: Any, function: Callable[[int], Any], name: str) -> Callable:
+    def seed(value: Any) -> Any:
+        if _draws_so_far():
+            raise TraceError(
+                f"the step calls {name}() after it has drawn random numbers (dropout, "
+                "torch.rand, ...). functacc.jit replays a seed the step sets before the graph "
+                "runs, which matches eager only where the seed comes before every draw. Fix: "
+                f"call {name}() at the start of the step, or before calling it."
+            )
+        if isinstance(value, torch.SymInt):
+            expr = value.node.expr
+            symbols = {s: recorder.symbols[s] for s in expr.free_symbols if s in recorder.symbols}
+            if len(symbols) != len(expr.free_symbols):
+                raise TraceError(
+                    f"the step seeds {name}() with a value computed from tensor values "
+                    "(.item()), which is known only once the graph has run, after its draws. "
+                    "Fix: seed from Python numbers (a step counter), or outside the step."
+                )
+            recorder.seeds.append(Seed(function, expr, symbols))
+        else:
+            recorder.seeds.append(Seed(function, int(value)))
+        return torch.default_generator
+
+    return seed
+
+
+def _refused(name: str, advice: str) -> Callable:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise TraceError(
+            f"the step calls {name}() while functacc.jit traces it. The step's random draws "
+            f"are ops of its graph, drawn on every call; {advice}"
+        )
+
+    return refuse
+
+
+def patch_random_and_schedulers(recorder: Any) -> Callable[[], None]:
+    """While the body is traced: seeding functions and ``lr_scheduler`` steps are noted by
+    ``recorder`` instead of run. Returns the function that puts them back."""
+    import torch.cuda
+    import torch.cuda.random
+    import torch.random
+    from torch.optim import lr_scheduler
+
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        if name in vars(owner):
+            patches.append((owner, name, vars(owner)[name]))
+            setattr(owner, name, value)
+
+    seed_functions = {
+        "torch.manual_seed": torch.random.manual_seed,
+        "torch.cuda.manual_seed": torch.cuda.random.manual_seed,
+        "torch.cuda.manual_seed_all": torch.cuda.random.manual_seed_all,
+    }
+    for label, function in seed_functions.items():
+        stand_in = _seeding(recorder, function, label)
+        short = label.rsplit(".", 1)[1]
+        for owner in (
+            (torch, torch.random)
+            if label == "torch.manual_seed"
+            else (
+                torch.cuda,
+                torch.cuda.random,
+            )
+        ):
+            patch(owner, short, stand_in)
+    unseedable = (
+        (torch, "seed"),
+        (torch.random, "seed"),
+        (torch, "set_rng_state"),
+        (torch.random, "set_rng_state"),
+        (torch.cuda, "set_rng_state"),
+        (torch.cuda, "set_rng_state_all"),
+        (torch.cuda, "seed"),
+        (torch.cuda, "seed_all"),
+    )
+    for owner, name in unseedable:
+        patch(
+            owner,
+            name,
+            _refused(
+                f"{owner.__name__}.{name}",
+                "a generator state set inside the step cannot be replayed before them. Fix: "
+                "seed with torch.manual_seed(int) at the start of the step (replayed on every "
+                "call), or set the state before calling the step.",
+            ),
+        )
+
+    def step_stand_in(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        optimizer = getattr(scheduler, "optimizer", None)
+        where = f"{type(scheduler).__name__}.step()'s arguments"
+        recorder.schedulers.append(
+            SchedulerEvent(
+                scheduler,
+                [recorder.template(a, where) for a in args],
+                {k: recorder.template(v, where) for k, v in kwargs.items()},
+                recorder.steps_taken.get(id(optimizer), 0),
+            )
+        )
+
+    def last_lr_stand_in(scheduler: Any) -> list[LastLR]:
+        count = sum(e.scheduler is scheduler for e in recorder.schedulers)
+        return [LastLR(scheduler, count, i) for i in range(len(scheduler.get_last_lr_real()))]
+
+    for cls in _subclasses(lr_scheduler.LRScheduler):
+        patch(cls, "step", step_stand_in)
+        if "get_last_lr" in vars(cls):
+            real = vars(cls)["get_last_lr"]
+            patch(cls, "get_last_lr", last_lr_stand_in)
+            cls.get_last_lr_real = real
+            patches.append((cls, "get_last_lr_real", _ABSENT))
+
+    def undo() -> None:
+        for owner, name, value in reversed(patches):
+            if value is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    return undo
+
+
+_ABSENT = object()
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out

@@ -1,0 +1,370 @@
+"""While a step body is traced: what it reads and writes in Python, noted as it happens.
+
+:class:`Recorder` is entered around one trace of the body (:meth:`PythonState.scope
+<functacc.core.python_state.PythonState.scope>`). It
+
+- installs the values of *symbolic* locations (counters the body writes) as the ``.item()``
+  of a 0-dim graph input each, so that ``self.step += 1`` traces to ``u0 + 1``, a value the
+  graph computes on every call;
+- notes every scalar the body reads from a location that stays baked in (a *guard*: a
+  changed value retraces) and every write, which becomes an :class:`~.python_effects.Effect`
+  replayed after each call (a constant, or a value the graph returns);
+- swaps each optimizer's ``param_groups`` entries for recording dicts: a body that reads
+  ``group["lr"]`` gets the learning rate fed to the graph, one that assigns it changes the
+  ``opt.step()`` that follows;
+- stands in for ``lr_scheduler.step()`` (replayed for real before or after the graph) and
+  for ``torch.manual_seed`` (replayed before the graph, before any draw);
+- puts every location back as it was, whatever happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import SymBool, SymFloat, SymInt, Tensor
+
+from ..errors import TraceError
+from .python_effects import (
+    Effect,
+    LastLR,
+    SchedulerEvent,
+    Seed,
+    Template,
+    list_effect,
+)
+from .python_reach import ACTIVE, MISSING, Location, Root, is_scalar, plain_objects, recording
+
+__all__ = ["Recorder", "RecordingGroup", "Retry"]
+
+_SYM = (SymInt, SymFloat, SymBool)
+
+
+class Retry(Exception):
+    """Trace again: locations the body writes became symbolic (``promote``)."""
+
+    _functacc_user_error = True  # passed through the tracer as it is
+
+    def __init__(self, promote: list[Location]):
+        super().__init__([loc.label for loc in promote])
+        self.promote = promote
+
+
+class RecordingGroup(dict):
+    """An optimizer's param group while the body is traced: reads and writes are noted,
+    and a numeric hyperparameter reads as the value fed to the graph on every call."""
+
+    def __init__(self, original: dict, location: Location, recorder: Recorder):
+        super().__init__(original)
+        self.location = location
+        self.recorder = recorder
+        self.fed: dict[str, Any] = {}  # key -> the symbolic value (lazily made)
+        self.written: set[str] = set()
+        self.fed_reads: set[str] = set()
+
+    def _read(self, key: Any) -> Any:
+        value = dict.__getitem__(self, key)
+        if key == "params" or key in self.written or not self.recorder.recording:
+            return value
+        fed = self.recorder.fed_hyperparameter(self, key)
+        if fed is not None:
+            self.fed_reads.add(key)
+            return fed
+        self.recorder.guard(self.location.child("item", key), value)
+        return value
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._read(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._read(key) if dict.__contains__(self, key) else default
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key != "params" and self.recorder.recording:
+            self.written.add(key)
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self.written.add(key)
+        dict.__delitem__(self, key)
+
+    def _read_all(self) -> None:
+        for key in list(dict.keys(self)):
+            if key != "params":
+                self._read(key)
+
+    def items(self) -> Any:
+        self._read_all()
+        return dict.items(self)
+
+    def values(self) -> Any:
+        self._read_all()
+        return dict.values(self)
+
+
+class Recorder:
+    """One trace's view of the body's Python state (see the module docstring)."""
+
+    def __init__(
+        self,
+        roots: Sequence[Root],
+        symbolic: dict[Location, Tensor],
+        optimizers: Sequence[Any],
+        pinned: set[Location],
+    ):
+        self.roots = list(roots)
+        self.symbolic_inputs = symbolic
+        self.optimizers = list(optimizers)  # LinkedOptimizer
+        self.pinned = pinned
+        self.recording = False
+        self.guards: dict[Location, Any] = {}
+        self.symbols: dict[Any, Location] = {}  # sympy symbol of a fed value -> location
+        self.outputs: list[Tensor | SymInt | SymFloat | SymBool] = []
+        self.effects: list[Effect] = []
+        self.schedulers: list[SchedulerEvent] = []
+        self.seeds: list[Seed] = []
+        self.steps_taken: dict[int, int] = {}  # id(optimizer) -> opt.step() calls so far
+        self.hyper: dict[tuple[int, int], dict[str, Tensor]] = {}  # (opt, group) -> inputs
+        self._read_first: set[tuple[int, str]] = set()
+        self._written: set[tuple[int, str]] = set()
+        self._undo: list[Callable[[], None]] = []
+
+    # -- entering and leaving --------------------------------------------------------------
+    def __enter__(self) -> Recorder:
+        try:
+            self._enter()
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _enter(self) -> None:
+        self.objects = plain_objects(self.roots)
+        self.snapshots: list[tuple[Location, Any, Any]] = []  # (location, object, contents)
+        self.root_values = [(r, r.get()) for r in self.roots]
+        self._undo.append(self._put_roots_back)
+        for location, obj in self.objects.values():
+            if isinstance(obj, dict):
+                self.snapshots.append((location, obj, dict(obj)))
+            elif isinstance(obj, list):
+                self.snapshots.append((location, obj, list(obj)))
+            else:
+                self.snapshots.append((location, obj, dict(vars(obj))))
+                stop = recording(obj)
+                if stop is not None:
+                    self._undo.append(stop)
+        self._undo.append(self._put_contents_back)
+        # Variables and dict entries are read without a trace of it: the scalars the body's
+        # code can name are guarded (a recording object's attributes: only those it reads).
+        for root, value in self.root_values:
+            self.guard(Location(root), value)
+        for location, obj, contents in self.snapshots:
+            if isinstance(obj, dict):
+                for k, v in contents.items():
+                    self.guard(location.child("item", k), v)
+        for location, placeholder in self.symbolic_inputs.items():
+            value = placeholder.item()
+            self.symbols[value.node.expr] = location
+            location.set(value)
+        for linked in self.optimizers:
+            opt = linked.optimizer
+            originals = list(opt.param_groups)
+            root = Root(f"{linked.label}.param_groups", lambda opt=opt: opt.param_groups, None)
+            opt.param_groups[:] = [
+                RecordingGroup(g, Location(root, (("item", i),)), self)
+                for i, g in enumerate(originals)
+            ]
+            self._undo.append(lambda opt=opt, originals=originals: _put_groups(opt, originals))
+        from .python_effects import patch_random_and_schedulers
+
+        self._undo.append(patch_random_and_schedulers(self))
+        ACTIVE.append(self)
+        self._undo.append(ACTIVE.pop)
+        self.recording = True
+
+    def finish(self) -> None:
+        """After the body returned: every write, collected as an effect. Raises
+        :class:`Retry` where counters must be fed to the graph first."""
+        self.recording = False
+        promote = self._collect_writes()
+        if promote:
+            raise Retry(promote)
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        self.recording = False
+        while self._undo:
+            self._undo.pop()()
+
+    def _put_roots_back(self) -> None:
+        for root, value in self.root_values:
+            if root.get() is not value:
+                root.set(value)
+
+    def _put_contents_back(self) -> None:
+        for _, obj, contents in self.snapshots:
+            if isinstance(obj, list):
+                obj[:] = contents
+                continue
+            fields = obj if isinstance(obj, dict) else vars(obj)
+            for key in [k for k in fields if k not in contents]:
+                del fields[key]
+            for key, value in contents.items():
+                if fields.get(key, MISSING) is not value:
+                    fields[key] = value
+
+    # -- reads -----------------------------------------------------------------------------
+    def read(self, obj: Any, name: str, value: Any) -> None:
+        """A recording object's attribute was read."""
+        if not self.recording or (id(obj), name) in self._written:
+            return
+        if name not in object.__getattribute__(obj, "__dict__"):
+            return  # a method or a class attribute: code, not state
+        self._read_first.add((id(obj), name))
+        if is_scalar(value):
+            self.guard(self.objects[id(obj)][0].child("attr", name), value)
+
+    def guard(self, location: Location, value: Any) -> None:
+        if is_scalar(value) and location not in self.symbolic_inputs:
+            self.guards.setdefault(location, value)
+
+    def fed_hyperparameter(self, group: RecordingGroup, key: str) -> Any:
+        """The value of ``group[key]`` fed to the graph (the hyperparameter tensor's
+        ``.item()``), or ``None`` where it stays a guarded constant."""
+        if key in group.fed:
+            return group.fed[key]
+        location = group.location.child("item", key)
+        opt_index, group_index = self._group_index(group)
+        inputs = self.hyper.get((opt_index, group_index), {})
+        names = ("beta1", "beta2") if key == "betas" else (key,)
+        if location in self.pinned or not all(n in inputs for n in names):
+            return None
+        values = []
+        for n in names:
+            value = inputs[n].item()
+            self.symbols[value.node.expr] = location
+            values.append(value)
+        group.fed[key] = tuple(values) if key == "betas" else values[0]
+        return group.fed[key]
+
+    def _group_index(self, group: RecordingGroup) -> tuple[int, int]:
+        for i, linked in enumerate(self.optimizers):
+            for j, g in enumerate(linked.optimizer.param_groups):
+                if g is group:
+                    return i, j
+        raise KeyError("not a param group of the step's optimizers")
+
+    # -- writes ----------------------------------------------------------------------------
+    def write(self, obj: Any, name: str) -> None:
+        """A recording object's attribute was assigned or deleted."""
+        if self.recording:
+            self._written.add((id(obj), name))
+
+    def template(self, value: Any, where: str) -> Template:
+        """How to produce ``value`` after each call: a constant, a graph output, a container
+        of those, or a scheduler's learning rate."""
+        if isinstance(value, Tensor):
+            self.outputs.append(value.detach())
+            return ("out", len(self.outputs) - 1)
+        if isinstance(value, _SYM):
+            self.outputs.append(value)
+            return ("out", len(self.outputs) - 1)
+        if isinstance(value, LastLR):
+            return ("lr", value)
+        if type(value) in (tuple, list):
+            items = [self.template(v, where) for v in value]
+            if all(t[0] == "const" for t in items):
+                return ("const", value)
+            return (type(value).__name__, items)
+        if type(value) is dict:
+            items = {k: self.template(v, where) for k, v in value.items()}
+            if all(t[0] == "const" for t in items.values()):
+                return ("const", value)
+            return ("dict", items)
+        if _holds_traced(value):
+            raise TraceError(
+                f"{where} holds {type(value).__name__} object made while tracing, with traced "
+                "tensors or values inside, which functacc.jit cannot rebuild after each call. "
+                "Fix: keep tensors and numbers there directly (a tensor, a float, a tuple or "
+                "dict of them), or return them and build the object outside the step."
+            )
+        return ("const", value)
+
+    def _collect_writes(self) -> list[Location]:
+        promote: list[Location] = []
+        for location, obj, contents in self.snapshots:
+            if isinstance(obj, list):
+                effect = list_effect(location, contents, obj, self.template)
+                if effect is not None:
+                    self.effects.append(effect)
+                continue
+            fields = obj if isinstance(obj, dict) else vars(obj)
+            keys = list(contents) + [k for k in fields if k not in contents]
+            for key in keys:
+                new, old = fields.get(key, MISSING), contents.get(key, MISSING)
+                written = (id(obj), key) in self._written
+                if new is old and not written:
+                    continue
+                kind = "item" if isinstance(obj, dict) else "attr"
+                target = location.child(kind, key)
+                if self._promotes(target, old, new, (id(obj), key), isinstance(obj, dict)):
+                    promote.append(target)
+                self.effects.append(Effect.assign(target, new, self.template, where=target.label))
+        for root, old in self.root_values:
+            new = root.get()
+            if new is not old:
+                target = Location(root)
+                if self._promotes(target, old, new, None, True):
+                    promote.append(target)
+                self.effects.append(Effect.assign(target, new, self.template, where=target.label))
+        for linked in self.optimizers:
+            for group in linked.optimizer.param_groups:
+                for key in sorted(group.written, key=str):
+                    target = group.location.child("item", key)
+                    new = dict.get(group, key, MISSING)
+                    self.effects.append(
+                        Effect.assign(target, new, self.template, where=target.label)
+                    )
+        return promote
+
+    def _promotes(
+        self, target: Location, old: Any, new: Any, key: tuple | None, always: bool
+    ) -> bool:
+        """A counter (a number the body reads and then writes) is traced symbolically."""
+        numeric = (int, float)
+        if target in self.symbolic_inputs or target in self.pinned:
+            return False
+        if not isinstance(old, numeric) or isinstance(old, bool):
+            return False
+        if not (isinstance(new, (*numeric, SymInt, SymFloat)) and not isinstance(new, bool)):
+            return False
+        return always or key in self._read_first
+
+    # -- optimizers, schedulers and seeds ------------------------------------------------------
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """``opt.step()`` ran (for the position of scheduler steps)."""
+        self.steps_taken[id(optimizer)] = self.steps_taken.get(id(optimizer), 0) + 1
+
+    def overrides(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """Per param group, the hyperparameters the body assigned before this
+        ``opt.step()`` (their new values, which that step uses)."""
+        out = []
+        for group in optimizer.param_groups:
+            written = getattr(group, "written", set())
+            out.append({k: dict.__getitem__(group, k) for k in written if k in group})
+        return out
+
+
+def _put_groups(opt: torch.optim.Optimizer, originals: list[dict]) -> None:
+    opt.param_groups[:] = originals
+
+
+def _holds_traced(value: Any) -> bool:
+    from .python_reach import is_plain_object
+
+    if not is_plain_object(value):
+        return False
+    return any(isinstance(v, (Tensor, *_SYM)) for v in vars(value).values())
