@@ -7,8 +7,11 @@
 - :mod:`.watches`, :mod:`.diagnostics`: what a trace refuses, and errors that name the
   module and the source line;
 - :mod:`.functional`: a module as a pure function of its parameters and buffers;
-- for ``jit``'s eager step bodies: :mod:`.body` runs a body on the engine over the state
-  :mod:`.capture` lifts (with :mod:`.optimizers` tracing ``opt.step()``), refusing outer
-  Python side effects (:mod:`.side_effects`), with donated inputs (:mod:`.donation`) and
-  graph passes (:mod:`.graph_passes`).
+- for ``jit``'s eager step bodies: :mod:`.body` runs a body on the engine (one trace:
+  :mod:`.body_trace`) over the state :mod:`.capture` lifts (with :mod:`.optimizers`
+  tracing ``opt.step()``), with donated inputs (:mod:`.donation`) and graph passes
+  (:mod:`.graph_passes`);
+- the body's Python state (:mod:`.python_state`): where it lives (:mod:`.python_reach`),
+  what one trace reads and writes (:mod:`.python_trace`), what is replayed around each
+  call (:mod:`.python_effects`).
 """

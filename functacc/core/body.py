@@ -90,6 +90,7 @@ class StepBody:
         self.cache = self.engine.cache
         # What the body reads and writes in Python: guarded, fed or replayed.
         self.python = PythonState(fn, capture.optimizers)
+        self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
         # Autocast on the CPU and, where there is one, the GPU: a body may run on either.
         self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")
         self._last_state: list[Tensor | None] = []
@@ -267,6 +268,7 @@ class StepBody:
             capture_graphs = False
         reuse = None if symbolic else self.engine.compiled(fingerprint)
         if reuse is not None:
+            python.rebind(self._plans[fingerprint])  # the generators the compiled graph holds
             program.run = reuse
             self.engine.reused += 1
             self.engine.alias(plan, program)
@@ -274,6 +276,7 @@ class StepBody:
             self.engine.check_budget(plan)
             program.run = self.engine.compile(traced, example, used=used, fingerprint=fingerprint)
             self.engine.keep(plan, program, traced, n_fixed=n_fixed)
+            self._plans[fingerprint] = python
         if capture_graphs:
             # The state's addresses are baked into a capture (a .grad the body replaces
             # every call is captured again); the batch is copied in, and a donated

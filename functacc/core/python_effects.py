@@ -116,6 +116,15 @@ class LastLR:
     def __repr__(self) -> str:
         return f"<learning rate {self.index} of {type(self.scheduler).__name__}, after the step>"
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LastLR) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (id(self.scheduler), self.count, self.index)
+
 
 def _refuse(self: LastLR, *args: Any) -> Any:
     raise TraceError(

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dis
 import enum
 import functools
 import inspect
@@ -86,9 +87,16 @@ _MAX_OBJECTS = 256
 class Root:
     """Where a path starts: a closure cell, a module's global, ``self``."""
 
-    def __init__(self, label: str, get: Callable[[], Any], set_: Callable[[Any], None] | None):
+    def __init__(
+        self,
+        label: str,
+        get: Callable[[], Any],
+        set_: Callable[[Any], None] | None,
+        loaded: bool = True,
+    ):
         self.label = label
         self._get, self._set = get, set_
+        self.loaded = loaded  # the code reads it (not only assigns it)
 
     def get(self) -> Any:
         return self._get()
@@ -188,13 +196,16 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
         roots[("self",)] = Root("self", lambda: owner, None)
     for function in _user_functions(target, owner, seen):
         code = function.__code__
+        loaded = _loaded(code)
         for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
-            roots.setdefault(("cell", id(cell)), _cell_root(name, cell))
+            root = roots.setdefault(("cell", id(cell)), _cell_root(name, cell))
+            root.loaded = root.loaded or name in loaded
         module_globals = function.__globals__
         for name in _names(code):
             if name in module_globals and _watchable(module_globals[name]):
                 key = ("global", id(module_globals), name)
-                roots.setdefault(key, _global_root(name, module_globals))
+                root = roots.setdefault(key, _global_root(name, module_globals))
+                root.loaded = root.loaded or name in loaded
     return list(roots.values())
 
 
@@ -234,6 +245,19 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+def _loaded(code: types.CodeType) -> set[str]:
+    """The global and closure variables a code object (and those nested in it) reads."""
+    names = {
+        i.argval
+        for i in dis.get_instructions(code)
+        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _loaded(const)
+    return names
+
+
 def _is_user(function: types.FunctionType) -> bool:
     module = getattr(function, "__module__", None) or ""
     top = module.split(".")[0]
@@ -254,7 +278,7 @@ def _cell_root(name: str, cell: types.CellType) -> Root:
         else:
             cell.cell_contents = value
 
-    return Root(f"closure variable {name!r}", lambda: _cell_value(cell), set_)
+    return Root(f"closure variable {name!r}", lambda: _cell_value(cell), set_, loaded=False)
 
 
 def _global_root(name: str, module_globals: dict[str, Any]) -> Root:
@@ -265,7 +289,9 @@ def _global_root(name: str, module_globals: dict[str, Any]) -> Root:
             module_globals[name] = value
 
     module = module_globals.get("__name__", "?")
-    return Root(f"global {module}.{name}", lambda: module_globals.get(name, MISSING), set_)
+    return Root(
+        f"global {module}.{name}", lambda: module_globals.get(name, MISSING), set_, loaded=False
+    )
 
 
 def _watchable(value: Any) -> bool:

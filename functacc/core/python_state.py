@@ -85,9 +85,17 @@ class PythonPlan:
 
     def signature(self) -> tuple:
         """What a graph reused for another signature must share: its Python inputs and
-        outputs, and the generators it resets (the compiled graph holds them)."""
-        generators = tuple(id(g) for g, _ in self.generators)
+        outputs, and the states it resets its generators to."""
+        generators = tuple(hash(state.numpy().tobytes()) for _, state in self.generators)
         return (tuple(loc.label for loc in self.fed), self.n_outputs, generators)
+
+    def rebind(self, compiled: PythonPlan) -> None:
+        """This plan runs a graph compiled for ``compiled``'s trace: reset the generators
+        that graph holds (the same states, other objects)."""
+        self.generators = [
+            (g, state)
+            for (g, _), (_, state) in zip(compiled.generators, self.generators, strict=True)
+        ]
 
 
 class PythonState:

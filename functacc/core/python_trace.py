@@ -36,7 +36,7 @@ from .python_effects import (
 )
 from .python_reach import ACTIVE, MISSING, Location, Root, is_scalar, plain_objects, recording
 
-__all__ = ["Recorder", "RecordingGroup", "Retry"]
+__all__ = ["Recorder", "RecordingDict", "RecordingGroup", "Retry"]
 
 _SYM = (SymInt, SymFloat, SymBool)
 
@@ -51,27 +51,20 @@ class Retry(Exception):
         self.promote = promote
 
 
-class RecordingGroup(dict):
-    """An optimizer's param group while the body is traced: reads and writes are noted,
-    and a numeric hyperparameter reads as the value fed to the graph on every call."""
+class RecordingDict(dict):
+    """A dict the body reaches, while it is traced: a copy that notes which entries the
+    body reads (scalars read are guarded) and writes (replayed after each call)."""
 
     def __init__(self, original: dict, location: Location, recorder: Recorder):
         super().__init__(original)
         self.location = location
         self.recorder = recorder
-        self.fed: dict[str, Any] = {}  # key -> the symbolic value (lazily made)
-        self.written: set[str] = set()
-        self.fed_reads: set[str] = set()
+        self.written: set[Any] = set()
 
     def _read(self, key: Any) -> Any:
         value = dict.__getitem__(self, key)
-        if key == "params" or key in self.written or not self.recorder.recording:
-            return value
-        fed = self.recorder.fed_hyperparameter(self, key)
-        if fed is not None:
-            self.fed_reads.add(key)
-            return fed
-        self.recorder.guard(self.location.child("item", key), value)
+        if self.recorder.recording and key not in self.written:
+            self.recorder.item_read(self, key, value)
         return value
 
     def __getitem__(self, key: Any) -> Any:
@@ -80,8 +73,14 @@ class RecordingGroup(dict):
     def get(self, key: Any, default: Any = None) -> Any:
         return self._read(key) if dict.__contains__(self, key) else default
 
+    def __contains__(self, key: object) -> bool:
+        if dict.__contains__(self, key):
+            self._read(key)
+            return True
+        return False
+
     def __setitem__(self, key: Any, value: Any) -> None:
-        if key != "params" and self.recorder.recording:
+        if self.recorder.recording:
             self.written.add(key)
         dict.__setitem__(self, key, value)
 
@@ -91,8 +90,7 @@ class RecordingGroup(dict):
 
     def _read_all(self) -> None:
         for key in list(dict.keys(self)):
-            if key != "params":
-                self._read(key)
+            self._read(key)
 
     def items(self) -> Any:
         self._read_all()
@@ -101,6 +99,36 @@ class RecordingGroup(dict):
     def values(self) -> Any:
         self._read_all()
         return dict.values(self)
+
+
+class RecordingGroup(RecordingDict):
+    """An optimizer's param group while the body is traced: a numeric hyperparameter reads
+    as the value fed to the graph on every call (``params`` is not recorded)."""
+
+    def __init__(self, original: dict, location: Location, recorder: Recorder):
+        super().__init__(original, location, recorder)
+        self.fed: dict[str, Any] = {}  # key -> the symbolic value (lazily made)
+
+    def _read(self, key: Any) -> Any:
+        value = dict.__getitem__(self, key)
+        if key == "params" or key in self.written or not self.recorder.recording:
+            return value
+        fed = self.recorder.fed_hyperparameter(self, key)
+        if fed is not None:
+            return fed
+        self.recorder.guard(self.location.child("item", key), value)
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key == "params":
+            dict.__setitem__(self, key, value)
+        else:
+            super().__setitem__(key, value)
+
+    def _read_all(self) -> None:
+        for key in list(dict.keys(self)):
+            if key != "params":
+                self._read(key)
 
 
 class Recorder:
@@ -129,6 +157,7 @@ class Recorder:
         self._read_first: set[tuple[int, str]] = set()
         self._written: set[tuple[int, str]] = set()
         self._undo: list[Callable[[], None]] = []
+        self._originals: dict[int, Any] = {}  # id(recording copy) -> the dict it stands for
 
     # -- entering and leaving --------------------------------------------------------------
     def __enter__(self) -> Recorder:
@@ -146,7 +175,11 @@ class Recorder:
         self._undo.append(self._put_roots_back)
         for location, obj in self.objects.values():
             if isinstance(obj, dict):
-                self.snapshots.append((location, obj, dict(obj)))
+                copy = RecordingDict(obj, location, self)
+                self._originals[id(copy)] = obj
+                location.set(copy)  # the body reads and writes the copy while traced
+                self._undo.append(lambda location=location, obj=obj: location.set(obj))
+                self.snapshots.append((location, copy, dict(obj)))
             elif isinstance(obj, list):
                 self.snapshots.append((location, obj, list(obj)))
             else:
@@ -155,14 +188,11 @@ class Recorder:
                 if stop is not None:
                     self._undo.append(stop)
         self._undo.append(self._put_contents_back)
-        # Variables and dict entries are read without a trace of it: the scalars the body's
-        # code can name are guarded (a recording object's attributes: only those it reads).
+        # Variables are read without a trace of it: the scalars the body's code loads are
+        # guarded (objects' attributes and dicts' entries: only those it reads).
         for root, value in self.root_values:
-            self.guard(Location(root), value)
-        for location, obj, contents in self.snapshots:
-            if isinstance(obj, dict):
-                for k, v in contents.items():
-                    self.guard(location.child("item", k), v)
+            if root.loaded:
+                self.guard(Location(root), value)
         for location, placeholder in self.symbolic_inputs.items():
             value = placeholder.item()
             self.symbols[value.node.expr] = location
@@ -226,6 +256,11 @@ class Recorder:
         self._read_first.add((id(obj), name))
         if is_scalar(value):
             self.guard(self.objects[id(obj)][0].child("attr", name), value)
+
+    def item_read(self, mapping: RecordingDict, key: Any, value: Any) -> None:
+        """A recording dict's entry was read."""
+        self._read_first.add((id(mapping), key))
+        self.guard(mapping.location.child("item", key), value)
 
     def guard(self, location: Location, value: Any) -> None:
         if is_scalar(value) and location not in self.symbolic_inputs:
@@ -304,17 +339,17 @@ class Recorder:
             fields = obj if isinstance(obj, dict) else vars(obj)
             keys = list(contents) + [k for k in fields if k not in contents]
             for key in keys:
-                new, old = fields.get(key, MISSING), contents.get(key, MISSING)
-                written = (id(obj), key) in self._written
+                new, old = self._original(fields.get(key, MISSING)), contents.get(key, MISSING)
+                written = (id(obj), key) in self._written or key in getattr(obj, "written", ())
                 if new is old and not written:
                     continue
                 kind = "item" if isinstance(obj, dict) else "attr"
                 target = location.child(kind, key)
-                if self._promotes(target, old, new, (id(obj), key), isinstance(obj, dict)):
+                if self._promotes(target, old, new, (id(obj), key), False):
                     promote.append(target)
                 self.effects.append(Effect.assign(target, new, self.template, where=target.label))
         for root, old in self.root_values:
-            new = root.get()
+            new = self._original(root.get())
             if new is not old:
                 target = Location(root)
                 if self._promotes(target, old, new, None, True):
@@ -329,6 +364,10 @@ class Recorder:
                         Effect.assign(target, new, self.template, where=target.label)
                     )
         return promote
+
+    def _original(self, value: Any) -> Any:
+        """The dict a recording copy stands for (the copy itself is no new value)."""
+        return self._originals.get(id(value), value)
 
     def _promotes(
         self, target: Location, old: Any, new: Any, key: tuple | None, always: bool

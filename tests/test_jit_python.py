@@ -1,0 +1,540 @@
+"""``functacc.jit`` against eager where the step body reads or writes Python state.
+
+Each case is a body that keeps state outside tensors — a closure or global float, an
+optimizer's ``param_groups``, a scheduler stepped inside, a seed, a counter on a trainer
+object, a dict or list it writes, a ``torch.Generator`` it seeds, ``loss.item()`` — built
+twice from the same seed: one copy runs through ``functacc.jit``, the other eagerly, call
+by call with the same batches and the same global seed before each call. With
+``backend="eager"`` everything is compared bit for bit after every call: the returned
+values, every parameter, buffer and ``.grad``, the optimizer's ``state_dict()``, the
+global RNG state, and the Python state the case names. Under Inductor the kernels are fused
+and reassociated, so tensors and returned floats are compared within rtol 1e-4 / atol 1e-6
+(float32 rounding of a few ops per element; a stale learning rate, seed or scale shifts the
+loss by percents), and Python integers exactly. Every case gave other numbers than eager,
+silently, before functacc followed Python state (47f8e2f).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_jit import assert_same, tensors_of
+from torch import Tensor, nn
+
+import functacc
+
+SCALE = 1.0  # read by the "global" case's body; the loop changes it between calls
+
+
+@dataclass
+class Case:
+    body: Callable[..., Any]
+    modules: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    state: Callable[[], Any] = lambda: None  # the Python state eager leaves, to compare
+    between: Callable[[int], None] = lambda i: None  # what the loop does before call i
+    batches: list = field(default_factory=list)
+    traces: int | None = 1  # the traces the jitted step may take (None: not checked)
+
+
+def net(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def data(n: int = 4) -> list:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
+
+
+def standard(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor) -> Tensor:
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+class Trainer:
+    """A plain object holding step state, as trainer classes do."""
+
+    def __init__(self) -> None:
+        self.model, self.opt = net()
+        self.calls = 0
+        self.scale = 1.0
+
+
+# -- the cases -----------------------------------------------------------------------------
+def closure_scale() -> Case:
+    model, opt = net()
+    scale = 1.0
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y) * scale
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        nonlocal scale
+        scale = 1.0 + 0.5 * i
+
+    return Case(body, [model], [opt], between=between, batches=data(), traces=2)
+
+
+def global_scale() -> Case:
+    model, opt = net()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y) * SCALE
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        global SCALE
+        SCALE = 1.0 + 0.25 * i
+
+    return Case(body, [model], [opt], between=between, batches=data(), traces=2)
+
+
+def lr_assigned() -> Case:
+    model, opt = net()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.param_groups[0]["lr"] = 0.05
+        return standard(model, opt, x, y)
+
+    lr = lambda: opt.param_groups[0]["lr"]  # noqa: E731
+    return Case(body, [model], [opt], state=lr, between=lambda i: _set_lr(opt, 0.1), batches=data())
+
+
+def _set_lr(opt: torch.optim.Optimizer, value: float) -> None:
+    opt.param_groups[0]["lr"] = value
+
+
+def scheduler_in_body() -> Case:
+    model, opt = net()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        loss = standard(model, opt, x, y)
+        sched.step()
+        return loss
+
+    state = lambda: (opt.param_groups[0]["lr"], sched.last_epoch, sched.get_last_lr())  # noqa: E731
+    return Case(body, [model], [opt], state=state, batches=data())
+
+
+def lr_read() -> Case:
+    model, opt = net()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y) * opt.param_groups[0]["lr"]
+        loss.backward()
+        opt.step()
+        return loss
+
+    return Case(body, [model], [opt], between=lambda i: _set_lr(opt, 0.1 * (i + 1)), batches=data())
+
+
+def seed_in_body() -> Case:
+    model, opt = net()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        torch.manual_seed(0)
+        return standard(model, opt, x, y)
+
+    return Case(body, [model], [opt], batches=data())
+
+
+def counter() -> Case:
+    trainer = Trainer()
+
+    def body(x: Tensor, y: Tensor) -> tuple[Tensor, int]:
+        trainer.calls += 1
+        return standard(trainer.model, trainer.opt, x, y), trainer.calls
+
+    return Case(body, [trainer.model], [trainer.opt], state=lambda: trainer.calls, batches=data())
+
+
+def attribute_write() -> Case:
+    trainer = Trainer()
+
+    def body(x: Tensor, y: Tensor) -> None:
+        loss = standard(trainer.model, trainer.opt, x, y)
+        trainer.last_loss = loss.detach()
+        trainer.last_value = loss.item()
+        trainer.label = "trained"
+
+    def state() -> tuple:
+        return tuple(vars(trainer).get(k) for k in ("last_loss", "last_value", "label"))
+
+    return Case(body, [trainer.model], [trainer.opt], state=state, batches=data())
+
+
+def dict_write() -> Case:
+    model, opt = net()
+    stats: dict[str, Any] = {"n": 0}
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        loss = standard(model, opt, x, y)
+        stats["loss"] = loss.item()
+        stats["n"] += 1
+        return loss
+
+    return Case(body, [model], [opt], state=lambda: dict(stats), batches=data())
+
+
+def generator_in_body() -> Case:
+    model, opt = net()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        g = torch.Generator().manual_seed(5)
+        return standard(model, opt, x + torch.randn(x.shape, generator=g), y)
+
+    return Case(body, [model], [opt], batches=data())
+
+
+def item_returned() -> Case:
+    model, opt = net()
+    return Case(lambda x, y: standard(model, opt, x, y).item(), [model], [opt], batches=data())
+
+
+def list_append() -> Case:
+    model, opt = net()
+    history: list[float] = []
+
+    def body(x: Tensor, y: Tensor) -> None:
+        history.append(standard(model, opt, x, y).item())
+
+    return Case(body, [model], [opt], state=lambda: list(history), batches=data())
+
+
+def counter_branch() -> Case:
+    trainer = Trainer()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        trainer.calls += 1
+        loss = standard(trainer.model, trainer.opt, x, y)
+        return loss * 2 if trainer.calls % 2 == 0 else loss
+
+    # A branch on the counter: its value is guarded, each new one traces (4 calls, 4 values).
+    return Case(
+        body,
+        [trainer.model],
+        [trainer.opt],
+        state=lambda: trainer.calls,
+        batches=data(),
+        traces=None,
+    )
+
+
+def last_lr_returned() -> Case:
+    model, opt = net()
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+
+    def body(x: Tensor, y: Tensor) -> tuple[Tensor, float]:
+        loss = standard(model, opt, x, y)
+        sched.step()
+        return loss, sched.get_last_lr()[0]
+
+    return Case(body, [model], [opt], batches=data())
+
+
+def trainer_method() -> Case:
+    import sys
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import trainer as example
+
+    steps = 50
+    t = example.build(steps)
+    return Case(
+        t.train_step,
+        [t.model],
+        [t.opt],
+        state=lambda: (t.step, t.scheduler.last_epoch, t.opt.param_groups[0]["lr"]),
+        batches=example.batches(steps, batch=16),
+    )
+
+
+WEIGHT = 1.0  # read by a helper the "helper_reads_global" case's body calls
+
+
+def weighted(loss: Tensor) -> Tensor:
+    return loss * WEIGHT
+
+
+def helper_reads_global() -> Case:
+    model, opt = net()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = weighted(F.mse_loss(model(x), y))
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        global WEIGHT
+        WEIGHT = 2.0 - 0.5 * i
+
+    return Case(body, [model], [opt], between=between, batches=data(), traces=2)
+
+
+def attribute_read() -> Case:
+    trainer = Trainer()
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt = trainer.opt
+        opt.zero_grad()
+        loss = F.mse_loss(trainer.model(x), y) * trainer.scale
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        trainer.scale = 1.0 / (i + 1)
+
+    return Case(body, [trainer.model], [trainer.opt], between=between, batches=data(), traces=2)
+
+
+CASES = {
+    f.__name__: f
+    for f in (
+        helper_reads_global,
+        attribute_read,
+        closure_scale,
+        global_scale,
+        lr_assigned,
+        scheduler_in_body,
+        lr_read,
+        seed_in_body,
+        counter,
+        attribute_write,
+        dict_write,
+        generator_in_body,
+        item_returned,
+        list_append,
+        counter_branch,
+        last_lr_returned,
+        trainer_method,
+    )
+}
+
+
+def run_both(name: str, backend: str, compare: Callable[[Any, Any, str], None]) -> Case:
+    global SCALE, WEIGHT
+    SCALE = WEIGHT = 1.0
+    jitted_case, eager_case = CASES[name](), CASES[name]()
+    step = functacc.jit(
+        jitted_case.body,
+        modules=jitted_case.modules,
+        optimizers=jitted_case.optimizers,
+        backend=backend,
+    )
+    for i, batch in enumerate(jitted_case.batches):
+        jitted_case.between(i)
+        torch.manual_seed(100 + i)
+        got = step(*batch)
+        rng = torch.get_rng_state()
+        eager_case.between(i)
+        torch.manual_seed(100 + i)
+        expected = eager_case.body(*batch)
+        assert torch.equal(rng, torch.get_rng_state()), f"call {i}: the RNG advanced differently"
+        compare(got, expected, f"call {i}: returned")
+        compare(jitted_case.state(), eager_case.state(), f"call {i}: Python state")
+        compare(
+            tensors_of(jitted_case.modules, jitted_case.optimizers),
+            tensors_of(eager_case.modules, eager_case.optimizers),
+            f"call {i}: modules and optimizers",
+        )
+    if jitted_case.traces is not None:
+        assert step.num_traces == jitted_case.traces, [t.reason for t in step.traces]
+    return jitted_case
+
+
+def exactly(got: Any, expected: Any, what: str) -> None:
+    got, expected = _detached(got), _detached(expected)
+    if isinstance(got, dict) and set(got) == set(expected) and any(".grad" in k for k in got):
+        assert_same(got, expected)
+        return
+    assert type(got) is type(expected), (what, got, expected)
+    flat_got = torch.utils._pytree.tree_leaves(got)
+    flat_expected = torch.utils._pytree.tree_leaves(expected)
+    assert len(flat_got) == len(flat_expected), (what, got, expected)
+    for a, b in zip(flat_got, flat_expected, strict=True):
+        assert type(a) is type(b), (what, a, b)
+        assert torch.equal(a, b) if isinstance(a, Tensor) else a == b, (what, a, b)
+
+
+def closely(got: Any, expected: Any, what: str) -> None:
+    flat_got = torch.utils._pytree.tree_leaves(_detached(got))
+    flat_expected = torch.utils._pytree.tree_leaves(_detached(expected))
+    assert len(flat_got) == len(flat_expected), (what, got, expected)
+    for a, b in zip(flat_got, flat_expected, strict=True):
+        if isinstance(a, (Tensor, float)) and not isinstance(a, bool):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        else:
+            assert a == b, (what, a, b)
+
+
+def _detached(tree: Any) -> Any:
+    return torch.utils._pytree.tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, tree)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_python_state_matches_eager_bit_for_bit(name: str) -> None:
+    run_both(name, "eager", exactly)
+
+
+# Inductor compiles a torch.Generator into its code as a copy (backends.check_generators):
+# a generator the body seeds cannot be reset there, which is a clear error, not a difference.
+INDUCTOR_REFUSES = {"generator_in_body": "torch.Generator"}
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_python_state_matches_eager_under_inductor(name: str) -> None:
+    if name not in INDUCTOR_REFUSES:
+        run_both(name, "inductor", closely)
+        return
+    case = CASES[name]()
+    before = tensors_of(case.modules, case.optimizers)
+    rng = torch.get_rng_state()
+    step = functacc.jit(case.body, modules=case.modules, optimizers=case.optimizers)
+    with pytest.raises(functacc.TraceError, match=INDUCTOR_REFUSES[name]):
+        step(*case.batches[0])
+    assert_same(tensors_of(case.modules, case.optimizers), before)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+# -- what is an error: nothing changed ---------------------------------------------------------
+class Stats:
+    def __init__(self, loss: Tensor):
+        self.loss = loss
+
+
+def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
+    trainer = Trainer()
+    model, opt = trainer.model, trainer.opt
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    history: list[float] = [0.0]
+
+    def set_state(x: Tensor, y: Tensor) -> Tensor:
+        torch.set_rng_state(torch.get_rng_state())
+        return standard(model, opt, x, y)
+
+    def seed_after_draws(x: Tensor, y: Tensor) -> Tensor:
+        h = model(x)  # dropout draws
+        torch.manual_seed(0)
+        return F.mse_loss(h, y)
+
+    def pops(x: Tensor, y: Tensor) -> Tensor:
+        history.pop()
+        return standard(model, opt, x, y)
+
+    def scheduler_between(x: Tensor, y: Tensor) -> Tensor:
+        standard(model, opt, x, y)
+        sched.step()
+        return standard(model, opt, x, y)
+
+    def computes_with_lr(x: Tensor, y: Tensor) -> Tensor:
+        loss = standard(model, opt, x, y)
+        sched.step()
+        return loss * sched.get_last_lr()[0]
+
+    def stores_object(x: Tensor, y: Tensor) -> None:
+        trainer.stats = Stats(standard(model, opt, x, y))
+
+    def structure(x: Tensor, y: Tensor) -> Tensor:
+        opt.param_groups[0]["nesterov"] = True
+        return standard(model, opt, x, y)
+
+    def seed_from_data(x: Tensor, y: Tensor) -> Tensor:
+        torch.manual_seed(int(x.abs().sum().item()))
+        return standard(model, opt, x, y)
+
+    return {
+        "set_rng_state": (set_state, functacc.TraceError, "set_rng_state"),
+        "seed_after_draws": (seed_after_draws, functacc.TraceError, "after it has drawn"),
+        "list_pop": (pops, functacc.TraceError, "other than by appending"),
+        "scheduler_between": (scheduler_between, functacc.TraceError, "between two steps"),
+        "computes_with_lr": (computes_with_lr, functacc.TraceError, "get_last_lr"),
+        "stores_object": (stores_object, functacc.TraceError, "made while tracing"),
+        "structure": (structure, ValueError, "nesterov"),
+        "seed_from_data": (seed_from_data, functacc.TraceError, "data-dependent"),
+    }, (trainer, sched, history)
+
+
+@pytest.mark.parametrize("name", sorted(refused_bodies()[0]))
+def test_what_cannot_be_replayed_is_a_clear_error_and_changes_nothing(name: str) -> None:
+    bodies, (trainer, sched, history) = refused_bodies()
+    body, error, match = bodies[name]
+    before = tensors_of([trainer.model], [trainer.opt])
+    python = (dict(vars(trainer)), dict(vars(sched)), list(history))
+    rng = torch.get_rng_state()
+    step = functacc.jit(body, modules=[trainer.model], optimizers=[trainer.opt], backend="eager")
+    with pytest.raises(error, match=match):
+        step(*data(1)[0])
+    assert_same(tensors_of([trainer.model], [trainer.opt]), before)
+    assert (dict(vars(trainer)), dict(vars(sched)), list(history)) == python
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+# -- donation --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda s: {"a": s["b"] + 1, "b": s["a"]},  # swapped: each output reads the other input
+        lambda s: {"a": s["a"] + 1, "b": s["a"]},  # an output that is a donated input as is
+        lambda s: {"a": s["a"] * 2, "b": s["a"].view(3)},  # a view of a donated input
+        lambda s: {"a": s["b"] - 1, "b": s["b"].view(3) + s["a"]},
+    ],
+)
+def test_donated_outputs_read_every_input_before_writing(body: Callable) -> None:
+    def state() -> dict[str, Tensor]:
+        return {"a": torch.arange(3.0), "b": torch.full((3,), 10.0)}
+
+    step = functacc.jit(body, donate=(0,), backend="eager")
+    s = state()
+    for _ in range(3):
+        expected = body({k: v.clone() for k, v in s.items()})
+        s = step(s)
+        assert all(torch.equal(s[k], expected[k]) for k in expected), (s, expected)
+
+
+def test_a_donated_tensor_others_still_reach_is_refused_before_the_run() -> None:
+    step = functacc.jit(lambda s: {"a": s["a"] + 1, "b": s["b"] * 2}, donate=(0,), backend="eager")
+    s = {"a": torch.zeros(3), "b": torch.ones(3)}
+    view = s["a"][:2]  # alive: the call would overwrite what it shows
+    with pytest.raises(ValueError, match=r"donated tensor .* is shared"):
+        step(s)
+    assert torch.equal(s["a"], torch.zeros(3)) and torch.equal(view, torch.zeros(2))
+    del view
+    base = torch.zeros(6)
+    with pytest.raises(ValueError, match="is a view of another tensor"):
+        step({"a": base[:3], "b": torch.ones(3)})
+    assert torch.equal(base, torch.zeros(6))
+    w = torch.ones(3, requires_grad=True)
+    a = w * 2
+    kept = a.sin()  # autograd saved a for sin's backward
+    with pytest.raises(ValueError, match="autograd holds it"):
+        step({"a": a, "b": torch.ones(3)})
+    kept.sum().backward()
+    assert torch.equal(w.grad, 2 * torch.cos(2 * torch.ones(3)))
+    out = step(s)  # nothing else holds it now
+    assert torch.equal(out["a"], torch.ones(3))
