@@ -32,6 +32,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_state",
         "core/python_reach",
         "core/python_trace",
+        "core/python_recording",
         "core/python_effects",
         "core/donation",
         "core/graph_passes",

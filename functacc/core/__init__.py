@@ -12,6 +12,6 @@
   tracing ``opt.step()``), with donated inputs (:mod:`.donation`) and graph passes
   (:mod:`.graph_passes`);
 - the body's Python state (:mod:`.python_state`): where it lives (:mod:`.python_reach`),
-  what one trace reads and writes (:mod:`.python_trace`), what is replayed around each
-  call (:mod:`.python_effects`).
+  what one trace reads and writes (:mod:`.python_trace`, :mod:`.python_recording`), what
+  is replayed around each call (:mod:`.python_effects`).
 """

@@ -9,9 +9,8 @@ object, and the same for the functions it defines and the user functions it call
 Those are the *roots*; a :class:`Location` is a root followed by attribute and item steps
 (``self.cfg.scale``, ``state['step']``), read afresh on every call.
 
-Plain objects reached from the roots (a trainer, a config, a ``SimpleNamespace``) are
-recorded exactly while the body is traced: their class is swapped for a subclass that notes
-every attribute read and write (:func:`recording`), and put back afterwards.
+Plain objects and dicts reached from the roots (a trainer, a config, a ``SimpleNamespace``)
+are recorded exactly while the body is traced (:mod:`.python_recording`).
 
 Example:
     >>> config = {"scale": 0.5}
@@ -44,7 +43,6 @@ __all__ = [
     "is_plain_object",
     "is_scalar",
     "plain_objects",
-    "recording",
 ]
 
 
@@ -361,71 +359,3 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
 
 def _containerish(value: Any) -> bool:
     return (type(value) in (dict, list)) or is_plain_object(value)
-
-
-# -- recording an object's attribute reads and writes -----------------------------------------
-class _Recorder:
-    """What a recording object reports to (set while a body is traced)."""
-
-    def read(self, obj: Any, name: str, value: Any) -> None: ...
-
-    def write(self, obj: Any, name: str) -> None: ...
-
-
-ACTIVE: list[_Recorder] = []  # the recorder of the trace in progress (one at a time)
-_RECORDING_CLASSES: dict[type, type] = {}
-
-
-def _recording_class(cls: type) -> type:
-    sub = _RECORDING_CLASSES.get(cls)
-    if sub is not None:
-        return sub
-
-    def __getattribute__(self: Any, name: str) -> Any:
-        value = super(sub, self).__getattribute__(name)
-        if ACTIVE and not name.startswith("__"):
-            ACTIVE[-1].read(self, name, value)
-        return value
-
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        if ACTIVE:
-            ACTIVE[-1].write(self, name)
-        super(sub, self).__setattr__(name, value)
-
-    def __delattr__(self: Any, name: str) -> None:
-        if ACTIVE:
-            ACTIVE[-1].write(self, name)
-        super(sub, self).__delattr__(name)
-
-    namespace = {
-        "__slots__": (),
-        "__getattribute__": __getattribute__,
-        "__setattr__": __setattr__,
-        "__delattr__": __delattr__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-    }
-    try:
-        sub = type(cls)(cls.__name__, (cls,), namespace)
-    except TypeError:  # a final class, or a metaclass that refuses
-        sub = cls
-    _RECORDING_CLASSES[cls] = sub
-    return sub
-
-
-def recording(obj: Any) -> Callable[[], None] | None:
-    """Make ``obj`` report its attribute reads and writes to the active recorder; returns
-    the function that stops it (``None``: this object's class cannot be swapped)."""
-    cls = type(obj)
-    sub = _recording_class(cls)
-    if sub is cls:
-        return None
-    try:
-        obj.__class__ = sub
-    except TypeError:  # __slots__ layouts, or a class that forbids __class__ assignment
-        return None
-
-    def stop() -> None:
-        object.__setattr__(obj, "__class__", cls)
-
-    return stop

@@ -34,9 +34,10 @@ from .python_effects import (
     Template,
     list_effect,
 )
-from .python_reach import ACTIVE, MISSING, Location, Root, is_scalar, plain_objects, recording
+from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
+from .python_recording import ACTIVE, RecordingDict, RecordingGroup, recording
 
-__all__ = ["Recorder", "RecordingDict", "RecordingGroup", "Retry"]
+__all__ = ["Recorder", "Retry"]
 
 _SYM = (SymInt, SymFloat, SymBool)
 
@@ -49,86 +50,6 @@ class Retry(Exception):
     def __init__(self, promote: list[Location]):
         super().__init__([loc.label for loc in promote])
         self.promote = promote
-
-
-class RecordingDict(dict):
-    """A dict the body reaches, while it is traced: a copy that notes which entries the
-    body reads (scalars read are guarded) and writes (replayed after each call)."""
-
-    def __init__(self, original: dict, location: Location, recorder: Recorder):
-        super().__init__(original)
-        self.location = location
-        self.recorder = recorder
-        self.written: set[Any] = set()
-
-    def _read(self, key: Any) -> Any:
-        value = dict.__getitem__(self, key)
-        if self.recorder.recording and key not in self.written:
-            self.recorder.item_read(self, key, value)
-        return value
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._read(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self._read(key) if dict.__contains__(self, key) else default
-
-    def __contains__(self, key: object) -> bool:
-        if dict.__contains__(self, key):
-            self._read(key)
-            return True
-        return False
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if self.recorder.recording:
-            self.written.add(key)
-        dict.__setitem__(self, key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        self.written.add(key)
-        dict.__delitem__(self, key)
-
-    def _read_all(self) -> None:
-        for key in list(dict.keys(self)):
-            self._read(key)
-
-    def items(self) -> Any:
-        self._read_all()
-        return dict.items(self)
-
-    def values(self) -> Any:
-        self._read_all()
-        return dict.values(self)
-
-
-class RecordingGroup(RecordingDict):
-    """An optimizer's param group while the body is traced: a numeric hyperparameter reads
-    as the value fed to the graph on every call (``params`` is not recorded)."""
-
-    def __init__(self, original: dict, location: Location, recorder: Recorder):
-        super().__init__(original, location, recorder)
-        self.fed: dict[str, Any] = {}  # key -> the symbolic value (lazily made)
-
-    def _read(self, key: Any) -> Any:
-        value = dict.__getitem__(self, key)
-        if key == "params" or key in self.written or not self.recorder.recording:
-            return value
-        fed = self.recorder.fed_hyperparameter(self, key)
-        if fed is not None:
-            return fed
-        self.recorder.guard(self.location.child("item", key), value)
-        return value
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if key == "params":
-            dict.__setitem__(self, key, value)
-        else:
-            super().__setitem__(key, value)
-
-    def _read_all(self) -> None:
-        for key in list(dict.keys(self)):
-            if key != "params":
-                self._read(key)
 
 
 class Recorder:

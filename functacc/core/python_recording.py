@@ -1,0 +1,177 @@
+"""Objects and dicts that note what a step body reads and writes while it is traced.
+
+- A plain object reached by the body (a trainer, a config) has its class swapped, for the
+  trace, for a subclass that reports every attribute read and write to the active
+  :class:`~.python_trace.Recorder` (:func:`recording`), and put back afterwards.
+- A dict reached by the body is replaced, for the trace, by a :class:`RecordingDict` copy
+  that reports the entries read and written; an optimizer's param groups by
+  :class:`RecordingGroup`, whose numeric hyperparameters read as the values fed to the
+  graph.
+
+Example:
+    >>> class Config:
+    ...     pass
+    >>> config = Config()
+    >>> stop = recording(config)
+    >>> type(config).__name__, isinstance(config, Config)
+    ('Config', True)
+    >>> stop()
+    >>> type(config) is Config
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .python_reach import Location
+
+__all__ = ["ACTIVE", "RecordingDict", "RecordingGroup", "recording"]
+
+
+class _Recorder:
+    """What a recording object reports to (set while a body is traced)."""
+
+    def read(self, obj: Any, name: str, value: Any) -> None: ...
+
+    def write(self, obj: Any, name: str) -> None: ...
+
+
+ACTIVE: list[_Recorder] = []  # the recorder of the trace in progress (one at a time)
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    sub = _RECORDING_CLASSES.get(cls)
+    if sub is not None:
+        return sub
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        value = super(sub, self).__getattribute__(name)
+        if ACTIVE and not name.startswith("__"):
+            ACTIVE[-1].read(self, name, value)
+        return value
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if ACTIVE:
+            ACTIVE[-1].write(self, name)
+        super(sub, self).__setattr__(name, value)
+
+    def __delattr__(self: Any, name: str) -> None:
+        if ACTIVE:
+            ACTIVE[-1].write(self, name)
+        super(sub, self).__delattr__(name)
+
+    namespace = {
+        "__slots__": (),
+        "__getattribute__": __getattribute__,
+        "__setattr__": __setattr__,
+        "__delattr__": __delattr__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    try:
+        sub = type(cls)(cls.__name__, (cls,), namespace)
+    except TypeError:  # a final class, or a metaclass that refuses
+        sub = cls
+    _RECORDING_CLASSES[cls] = sub
+    return sub
+
+
+def recording(obj: Any) -> Callable[[], None] | None:
+    """Make ``obj`` report its attribute reads and writes to the active recorder; returns
+    the function that stops it (``None``: this object's class cannot be swapped)."""
+    cls = type(obj)
+    sub = _recording_class(cls)
+    if sub is cls:
+        return None
+    try:
+        obj.__class__ = sub
+    except TypeError:  # __slots__ layouts, or a class that forbids __class__ assignment
+        return None
+
+    def stop() -> None:
+        object.__setattr__(obj, "__class__", cls)
+
+    return stop
+
+
+class RecordingDict(dict):
+    """A dict the body reaches, while it is traced: a copy that notes which entries the
+    body reads (scalars read are guarded) and writes (replayed after each call)."""
+
+    def __init__(self, original: dict, location: Location, recorder: Any):
+        super().__init__(original)
+        self.location = location
+        self.recorder = recorder
+        self.written: set[Any] = set()
+
+    def _read(self, key: Any) -> Any:
+        value = dict.__getitem__(self, key)
+        if self.recorder.recording and key not in self.written:
+            self.recorder.item_read(self, key, value)
+        return value
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._read(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._read(key) if dict.__contains__(self, key) else default
+
+    def __contains__(self, key: object) -> bool:
+        if dict.__contains__(self, key):
+            self._read(key)
+            return True
+        return False
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self.recorder.recording:
+            self.written.add(key)
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self.written.add(key)
+        dict.__delitem__(self, key)
+
+    def _read_all(self) -> None:
+        for key in list(dict.keys(self)):
+            self._read(key)
+
+    def items(self) -> Any:
+        self._read_all()
+        return dict.items(self)
+
+    def values(self) -> Any:
+        self._read_all()
+        return dict.values(self)
+
+
+class RecordingGroup(RecordingDict):
+    """An optimizer's param group while the body is traced: a numeric hyperparameter reads
+    as the value fed to the graph on every call (``params`` is not recorded)."""
+
+    def __init__(self, original: dict, location: Location, recorder: Any):
+        super().__init__(original, location, recorder)
+        self.fed: dict[str, Any] = {}  # key -> the symbolic value (lazily made)
+
+    def _read(self, key: Any) -> Any:
+        value = dict.__getitem__(self, key)
+        if key == "params" or key in self.written or not self.recorder.recording:
+            return value
+        fed = self.recorder.fed_hyperparameter(self, key)
+        if fed is not None:
+            return fed
+        self.recorder.guard(self.location.child("item", key), value)
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key == "params":
+            dict.__setitem__(self, key, value)
+        else:
+            super().__setitem__(key, value)
+
+    def _read_all(self) -> None:
+        for key in list(dict.keys(self)):
+            if key != "params":
+                self._read(key)
