@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import abc
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +48,12 @@ def _recording_class(cls: type) -> type:
     sub = _RECORDING_CLASSES.get(cls)
     if sub is not None:
         return sub
+    if type(cls) not in (type, abc.ABCMeta) or inspect.ismethod(cls.__init_subclass__):
+        # A metaclass or an __init_subclass__ of the user's own could react to a new
+        # subclass (a registry): such objects are not swapped (their scalars are all
+        # guarded instead, see python_trace.Recorder).
+        _RECORDING_CLASSES[cls] = cls
+        return cls
 
     def __getattribute__(self: Any, name: str) -> Any:
         value = super(sub, self).__getattribute__(name)

@@ -220,6 +220,8 @@ class PythonState:
     def before_run(self, plan: PythonPlan) -> Replay:
         """Seeds, generator states and scheduler steps that come before the graph. The
         returned :class:`Replay` undoes them if the run fails, and does the rest after it."""
+        if plan.empty:  # the common case: nothing to do around the graph, nothing to undo
+            return _QUIET
         replay = Replay(plan)
         if plan.seeds or plan.generators:
             replay.undo.rng()
@@ -343,3 +345,6 @@ def _set_rng(state: Tensor, cuda: list[Tensor] | None) -> None:
     torch.set_rng_state(state)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
+
+
+_QUIET = Replay(PythonPlan())  # the replay of every plan with nothing around its graph

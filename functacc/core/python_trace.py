@@ -79,6 +79,7 @@ class Recorder:
         self._written: set[tuple[int, str]] = set()
         self._undo: list[Callable[[], None]] = []
         self._originals: dict[int, Any] = {}  # id(recording copy) -> the dict it stands for
+        self._unrecorded: set[int] = set()  # objects whose class could not be swapped
 
     # -- entering and leaving --------------------------------------------------------------
     def __enter__(self) -> Recorder:
@@ -108,6 +109,10 @@ class Recorder:
                 stop = recording(obj)
                 if stop is not None:
                     self._undo.append(stop)
+                else:  # its reads cannot be seen: every scalar it holds is guarded
+                    self._unrecorded.add(id(obj))
+                    for k, v in vars(obj).items():
+                        self.guard(location.child("attr", k), v)
         self._undo.append(self._put_contents_back)
         # Variables are read without a trace of it: the scalars the body's code loads are
         # guarded (objects' attributes and dicts' entries: only those it reads).
@@ -266,7 +271,7 @@ class Recorder:
                     continue
                 kind = "item" if isinstance(obj, dict) else "attr"
                 target = location.child(kind, key)
-                if self._promotes(target, old, new, (id(obj), key), False):
+                if self._promotes(target, old, new, (id(obj), key), id(obj) in self._unrecorded):
                     promote.append(target)
                 self.effects.append(Effect.assign(target, new, self.template, where=target.label))
         for root, old in self.root_values:
