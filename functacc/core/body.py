@@ -56,6 +56,7 @@ class BodyProgram(Program):
     fingerprint: tuple = ()
     donated: list[int] = field(default_factory=list)  # batch inputs whose memory is reused
     n_grads: int = 0  # the new .grad tensors (the body's Python outputs follow them)
+    numbers: list[tuple[int, type]] = field(default_factory=list)  # Python outputs: numbers
     python: PythonPlan = field(default_factory=PythonPlan)  # what runs before and after
 
 
@@ -141,7 +142,9 @@ class StepBody:
             raise
         grads_end = program.n_out + program.n_grads
         self.capture.apply_exit(program.exit, outputs[program.n_out : grads_end])
-        python_outputs = outputs[grads_end:]
+        python_outputs = list(outputs[grads_end:])
+        for k, kind in program.numbers:
+            python_outputs[k] = kind(python_outputs[k].item())
         replay.after(python_outputs)
         return self._outputs(program, outputs, tensors, python_outputs, replay.lrs)
 
@@ -227,7 +230,7 @@ class StepBody:
             break
         else:
             raise TraceError(f"{self.engine.cache.what}: its Python state kept changing shape")
-        python = self.python.finish(body.recorder, fed)
+        python = self.python.finish(body.recorder, fed, traced.number_guard)
         self.python.generator_resets(python, traced.graph, known)
         plan.key, plan.family = keys()  # with the guards this trace found
         drop_unread_ops(traced.graph)
@@ -238,7 +241,10 @@ class StepBody:
         fingerprint = graph_fingerprint(
             traced.graph,
             [(input_names[i] if i < n_fixed else f"batch {i - n_fixed}") for i in used],
-            [TensorSpec.of(example[i]) for i in used],
+            [
+                TensorSpec.of(e) if _is_t(e) else type(e).__name__
+                for e in (example[i] for i in used)
+            ],
             (body.exit.signature(), body.out_spec, _kinds_key(body.kinds), python.signature()),
         )
         program = BodyProgram(
@@ -252,6 +258,7 @@ class StepBody:
             fingerprint=fingerprint,
             donated=donated_targets(body.kinds),
             n_grads=body.n_grads,
+            numbers=body.numbers,
             python=python,
         )
         symbolic = traced.fakes is not None

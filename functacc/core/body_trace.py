@@ -29,6 +29,9 @@ from .python_trace import Recorder
 __all__ = ["TracedBody", "known_generators"]
 
 
+_NUMBER_KINDS = {torch.SymFloat: (float, torch.float64), torch.SymInt: (int, torch.int64)}
+
+
 class TracedBody:
     """``body(*state, *fed, *batch) -> (*returned, *new_grads, *python_values)``."""
 
@@ -58,6 +61,7 @@ class TracedBody:
         self.kinds: list[Any] = []
         self.n_out = 0
         self.n_grads = 0
+        self.numbers: list[tuple[int, type]] = []  # Python outputs that are numbers, by kind
 
     def __call__(self, *flat: Tensor) -> tuple[Any, ...]:
         n_fixed = self.n_state + len(self.fed)
@@ -81,7 +85,17 @@ class TracedBody:
             new_grads = [g.detach() for g in exit_.traced_grads]
             exit_.traced_grads = []
             self.n_out, self.n_grads = len(produced), len(new_grads)
-            return (*produced, *new_grads, *recorder.outputs)
+            # A Python number the graph computes (loss.item(), a counter) leaves it as a
+            # 0-dim tensor (Inductor returns tensors) and is made a number after the run.
+            python = []
+            self.numbers = []
+            for k, value in enumerate(recorder.outputs):
+                if not isinstance(value, Tensor):
+                    kind = _NUMBER_KINDS.get(type(value), (bool, torch.bool))
+                    self.numbers.append((k, kind[0]))
+                    value = torch.scalar_tensor(value, dtype=kind[1])
+                python.append(value)
+            return (*produced, *new_grads, *python)
 
     def _returned(self, out: list, free: dict[int, Tensor]) -> list[Tensor]:
         """The kinds of the returned leaves, and the tensors among them that are outputs.

@@ -24,7 +24,7 @@ from ..errors import argument_error
 from .diagnostics import describe_tensor
 from .functional import check_dense_gradients, swap_attributes
 from .model_watch import HookWatch, ModelWatch, StructureWatch
-from .optimizers import LinkedOptimizer, TracedOptimizer
+from .optimizers import TracedOptimizer, link_optimizer, trace_optimizer
 
 __all__ = ["Capture", "Exit", "GradExit"]
 
@@ -100,7 +100,7 @@ class Capture:
         )
         names = {id(p): n for n, p in self.params.items()}
         self.optimizers = [
-            LinkedOptimizer(opt, names, label)
+            link_optimizer(opt, names, label)
             for opt, label in zip(optimizers, optimizer_labels, strict=True)
         ]
         # Under torchrun: what backward() does with gradients over the ranks
@@ -236,7 +236,7 @@ class Capture:
         for opt in self.optimizers:
             paths, _ = opt.leaves()
             placeholders = [by_name[f"{opt.label}{path}"] for path in paths]
-            traced_opts.append(TracedOptimizer(opt, placeholders, leaves.__getitem__, python))
+            traced_opts.append(trace_optimizer(opt, placeholders, leaves.__getitem__, python))
         if python is not None:
             for i, traced in enumerate(traced_opts):
                 for j, hyper in enumerate(traced.hyperparameters()):

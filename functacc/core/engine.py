@@ -145,7 +145,7 @@ class Engine:
             **options,
         )
         plan.traced_at = time.perf_counter()
-        plan.devices = frozenset(t.device for t in example if t.is_cuda)
+        plan.devices = frozenset(t.device for t in example if isinstance(t, Tensor) and t.is_cuda)
         return traced
 
     # -- 4. compile -----------------------------------------------------------------------
@@ -166,10 +166,11 @@ class Engine:
         """Compile the traced graph (after the front door's transforms) over ``example``,
         or over the inputs at ``used`` where the graph reads only those."""
         fakes = traced.fakes
-        if fakes is None and traced.fake_mode is not None and host_scalars(traced.graph):
-            # Python numbers read from tensors are symbols of the trace's fake mode: the
-            # graph compiles in it (static shapes).
-            fakes = [traced.fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example]
+        numbers = any(not isinstance(t, Tensor) for t in example)
+        if fakes is None and (numbers or host_scalars(traced.graph)):
+            # Python numbers (inputs, or read from tensors) are symbols of the trace's fake
+            # mode: the graph compiles in it, from the fakes it was traced with.
+            fakes = list(traced.example_fakes)
         if used is not None:
             example = [example[i] for i in used]
             fakes = None if fakes is None else [fakes[i] for i in used]

@@ -23,7 +23,29 @@ from ..errors import argument_error
 from ..optim._torch import TorchOptimizerLink, _check_supported
 from ..optim._transform import step_params
 
-__all__ = ["LinkedOptimizer"]
+__all__ = ["LinkedOptimizer", "TracedOptimizer", "link_optimizer", "trace_optimizer"]
+
+
+def link_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str) -> Any:
+    """The live state of one optimizer of a jitted step: functacc's pure twin for SGD, Adam
+    and AdamW (:class:`LinkedOptimizer`), the optimizer's own ``step()`` traced for any
+    other (:class:`~functacc.core.own_step.OwnStepLink`)."""
+    from ..optim._torch import SUPPORTED
+    from .own_step import OwnStepLink, check_traceable
+
+    if type(optimizer) in SUPPORTED:
+        return LinkedOptimizer(optimizer, names, label)
+    check_traceable(optimizer, names, label)
+    return OwnStepLink(optimizer, names, label)
+
+
+def trace_optimizer(linked: Any, placeholders: list[Tensor], leaf_of: Callable, python: Any) -> Any:
+    """The optimizer while its body is traced (see :func:`link_optimizer`)."""
+    from .own_step import OwnStepLink, OwnStepTrace
+
+    if isinstance(linked, OwnStepLink):
+        return OwnStepTrace(linked, placeholders, leaf_of, python)
+    return TracedOptimizer(linked, placeholders, leaf_of, python)
 
 
 class LinkedOptimizer:
@@ -157,9 +179,18 @@ class TracedOptimizer:
         # in param_groups before step() are the ones that step uses.
         self.python = python
 
-    def hyperparameters(self) -> list[dict[str, Tensor]]:
-        """Per param group, the hyperparameter inputs of the graph (lr, betas, ...)."""
-        return [dict(getattr(s, "hyperparams", None) or {}) for s in self.state]
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Per param group, the graph's inputs for its ``param_groups`` entries (as
+        :meth:`OwnStepTrace.hyperparameters <functacc.core.own_step.OwnStepTrace>` gives
+        them): ``("number", t)``, or ``("numbers", (t1, t2))`` for ``betas``."""
+        out = []
+        for s in self.state:
+            hyper = dict(getattr(s, "hyperparams", None) or {})
+            group = {k: ("number", t) for k, t in hyper.items() if k not in ("beta1", "beta2")}
+            if "beta1" in hyper:
+                group["betas"] = ("numbers", (hyper["beta1"], hyper["beta2"]))
+            out.append(group)
+        return out
 
     def __enter__(self) -> TracedOptimizer:
         opt = self.linked.optimizer

@@ -167,6 +167,9 @@ class RecordingGroup(RecordingDict):
         value = dict.__getitem__(self, key)
         if key == "params" or key in self.written or not self.recorder.recording:
             return value
+        fed = self.recorder.fed_group_entry(self, key, value)
+        if fed is not None:
+            return fed
         fed = self.recorder.fed_hyperparameter(self, key)
         if fed is not None:
             return fed

@@ -37,7 +37,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .python_effects import SchedulerEvent, Seed, build
 from .python_reach import MISSING, Location, Root, find_roots
-from .python_trace import Recorder, Retry
+from .python_trace import Recorder, Retry, groups_root
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry"]
 
@@ -109,6 +109,9 @@ class PythonState:
         self.pinned: set[Location] = set()  # fed once, but branched on: guarded for good
         self.traced_values: dict[Location, Any] = {}
         self._recorder: Recorder | None = None
+        # Per trace with fed numbers it branched on: that condition, over the fed locations.
+        self.branches: list[tuple[Callable[[dict], bool], list[Location]]] = []
+        self._branch_keys: set[tuple] = set()
 
     # -- per call ------------------------------------------------------------------------
     def key(self) -> tuple:
@@ -118,10 +121,17 @@ class PythonState:
             return ()
         guarded = tuple((loc.label, Exact(loc.get())) for loc in self.guards)
         fed = tuple((loc.label, ("fed", type(loc.get()).__name__)) for loc in self.fed)
-        return guarded + fed
+        if not self.branches:
+            return guarded + fed
+        # Each trace's branches on fed numbers (if self.step % 100 == 0): which hold now.
+        held = tuple(
+            check({f"t{i}": loc.get() for i, loc in enumerate(locs)})
+            for check, locs in self.branches
+        )
+        return (*guarded, *fed, ("branches on fed numbers", held))
 
-    def inputs(self, plan: PythonPlan | None = None) -> list[Tensor]:
-        """The fed values now, as the graph's 0-dim inputs."""
+    def inputs(self, plan: PythonPlan | None = None) -> list[int | float]:
+        """The fed values now: the graph's Python-number inputs."""
         return [_as_input(loc.get()) for loc in (plan.fed if plan is not None else self.fed)]
 
     # -- tracing -------------------------------------------------------------------------
@@ -133,6 +143,12 @@ class PythonState:
             if loc not in self.pinned and _numeric(value) and _numeric(before) and value != before:
                 del self.guards[loc]
                 self.fed[loc] = None
+        for linked in self.optimizers:  # an optimizer traced whole: its numbers are fed
+            numbers = getattr(linked, "numbers", None)
+            for loc in numbers(groups_root(linked)) if numbers is not None else ():
+                if loc not in self.pinned:
+                    self.fed.setdefault(loc, None)
+                    self.guards.pop(loc, None)
         for loc in list(self.fed):
             if not _numeric(loc.get()):
                 del self.fed[loc]
@@ -161,6 +177,14 @@ class PythonState:
         if not symbols or recorder is None:
             return False
         branched = {recorder.symbols[s] for s in symbols if s in recorder.symbols}
+        # A number an optimizer keeps in a tensor (its step count) that its step() branches
+        # on: fed from now on as a number (its siblings too), so the branch is a guard.
+        scalars = {s for loc in branched for s in getattr(loc, "siblings", ())} - set(self.fed)
+        for loc in scalars:
+            self.fed[loc] = None
+        branched = {loc for loc in branched if not hasattr(loc, "siblings")}
+        if scalars:
+            return True
         if not branched or branched <= self.pinned:
             return False
         for loc in branched:
@@ -168,8 +192,18 @@ class PythonState:
             self.pinned.add(loc)
         return True
 
-    def finish(self, recorder: Recorder, fed: list[Location]) -> PythonPlan:
-        """After a successful trace: keep its guards, and plan its Python side."""
+    def finish(
+        self, recorder: Recorder, fed: list[Location], branches: str | None = None
+    ) -> PythonPlan:
+        """After a successful trace: keep its guards and the condition on the fed numbers
+        it branched on (``branches``, over ``t0, t1, ...`` in ``fed``'s order), and plan its
+        Python side."""
+        if branches and (branches, tuple(fed)) not in self._branch_keys:
+            from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+            self._branch_keys.add((branches, tuple(fed)))
+            check = eval(f"lambda L: bool({branches})", dict(SYMPY_INTERP))
+            self.branches.append((check, list(fed)))
         for loc, value in recorder.guards.items():
             self.guards.setdefault(loc, None)
             self.traced_values[loc] = value
@@ -284,11 +318,10 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _as_input(value: Any) -> Tensor:
+def _as_input(value: Any) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"a fed Python value must be an int or a float; got {value!r}")
-    dtype = torch.int64 if isinstance(value, int) else torch.float64
-    return torch.tensor(value, dtype=dtype)
+    return value
 
 
 def _data_dependent_symbols(exc: BaseException) -> set:

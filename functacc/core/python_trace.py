@@ -37,7 +37,7 @@ from .python_effects import (
 from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, recording
 
-__all__ = ["Recorder", "Retry"]
+__all__ = ["Recorder", "Retry", "groups_root"]
 
 _SYM = (SymInt, SymFloat, SymBool)
 
@@ -119,14 +119,14 @@ class Recorder:
         for root, value in self.root_values:
             if root.loaded:
                 self.guard(Location(root), value)
-        for location, placeholder in self.symbolic_inputs.items():
-            value = placeholder.item()
+        for location, value in self.symbolic_inputs.items():  # a fed number: its symbol
             self.symbols[value.node.expr] = location
-            location.set(value)
+            if not _in_groups(location):  # param_groups' are given by the recording groups
+                location.set(value)
         for linked in self.optimizers:
             opt = linked.optimizer
             originals = list(opt.param_groups)
-            root = Root(f"{linked.label}.param_groups", lambda opt=opt: opt.param_groups, None)
+            root = groups_root(linked)
             opt.param_groups[:] = [
                 RecordingGroup(g, Location(root, (("item", i),)), self)
                 for i, g in enumerate(originals)
@@ -192,24 +192,42 @@ class Recorder:
         if is_scalar(value) and location not in self.symbolic_inputs:
             self.guards.setdefault(location, value)
 
-    def fed_hyperparameter(self, group: RecordingGroup, key: str) -> Any:
-        """The value of ``group[key]`` fed to the graph (the hyperparameter tensor's
-        ``.item()``), or ``None`` where it stays a guarded constant."""
+    def fed_group_entry(self, group: Any, key: str, value: Any) -> Any:
+        """The fed number(s) standing for ``group[key]`` (an optimizer traced whole), or
+        ``None``."""
+        location = group.location.child("item", key)
+        fed = self.symbolic_inputs.get(location)
+        if fed is not None:
+            return fed
+        if type(value) in (tuple, list) and value:
+            parts = [self.symbolic_inputs.get(location.child("item", j)) for j in range(len(value))]
+            if all(p is not None for p in parts):
+                return type(value)(parts)
+        return None
+
+    def fed_hyperparameter(self, group: Any, key: str) -> Any:
+        """The value of ``group[key]`` fed to the graph (the ``.item()`` of its input, or
+        the input itself for a tensor entry), or ``None`` where it stays a guarded
+        constant."""
         if key in group.fed:
             return group.fed[key]
         location = group.location.child("item", key)
         opt_index, group_index = self._group_index(group)
-        inputs = self.hyper.get((opt_index, group_index), {})
-        names = ("beta1", "beta2") if key == "betas" else (key,)
-        if location in self.pinned or not all(n in inputs for n in names):
+        entry = self.hyper.get((opt_index, group_index), {}).get(key)
+        if entry is None or location in self.pinned:
             return None
-        values = []
-        for n in names:
-            value = inputs[n].item()
-            self.symbols[value.node.expr] = location
-            values.append(value)
-        group.fed[key] = tuple(values) if key == "betas" else values[0]
-        return group.fed[key]
+        kind, inputs = entry
+        if kind == "tensor":
+            value: Any = inputs
+        else:
+            values = []
+            for t in inputs if kind == "numbers" else (inputs,):
+                v = t.item()
+                self.symbols[v.node.expr] = location
+                values.append(v)
+            value = tuple(values) if kind == "numbers" else values[0]
+        group.fed[key] = value
+        return value
 
     def _group_index(self, group: RecordingGroup) -> tuple[int, int]:
         for i, linked in enumerate(self.optimizers):
@@ -321,6 +339,22 @@ class Recorder:
             written = getattr(group, "written", set())
             out.append({k: dict.__getitem__(group, k) for k in written if k in group})
         return out
+
+
+def groups_root(linked: Any) -> Root:
+    """The root of an optimizer's ``param_groups`` locations: one per optimizer, so that a
+    guard or a fed value found by one trace is the same location in the next."""
+    root = getattr(linked, "_groups_root", None)
+    if root is None:
+        opt = linked.optimizer
+        root = Root(f"{linked.label}.param_groups", lambda: opt.param_groups, None)
+        linked._groups_root = root
+    return root
+
+
+def _in_groups(location: Any) -> bool:
+    root = getattr(location, "root", None)
+    return root is not None and root.label.endswith(".param_groups")
 
 
 def _put_groups(opt: torch.optim.Optimizer, originals: list[dict]) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -51,8 +52,12 @@ class Traced:
         self.fakes = fakes
         self.guard = guard
         # The fake mode of the trace: a graph whose Python numbers came from tensors
-        # (``.item()``: unbacked symbols) is compiled in it, where those symbols live.
+        # (``.item()``: unbacked symbols) or are inputs is compiled in it, where those
+        # symbols live, from the very fakes it was traced with.
         self.fake_mode = fake_mode
+        self.example_fakes: list[Any] = []
+        # The condition over the Python-number inputs under which the graph holds.
+        self.number_guard: str | None = None
 
 
 def trace(
@@ -92,8 +97,10 @@ def trace(
         >>> [n.target.__name__ for n in traced.graph.graph.nodes if n.op == "call_function"]
         ['sin.default', 'mul.Tensor']
     """
-    devices = sorted({t.device.index or 0 for t in example_inputs if t.is_cuda})
-    detached = [t.detach() for t in example_inputs]
+    devices = sorted({t.device.index or 0 for t in example_inputs if _tensor(t) and t.is_cuda})
+    # Python numbers among the inputs (a counter, a scale the body reads) are traced as
+    # symbols with their value as hint: a branch on one is a guard (Traced.number_guard).
+    detached = [t.detach() if _tensor(t) else t for t in example_inputs]
     symbolic = dynamic is not None and any(dynamic)
     try:
         with contextlib.ExitStack() as stack:
@@ -125,7 +132,6 @@ def _trace(
     functional: bool,
     strict: bool,
 ) -> Traced:
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     # fork_rng: the first make_fx of a process draws from the global generator while it
@@ -133,10 +139,16 @@ def _trace(
     # turns autograd on where it differentiates; an eager body sets the caller's mode.
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         if dynamic is None:
-            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=not strict)
-            fakes = [mode.from_tensor(t, static_shapes=True) for t in detached]
+            mode = _FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=not strict)
+            fakes = [
+                mode.from_tensor(t, static_shapes=True) if _tensor(t) else _number(mode, t, i)
+                for i, t in enumerate(detached)
+            ]
             graph = _make_fx(fn, fakes, "fake", functional, strict)
-            return Traced(graph, None, None, mode)
+            traced = Traced(graph, None, None, mode)
+            traced.example_fakes = fakes
+            traced.number_guard = _number_guard(mode.shape_env, fakes)
+            return traced
         fakes = symbolic_fakes(detached, dynamic, strict=strict)
         with _eager_dropout():
             graph = _make_fx(fn, fakes, "symbolic", functional, strict)
@@ -145,7 +157,36 @@ def _trace(
     # Guards over the inputs with symbolic dimensions only (named t0, t1, ... in that
     # order); the static dimensions are checked exactly by the caller.
     guard = shape_env.produce_guards_expression(dynamic_fakes)
-    return Traced(graph, fakes, guard, fakes[0].fake_mode)
+    traced = Traced(graph, fakes, guard, fakes[0].fake_mode)
+    traced.example_fakes = fakes
+    traced.number_guard = _number_guard(shape_env, fakes)
+    return traced
+
+
+def _tensor(value: Any) -> bool:
+    return isinstance(value, Tensor)
+
+
+def _number(mode: Any, value: float, index: int) -> Any:
+    """A symbol of ``mode``'s shape environment standing for the Python number ``value``
+    (its hint): the graph takes the number as an input."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    env, source = mode.shape_env, LocalSource(f"number{index}")
+    symbol = env.create_unspecified_symbol(value, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+    if isinstance(value, float):
+        return env.create_symfloatnode(symbol, hint=value, source=source)
+    return env.create_symintnode(symbol, hint=value, source=source)
+
+
+def _number_guard(shape_env: Any, fakes: Sequence[Any]) -> str | None:
+    """The condition, over the Python-number inputs (named ``t0, t1, ...`` in order), under
+    which the graph holds (its branches on them)."""
+    numbers = [f for f in fakes if isinstance(f, (torch.SymInt, torch.SymFloat))]
+    if not numbers:
+        return None
+    return shape_env.produce_guards_expression(numbers) or None
 
 
 def _make_fx(
@@ -156,14 +197,34 @@ def _make_fx(
     # an eager body marks its parameters as requiring grad and sets their .grad, which the
     # second pass must not see.
     first = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
-        *[f.detach() for f in fakes]
+        *[f.detach() if _tensor(f) else f for f in fakes]
     )
     if not functional:
         return first
     pure = torch.func.functionalize(first, remove="mutations")
     return make_fx(pure, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
-        *[f.detach() for f in fakes]
+        *[f.detach() if _tensor(f) else f for f in fakes]
     )
+
+
+# Ops whose kernel returns one tensor in two output slots: oneDNN's LSTM backward gives the
+# two biases (b_ih, b_hh) one gradient. The fake-tensor cache rebuilds each output of a hit
+# on its own, so a trace served from the cache (a later trace of the same shapes, in any
+# step of the process) would see two tensors where the first saw one: autograd's AccumulateGrad then keeps both
+# where eager copies one (eager's two .grad are distinct), and the two traces make two
+# graphs, hence a second trace and compile of the same step. These ops are never cached.
+_REPEATED_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
+
+
+class _FakeTensorMode(FakeTensorMode):
+    """A ``FakeTensorMode`` that runs the meta kernel of every op in ``_REPEATED_OUTPUTS``
+    afresh instead of serving it from the fake-tensor cache, so that every trace sees one
+    tensor where eager's kernel returns one."""
+
+    def _validate_cache_key(self, func: Any, args: Any, kwargs: Any) -> None:
+        if func in _REPEATED_OUTPUTS:
+            raise _BypassDispatchCache("an output slot repeats another")
+        super()._validate_cache_key(func, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -185,7 +246,6 @@ def symbolic_fakes(
 ) -> list[Tensor]:
     """Fake copies of ``inputs`` whose dimensions listed in ``dynamic`` are symbols."""
     from torch._dynamo.source import LocalSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,
         ShapeEnv,
@@ -194,10 +254,13 @@ def symbolic_fakes(
 
     # No duck sizing: a batch of 8 sequences of length 8 must not tie the two dimensions
     # together; equal sizes that the model relates are discovered as guards instead.
-    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=not strict)
+    mode = _FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=not strict)
     fakes = []
     source_index = 0
-    for t, dims in zip(inputs, dynamic, strict=True):
+    for i, (t, dims) in enumerate(zip(inputs, dynamic, strict=True)):
+        if not _tensor(t):
+            fakes.append(_number(mode, t, i))
+            continue
         if not dims:
             fakes.append(mode.from_tensor(t, static_shapes=True))
             continue

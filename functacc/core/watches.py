@@ -29,6 +29,23 @@ _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not c
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
 
+# Caches torch's own modules rebuild in their forward whenever the tensors they were built
+# from are not the module's own (the trace swaps in its inputs): ``RNNBase`` keeps its
+# weights as a list for ``_VF.lstm`` & co. and weak references to check them against.
+# Torch's state, not the user's: put back after the trace (it then holds the trace's fake
+# tensors), neither an error nor part of the signature.
+_TORCH_CACHES: tuple[tuple[type[nn.Module], frozenset[str]], ...] = (
+    (nn.RNNBase, frozenset({"_flat_weights", "_flat_weight_refs"})),
+)
+
+
+def _torch_caches(module: nn.Module) -> frozenset[str]:
+    """The attributes of ``module`` that torch itself keeps as a cache (see ``_TORCH_CACHES``)."""
+    for kind, names in _TORCH_CACHES:
+        if isinstance(module, kind):
+            return names
+    return frozenset()
+
 
 class AttributeWatch:
     """Refuses a forward that changes the model's Python attributes.
@@ -38,7 +55,8 @@ class AttributeWatch:
     ``self.last = out.mean()`` would be a tracing placeholder, not a value. Eager runs them
     every step, so both are errors (the attributes are put back). Setting an attribute
     that was ``None`` or absent to a non-tensor (a lazily built cache) happens once in
-    eager too, and is allowed.
+    eager too, and is allowed. The caches torch's own modules rebuild when the trace swaps
+    their tensors (``nn.LSTM``'s ``_flat_weights``) are put back without an error.
     """
 
     def __init__(self, model: nn.Module):
@@ -55,15 +73,17 @@ class AttributeWatch:
         for name, module in self.model.named_modules():
             before = self.before.get(name, {})
             attrs = vars(module)
+            caches = _torch_caches(module)
             for k, v in list(attrs.items()):
                 if k in _MODULE_INTERNALS:
                     continue
                 old, size = before.get(k, (None, None))
                 if k in before and v is old and _size(v) == size:
                     continue  # unchanged (an in-place container edit changes its size)
-                if old is None and not isinstance(v, Tensor):
+                if old is None and not isinstance(v, Tensor) and k not in caches:
                     continue  # a lazily built cache: set once, in eager too
-                changed.append(f"{name}.{k}" if name else k)
+                if k not in caches:
+                    changed.append(f"{name}.{k}" if name else k)
                 if k in before:
                     attrs[k] = old
                 else:

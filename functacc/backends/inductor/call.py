@@ -103,7 +103,7 @@ def _wrappers_idle(gm: GraphModule, example_inputs: Sequence[Any]) -> bool:
     storages: set[int] = set()
     for value in example_inputs:
         if not isinstance(value, Tensor):
-            continue
+            return False  # Python numbers: the wrappers pass them as the generated code expects
         if type(value) not in (Tensor, torch.nn.Parameter) or value.layout != torch.strided:
             return False
         # CPU only: a CUDA step replays a captured CUDA graph, where the wrappers' Python

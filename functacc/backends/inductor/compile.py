@@ -22,6 +22,7 @@ from ...errors import TraceError
 from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
 from .call import direct_call
+from .floats import floats_as_tensors, no_tensorify
 from .independent_loops import independent_loops_nowait
 from .input_checks import input_checks_first
 
@@ -66,7 +67,7 @@ def compile_inductor(
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     options = {}
-    if all(t.device.type == "cpu" for t in example_inputs):
+    if all(t.device.type == "cpu" for t in example_inputs if isinstance(t, Tensor)):
         # Inductor's layout optimization converts convolutions to channels-last. In a whole
         # training step the weights are graph inputs rewritten every step, so it converts
         # them back and forth every call: measured here on ResNet-18 (2-core CPU, batch 32)
@@ -110,8 +111,10 @@ def compile_inductor(
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fakes = [fake_mode.from_tensor(t.detach(), static_shapes=True) for t in example_inputs]
         sizes: list[tuple[int, int]] = []
+        floats: list[int] = []
     else:
-        fake_mode = fakes[0].fake_mode
+        fake_mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
+        fakes, floats = floats_as_tensors(graph, fakes)
         sizes, fakes = _size_inputs(graph, fakes)
     _views_to_reshapes(graph)
     cpu = isinstance(options.get("post_grad_custom_post_pass"), CpuPasses)
@@ -121,6 +124,8 @@ def compile_inductor(
         if cpu:
             stack.enter_context(input_checks_first())
             stack.enter_context(independent_loops_nowait())
+        if floats:
+            stack.enter_context(no_tensorify())
         try:
             compiled = compile_fx(graph, list(fakes))
         except Exception as exc:
@@ -141,10 +146,24 @@ def compile_inductor(
     # wrappers that have nothing to do for a static step graph; called directly where that
     # holds. Not for symbolic sizes: there the generated code takes more size inputs than
     # the graph (AOTAutograd's wrappers supply them).
+    if floats:  # Python floats go in as 0-dim float64 tensors (floats.py), after the sizes
+        run = _floats_wrapped(compiled, [p + len(sizes) for p in floats])
+        if sizes:
+            return lambda args: run([*[args[i].shape[d] for i, d in sizes], *args])
+        return run
     if sizes:
         return lambda args: compiled(*[args[i].shape[d] for i, d in sizes], *args)
     direct = direct_call(compiled, gm, example_inputs)
     return direct if direct is not None else lambda args: compiled(*args)
+
+
+def _floats_wrapped(compiled: Callable[..., Any], positions: list[int]) -> Callable[[list], Any]:
+    def run(args: list) -> Any:
+        for i in positions:
+            args[i] = torch.tensor(args[i], dtype=torch.float64)
+        return compiled(*args)
+
+    return run
 
 
 def _size_inputs(
@@ -162,6 +181,8 @@ def _size_inputs(
     symbols: list[torch.SymInt] = []
     seen: set = set()
     for i, fake in enumerate(fakes):
+        if not isinstance(fake, Tensor):  # a Python number input: a symbol already
+            continue
         for d, size in enumerate(fake.shape):
             expr = size.node.expr if isinstance(size, torch.SymInt) else None
             if expr is not None and expr.is_Symbol and expr not in seen:
