@@ -146,6 +146,7 @@ class StepBody:
         for k, kind in program.numbers:
             python_outputs[k] = kind(python_outputs[k].item())
         replay.after(python_outputs)
+        self.capture.settle()
         return self._outputs(program, outputs, tensors, python_outputs, replay.lrs)
 
     def _state_specs(self, names: list[str], state: list[Tensor]) -> tuple:

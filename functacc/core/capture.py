@@ -162,6 +162,13 @@ class Capture:
         hooks = tuple(h.key() for h in self.hooks)
         return names, tensors, (watched, hooks, tuple(structure))
 
+    def settle(self) -> None:
+        """After a call's Python writes: optimizers show state those writes created."""
+        for opt in self.optimizers:
+            settle = getattr(opt, "settle", None)
+            if settle is not None:
+                settle()
+
     def sync_hyperparameters(self) -> None:
         """The optimizers' hyperparameter inputs follow ``param_groups`` again (a scheduler
         stepped between :meth:`read` and the run)."""

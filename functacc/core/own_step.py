@@ -100,7 +100,7 @@ def initial_state(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]
     torch's optimizers create it in ``_init_group``: that runs, and the step stops right
     after it. Others are stepped once on a deep copy, whose state dicts note each entry as
     it is first assigned; a second copy stepped from those entries must end bit for bit
-    where the first did, else the state cannot be made ahead (an error says so)."""
+    where the first did, else the state cannot be made ahead (``_NotAhead``)."""
     missing = {n: p for n, p in params.items() if not optimizer.state.get(p)}
     if not missing:
         return {}
@@ -173,19 +173,18 @@ def _first_assignments(optimizer: torch.optim.Optimizer, missing: dict[str, Tens
     }
 
     def stepped_copy(start: dict[str, dict] | None) -> tuple[dict, list]:
-        clone = copy.deepcopy(optimizer)
+        clone, copies = _clone(optimizer)
         recorded: dict[str, _FirstAssignments] = {}
         state: Any = defaultdict(_FirstAssignments)
-        for group, original in zip(clone.param_groups, optimizer.param_groups, strict=True):
-            for p, q in zip(group["params"], original["params"], strict=True):
-                if id(q) in names:
-                    n = names[id(q)]
-                    p.grad = grads[n].clone()
-                    if start is not None:
-                        state[p] = {k: _copy(v) for k, v in start[n].items()}
-                    recorded[n] = state[p]
-                elif q in optimizer.state:
-                    state[p] = clone.state[p]
+        for q, p in copies.items():
+            if q in names:
+                n = names[q]
+                p.grad = grads[n].clone()
+                if start is not None:
+                    state[p] = {k: _copy(v) for k, v in start[n].items()}
+                recorded[n] = state[p]
+            elif p in clone.state:
+                state[p] = clone.state[p]
         clone.state = state
         with torch.no_grad():
             type(clone).step(clone)
@@ -196,12 +195,34 @@ def _first_assignments(optimizer: torch.optim.Optimizer, missing: dict[str, Tens
     made = {n: dict(r.first) for n, r in recorded.items()}
     _, again = stepped_copy(made)
     if not _same(after, again):
-        raise argument_error(
-            f"functacc could not create the state of {type(optimizer).__name__} ahead of its "
-            "first step (its step() creates state that depends on the step itself). Fix: take "
-            "one eager step with it before building the compiled step (its state then exists)."
-        )
+        raise _NotAhead(type(optimizer).__name__)
     return made
+
+
+class _NotAhead(Exception):  # noqa: N818  (a signal: the state cannot be made ahead)
+    """The optimizer's first step treats state it creates differently from given state."""
+
+
+def _clone(optimizer: torch.optim.Optimizer) -> tuple[Any, dict[int, Tensor]]:
+    """A copy of ``optimizer`` over copies of its parameters and state (its own attributes
+    kept: ``copy.deepcopy`` keeps only what ``Optimizer.__getstate__`` names); returns it
+    and the copied parameters by ``id`` of the original."""
+    clone = object.__new__(type(optimizer))
+    vars(clone).update(vars(optimizer))
+    copies = {
+        id(p): p.detach().clone().requires_grad_(p.requires_grad)
+        for g in optimizer.param_groups
+        for p in g["params"]
+    }
+    clone.param_groups = [
+        {**g, "params": [copies[id(p)] for p in g["params"]]} for g in optimizer.param_groups
+    ]
+    clone.defaults = dict(optimizer.defaults)
+    clone.state = defaultdict(dict)
+    for p, entries in optimizer.state.items():
+        if id(p) in copies:
+            clone.state[copies[id(p)]] = {k: _copy(v) for k, v in entries.items()}
+    return clone, copies
 
 
 def _copy(value: Any) -> Any:
@@ -250,9 +271,16 @@ class OwnStepLink:
         self.groups = [[self.names[id(p)] for p in g["params"]] for g in opt.param_groups]
         self.link = _Groups(self.groups)
         self.params = {self.names[id(p)]: p for g in opt.param_groups for p in g["params"]}
-        made = initial_state(opt, self.params)
+        try:
+            made = initial_state(opt, self.params)
+        except _NotAhead:
+            # Its first step() creates state it treats differently from state that exists
+            # (timm's Adopt: `first = len(state) == 0`): the first trace creates it, as the
+            # graph's outputs, and the second call traces the steps that follow.
+            made = {}
         self.store: dict[str, dict] = {}
         self.installed: set[str] = set()
+        self._stepped: frozenset[str] = frozenset()
         for n, p in self.params.items():
             if opt.state.get(p):
                 self.store[n] = opt.state[p]  # the optimizer's own dict: written in place
@@ -260,12 +288,8 @@ class OwnStepLink:
             else:
                 self.store[n] = made.get(n, {})
         self.roots = {n: _state_root(self.label, n, self.store) for n in self.params}
-        self.scalars = {
-            (n, key): ScalarOf(Location(self.roots[n], (("item", key),)), self._siblings(key))
-            for n, entries in self.store.items()
-            for key, value in entries.items()
-            if isinstance(value, Tensor) and value.dim() == 0 and value.device.type == "cpu"
-        }
+        self.created = False  # the last call created state entries (written back after it)
+        self._entries()
         self._torch_state = opt.state
         self._ids = [[id(p) for p in g["params"]] for g in opt.param_groups]
         self.tensors: list[dict[str, Tensor]] = []  # per group: its tensor entries (inputs)
@@ -331,6 +355,16 @@ class OwnStepLink:
             self._leaves = (paths, tensors)
         return self._leaves
 
+    def _entries(self) -> None:
+        """The 0-dim CPU tensors of the state (numbers the step may read with ``.item()``)."""
+        self.scalars = {
+            (n, key): ScalarOf(Location(self.roots[n], (("item", key),)), self._siblings(key))
+            for n, entries in self.store.items()
+            for key, value in entries.items()
+            if isinstance(value, Tensor) and value.dim() == 0 and value.device.type == "cpu"
+        }
+        self._leaves = None
+
     def _siblings(self, key: str) -> Callable[[], list[ScalarOf]]:
         return lambda: [s for (n, k), s in self.scalars.items() if k == key]
 
@@ -339,15 +373,26 @@ class OwnStepLink:
 
     def install(self, stepped: frozenset[str]) -> None:
         """After a call: ``opt.state`` shows the state of every parameter stepped so far."""
+        self._stepped = self._stepped | stepped
+        self.settle()
+        self.optimizer._opt_called = True  # what lr_scheduler checks
+
+    def settle(self) -> None:
+        """Show state that the last call created (its first step, for an optimizer whose
+        state could not be made ahead) once it is written back."""
+        if self.created:  # new entries: new inputs of the next graph
+            self.created = False
+            self._entries()
         for n in self.params:  # in parameter order, as eager's first step fills the dict
-            if n in stepped and n not in self.installed:
+            if n in self._stepped and n not in self.installed and self.store[n]:
                 self.optimizer.state[self.params[n]] = self.store[n]
                 self.installed.add(n)
-        self.optimizer._opt_called = True  # what lr_scheduler checks
 
 
 def _state_root(label: str, name: str, store: dict[str, dict]) -> Root:
-    return Root(f"{label}.state[{name!r}]", lambda: store[name], None)
+    root = Root(f"{label}.state[{name!r}]", lambda: store[name], None)
+    root.external = True  # OwnStepTrace gives the traced step its values
+    return root
 
 
 def _kind(value: Any) -> str | None:
@@ -598,6 +643,8 @@ class OwnStepTrace:
                     raise argument_error(f"{self.link.label}{path} changed outside a traced body")
                 if _fed(old) and loc not in self.python.symbolic_inputs:
                     promote.append(loc)
+                if old is _ABSENT:
+                    self.link.created = True
                 self.python.effects.append(
                     ("assign", loc, self.python.template(value, f"{self.link.label}{path}"))
                 )

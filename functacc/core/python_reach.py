@@ -95,6 +95,9 @@ class Root:
         self.label = label
         self._get, self._set = get, set_
         self.loaded = loaded  # the code reads it (not only assigns it)
+        # Its values are given to the traced body by their owner (an optimizer's
+        # param_groups and state): a fed value is not installed at the location.
+        self.external = False
 
     def get(self) -> Any:
         return self._get()

@@ -121,7 +121,7 @@ class Recorder:
                 self.guard(Location(root), value)
         for location, value in self.symbolic_inputs.items():  # a fed number: its symbol
             self.symbols[value.node.expr] = location
-            if not _in_groups(location):  # param_groups' are given by the recording groups
+            if not _external(location):  # an optimizer's are given by its traced step
                 location.set(value)
         for linked in self.optimizers:
             opt = linked.optimizer
@@ -348,13 +348,14 @@ def groups_root(linked: Any) -> Root:
     if root is None:
         opt = linked.optimizer
         root = Root(f"{linked.label}.param_groups", lambda: opt.param_groups, None)
+        root.external = True
         linked._groups_root = root
     return root
 
 
-def _in_groups(location: Any) -> bool:
+def _external(location: Any) -> bool:
     root = getattr(location, "root", None)
-    return root is not None and root.label.endswith(".param_groups")
+    return root is None or root.external
 
 
 def _put_groups(opt: torch.optim.Optimizer, originals: list[dict]) -> None:

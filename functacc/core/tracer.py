@@ -150,7 +150,7 @@ def _trace(
             traced.number_guard = _number_guard(mode.shape_env, fakes)
             return traced
         fakes = symbolic_fakes(detached, dynamic, strict=strict)
-        with _eager_dropout():
+        with _eager_kernels():
             graph = _make_fx(fn, fakes, "symbolic", functional, strict)
     shape_env = fakes[0].fake_mode.shape_env
     dynamic_fakes = [f for f, dims in zip(fakes, dynamic, strict=True) if dims]
@@ -272,25 +272,40 @@ def symbolic_fakes(
     return fakes
 
 
-@contextlib.contextmanager
-def _eager_dropout() -> Iterator[None]:
-    """Trace ``aten.dropout`` as eager PyTorch runs it.
+def _eager_composites() -> list[Any]:
+    """The ops :func:`_eager_kernels` keeps on their C++ composite: dropout, and the
+    recurrent layers' (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``; padded and packed input)."""
+    aten = torch.ops.aten
+    rnns = (aten.lstm, aten.gru, aten.rnn_tanh, aten.rnn_relu)
+    return [aten.dropout.default, *(rnn.input for rnn in rnns), *(rnn.data for rnn in rnns)]
 
-    Symbolic tracing turns on the Python dispatcher, under which ``aten.dropout`` takes
-    torch's Python decomposition (``native_dropout``). On CPU eager PyTorch runs the C++
-    composite instead (``bernoulli_`` on an empty tensor), which draws a different random
-    stream: the same seed would give different masks. Hiding the Python kernels for the
-    duration of the trace keeps the C++ composite, so symbolic and static graphs draw
-    exactly eager's masks.
+
+@contextlib.contextmanager
+def _eager_kernels() -> Iterator[None]:
+    """Trace ``aten.dropout`` and the recurrent layers as eager PyTorch runs them.
+
+    Symbolic tracing turns on the Python dispatcher, under which these ops take torch's
+    Python decompositions. On CPU eager PyTorch runs the C++ composites instead. For
+    ``aten.dropout`` (``native_dropout`` against eager's ``bernoulli_`` on an empty tensor)
+    that draws a different random stream: the same seed would give different masks. For
+    ``aten.lstm`` the decomposition calls oneDNN's layer in inference mode or unrolls the
+    cell in other ops than eager's, and draws the dropout between layers otherwise (seen:
+    another loss and another RNG state than eager's at the first symbolic step). Hiding
+    the Python kernels for the duration of the trace keeps the C++ composites, so symbolic
+    and static graphs compute eager's numbers and draw eager's masks.
     """
     from torch._C import DispatchKey
 
-    op = torch.ops.aten.dropout.default
     keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
-    saved: dict[Any, Any] = {k: op.py_kernels.pop(k) for k in keys if k in op.py_kernels}
-    op._dispatch_cache.clear()
+    saved = [
+        (op, {k: op.py_kernels.pop(k) for k in keys if k in op.py_kernels})
+        for op in _eager_composites()
+    ]
+    for op, _ in saved:
+        op._dispatch_cache.clear()
     try:
         yield
     finally:
-        op.py_kernels.update(saved)
-        op._dispatch_cache.clear()
+        for op, kernels in saved:
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
