@@ -394,11 +394,11 @@ def test_bad_optimizers_are_clear_errors() -> None:
             lambda: None, modules=[model], optimizers=[torch.optim.SGD(other.parameters(), 0.1)]
         )
     # Any optimizer's own step() is traced (tests/test_optimizers.py); these two cannot be.
-    with pytest.raises(TypeError, match="LBFGS.*line search"):
+    with pytest.raises(TypeError, match=r"LBFGS.*line search"):
         functacc.jit(
             lambda: None, modules=[model], optimizers=[torch.optim.LBFGS(model.parameters())]
         )
-    with pytest.raises(TypeError, match="SparseAdam.*sparse=False"):
+    with pytest.raises(TypeError, match=r"SparseAdam.*sparse=False"):
         functacc.jit(
             lambda: None, modules=[model], optimizers=[torch.optim.SparseAdam(model.parameters())]
         )

@@ -123,7 +123,11 @@ def compile_graph(
     from ..parallel.schedule import issue_collectives_early
     from ..transforms.remat_passes import order_recomputation
     from .inductor.masks import draw_masks_as_bytes
+    from .rnn import keep_rnn_workspace
     from .split import remove_marker, split_at_optimizer
+
+    # oneDNN's LSTM fills the workspace its backward reads only with grad mode on (rnn.py).
+    keep_rnn_workspace(gm)
 
     # Collectives are traced after the whole backward; start each gradient reduction as soon
     # as its gradients exist, so it overlaps the rest of backward (on every rank alike).

@@ -199,7 +199,7 @@ def _first_assignments(optimizer: torch.optim.Optimizer, missing: dict[str, Tens
     return made
 
 
-class _NotAhead(Exception):  # noqa: N818  (a signal: the state cannot be made ahead)
+class _NotAhead(Exception):  # a signal: the state cannot be made ahead
     """The optimizer's first step treats state it creates differently from given state."""
 
 
