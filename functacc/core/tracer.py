@@ -210,9 +210,10 @@ def _make_fx(
 # Ops whose kernel returns one tensor in two output slots: oneDNN's LSTM backward gives the
 # two biases (b_ih, b_hh) one gradient. The fake-tensor cache rebuilds each output of a hit
 # on its own, so a trace served from the cache (a later trace of the same shapes, in any
-# step of the process) would see two tensors where the first saw one: autograd's AccumulateGrad then keeps both
-# where eager copies one (eager's two .grad are distinct), and the two traces make two
-# graphs, hence a second trace and compile of the same step. These ops are never cached.
+# step of the process) would see two tensors where the first saw one: autograd's
+# AccumulateGrad then keeps both where eager copies one (eager's two .grad are distinct),
+# and the two traces make two graphs, hence a second trace and compile of the same step.
+# These ops are never cached.
 _REPEATED_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
 
 
