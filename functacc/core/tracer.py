@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 from torch.fx import GraphModule
@@ -27,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import TraceError
 from .diagnostics import translate
+from .eager_inplace import mark_inplace, restore_inplace, traced_node_by_node
 from .graph_passes import bernoulli_in_place, direct_writes
 from .watches import AttributeWatch, HeldRandomWatch, HostRandomWatch
 
@@ -201,10 +203,16 @@ def _make_fx(
     )
     if not functional:
         return first
-    pure = torch.func.functionalize(first, remove="mutations")
-    return make_fx(pure, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
-        *[f.detach() if _tensor(f) else f for f in fakes]
-    )
+    # Eager's in-place ops on intermediates (a GRU cell's) come back after functionalization:
+    # eager_inplace.py. The nodes carry their tag through a trace run node by node.
+    mark_inplace(first)
+    pure = torch.func.functionalize(traced_node_by_node(first), remove="mutations")
+    with fx_traceback.preserve_node_meta():
+        second = make_fx(pure, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
+            *[f.detach() if _tensor(f) else f for f in fakes]
+        )
+    restore_inplace(second)
+    return second
 
 
 # Ops whose kernel returns one tensor in two output slots: oneDNN's LSTM backward gives the
