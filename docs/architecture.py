@@ -37,6 +37,7 @@ STAGES: dict[str, list[str]] = {
         "core/donation",
         "core/graph_passes",
         "core/eager_inplace",
+        "core/recurrent",
         "core/functional",
         "core/watches",
         "core/diagnostics",

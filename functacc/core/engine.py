@@ -32,6 +32,7 @@ from . import tracer
 from .cache import ProgramCache, SizeGuard, TraceRecord
 from .diagnostics import run_error
 from .graph_passes import host_scalars
+from .recurrent import static_sizes
 
 __all__ = ["Engine", "Plan", "Program", "draws_random", "rng_state", "set_rng_state"]
 
@@ -99,6 +100,8 @@ class Engine:
         self.holder = holder  # the modules the step runs, for error messages and checks
         self.inductor_options = inductor_options or {}
         self.cache = ProgramCache(what, dynamic=dynamic, max_traces=max_traces)
+        # Recurrent layers run eager's kernels only with static sizes (core/recurrent.py).
+        self.static = static_sizes(holder, dynamic)
         self.reused = 0  # signatures served by a graph compiled for another one
         self._by_fingerprint: dict[Hashable, Compiled] = {}
 
@@ -123,6 +126,8 @@ class Engine:
     ) -> Plan:
         reason = self.cache.reason(key, family, names, tensors)
         dynamic = self.cache.plan(family, tensors)
+        if self.static:
+            dynamic = [frozenset()] * len(dynamic)
         return Plan(key, family, names, tensors, signature, reason, dynamic)
 
     def check_budget(self, plan: Plan) -> None:
