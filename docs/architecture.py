@@ -38,6 +38,7 @@ STAGES: dict[str, list[str]] = {
         "core/graph_passes",
         "core/eager_inplace",
         "core/recurrent",
+        "core/packed",
         "core/functional",
         "core/watches",
         "core/diagnostics",
