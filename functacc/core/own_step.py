@@ -314,11 +314,16 @@ class OwnStepLink:
         return tuple(structure)
 
     def numbers(self, root: Root) -> list[Location]:
-        """The ``param_groups`` numbers (an element of ``betas`` too), as locations under
-        ``root`` (the groups' root of the trace): fed to the graph on every call."""
+        """The ``param_groups`` numbers that schedules change (``lr``, ``momentum``,
+        ``betas``: torch's schedulers, OneCycleLR's and CyclicLR's momentum cycling), as
+        locations under ``root``: fed to the graph from the first call. Every other number
+        (``eps``, Muon's coefficients) is guarded, and fed from the first change on, as any
+        Python value the step reads (constants stay constants for Inductor's kernels)."""
         out = []
         for i, group in enumerate(self.optimizer.param_groups):
             for key, value in group.items():
+                if key not in _SCHEDULED:
+                    continue
                 loc = Location(root, (("item", i), ("item", key)))
                 if _fed(value):
                     out.append(loc)
@@ -387,6 +392,9 @@ class OwnStepLink:
             if n in self._stepped and n not in self.installed and self.store[n]:
                 self.optimizer.state[self.params[n]] = self.store[n]
                 self.installed.add(n)
+
+
+_SCHEDULED = frozenset({"lr", "momentum", "betas"})
 
 
 def _state_root(label: str, name: str, store: dict[str, dict]) -> Root:

@@ -111,6 +111,7 @@ class RecordingDict(dict):
 
     def __init__(self, original: dict, location: Location, recorder: Any):
         super().__init__(original)
+        self.original = original
         self.location = location
         self.recorder = recorder
         self.written: set[Any] = set()
@@ -167,6 +168,7 @@ class RecordingGroup(RecordingDict):
         value = dict.__getitem__(self, key)
         if key == "params" or key in self.written or not self.recorder.recording:
             return value
+        self.recorder._read_first.add((id(self), key))
         fed = self.recorder.fed_group_entry(self, key, value)
         if fed is not None:
             return fed

@@ -304,6 +304,9 @@ class Recorder:
                 for key in sorted(group.written, key=str):
                     target = group.location.child("item", key)
                     new = dict.get(group, key, MISSING)
+                    old = group.original.get(key, MISSING)
+                    if self._promotes(target, old, new, (id(group), key), False):
+                        promote.append(target)  # a counter in param_groups (group["step"])
                     self.effects.append(
                         Effect.assign(target, new, self.template, where=target.label)
                     )

@@ -11,6 +11,7 @@ from torch import nn
 from ..backends import Backend
 from ..optim import GradientTransformation
 from ..transforms.remat import RematPolicy
+from .body_step import BodyStep, needs_body_step
 from .step import Step
 from .step_fn import LossFn
 
@@ -34,7 +35,7 @@ def compile_step(
     dynamic: bool | None = None,
     max_traces: int | None = 32,
     cuda_graph_cache_size: int = 8,
-) -> Step:
+) -> Step | BodyStep:
     """Compile the whole training step of ``model`` into one graph.
 
     Args:
@@ -43,9 +44,13 @@ def compile_step(
             ``outputs = model(inputs)`` (``inputs`` a tensor, a tuple for ``model(*inputs)``
             or a dict for ``model(**inputs)``); ``None`` if the model returns its own loss
             (a 0-dim tensor, ``.loss`` or ``["loss"]``), then ``step(*args, **kwargs)``.
-        opt: a ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` over the model's parameters (all
-            param groups and their options honoured; its state and ``param_groups`` stay
-            live), or a :class:`functacc.optim.GradientTransformation`.
+        opt: any ``torch.optim.Optimizer`` over the model's parameters (torch's, a third
+            party's, your own; all param groups and their options honoured; its state and
+            ``param_groups`` stay live), or a :class:`functacc.optim.GradientTransformation`.
+            SGD, Adam and AdamW run functacc's pure twins and take every option below;
+            others run their own ``step()``, traced (:mod:`functacc.frontends.body_step`),
+            with data parallel, ``grad_accum_steps`` and ``max_grad_norm`` (not yet ZeRO,
+            ``precision`` or ``remat``).
         backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph as is).
         inductor_options: ``torch._inductor.config`` settings for this step's compiles,
             as ``torch.compile(options=...)`` takes them, e.g. ``{"cpp_wrapper": True}``;
@@ -101,6 +106,24 @@ def compile_step(
         ...                              backend="eager")
         >>> loss = step(torch.randn(32, 8), torch.randint(0, 4, (32,)))
     """
+    if needs_body_step(opt):  # no pure twin: the optimizer's own step(), traced by jit
+        return BodyStep(
+            model,
+            loss_fn,
+            opt,
+            backend=backend,
+            inductor_options=inductor_options,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm,
+            parallel=parallel,
+            cuda_graphs=cuda_graphs,
+            dynamic=dynamic,
+            max_traces=max_traces,
+            precision=precision,
+            remat=remat,
+            remat_policy=remat_policy,
+            cuda_graph_cache_size=cuda_graph_cache_size,
+        )
     return Step(
         model,
         loss_fn,

@@ -22,7 +22,7 @@ from ...errors import TraceError
 from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
 from .call import direct_call
-from .floats import floats_as_tensors, no_tensorify
+from .floats import floats_as_tensors, lerp_weights_as_tensors, no_tensorify
 from .independent_loops import independent_loops_nowait
 from .input_checks import input_checks_first
 
@@ -117,6 +117,7 @@ def compile_inductor(
         fakes, floats = floats_as_tensors(graph, fakes)
         sizes, fakes = _size_inputs(graph, fakes)
     _views_to_reshapes(graph)
+    lerp_weights_as_tensors(graph)
     cpu = isinstance(options.get("post_grad_custom_post_pass"), CpuPasses)
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor_config.patch(options))

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["floats_as_tensors", "no_tensorify"]
+__all__ = ["floats_as_tensors", "lerp_weights_as_tensors", "no_tensorify"]
 
 
 def floats_as_tensors(gm: GraphModule, fakes: Sequence[Any]) -> tuple[list[Any], list[int]]:
     """Rewrite ``gm`` (in place) so that each ``SymFloat`` input is a float64 0-dim tensor;
     returns the new example inputs and the positions to wrap at run time."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out, positions = list(fakes), []
+    out, positions, replaced = list(fakes), [], set()
     first = next((n for n in gm.graph.nodes if n.op != "placeholder"), None)
     for i, (node, fake) in enumerate(zip(placeholders, fakes, strict=True)):
         if not isinstance(fake, torch.SymFloat):
@@ -51,8 +51,51 @@ def floats_as_tensors(gm: GraphModule, fakes: Sequence[Any]) -> tuple[list[Any],
         gm.graph.erase_node(node)
         out[i] = tensor.meta["val"]
         positions.append(i)
+        replaced.add(fake.node.expr)
+    if replaced:
+        _drop_checks_on(replaced, _fake_mode(fakes).shape_env)
     gm.recompile()
     return out, positions
+
+
+def _drop_checks_on(symbols: set, shape_env: Any) -> None:
+    """Forget the trace's run-time checks that name the replaced float symbols (``0 <= 1 +
+    lambd * lr * step``, noted where ``pow`` took such a base): Inductor would emit them with
+    a name its code no longer defines. They check assumptions of the trace's algebra on the
+    numbers, not what the graph computes; the guards on the fed numbers stay the step's."""
+    asserts = getattr(shape_env, "deferred_runtime_asserts", None)
+    if not asserts:
+        return
+    for key in list(asserts):
+        kept = [a for a in asserts[key] if not (a.expr.free_symbols & symbols)]
+        if kept:
+            asserts[key] = kept
+        else:
+            del asserts[key]
+
+
+def lerp_weights_as_tensors(gm: GraphModule) -> None:
+    """``lerp`` with a Python-number weight the graph computes (``1 - beta1``) as ``lerp``
+    with a 0-dim tensor weight: Inductor's decomposition of the first branches on the
+    weight's value (``weight >= 0.5``), which a number computed at run time does not have
+    while compiling; that of the second selects with ``where``."""
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.aten.lerp.Scalar:
+            continue
+        start, end, weight = node.args
+        if not isinstance(weight, torch.fx.Node):
+            continue
+        with gm.graph.inserting_before(node):
+            dtype = start.meta["val"].dtype
+            tensor = gm.graph.call_function(
+                torch.ops.aten.scalar_tensor.default, (weight,), {"dtype": dtype}
+            )
+            val = start.meta["val"]
+            with val.fake_mode:
+                tensor.meta["val"] = torch.scalar_tensor(0.0, dtype=dtype, device=val.device)
+        node.target = torch.ops.aten.lerp.Tensor
+        node.args = (start, end, tensor)
+    gm.recompile()
 
 
 def _fake_mode(fakes: Sequence[Any]) -> Any:
