@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torchvision
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 
 def mlp(in_features: int = 16, classes: int = 5) -> nn.Module:
@@ -202,3 +203,126 @@ def padded_text_batch(
     mask = (torch.arange(longest) < torch.tensor(lengths)[:, None]).long()
     ids = ids * mask
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+# -- recurrent models (tests/test_recurrent.py) ----------------------------------------------
+class WordLM(nn.Module):
+    """pytorch/examples word_language_model's RNNModel: embedding, a 2-layer LSTM with
+    dropout, a decoder tied to the embedding, log-softmax over the vocabulary."""
+
+    VOCAB = 50
+
+    def __init__(self, dim: int = 16, layers: int = 2, dropout: float = 0.2):
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(self.VOCAB, dim)
+        self.rnn = nn.LSTM(dim, dim, layers, dropout=dropout)
+        self.decoder = nn.Linear(dim, self.VOCAB)
+        self.decoder.weight = self.encoder.weight
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)
+        self.layers, self.dim = layers, dim
+
+    def forward(self, tokens: torch.Tensor, hidden: tuple) -> tuple[torch.Tensor, tuple]:
+        output, hidden = self.rnn(self.drop(self.encoder(tokens)), hidden)
+        decoded = self.decoder(self.drop(output)).view(-1, self.VOCAB)
+        return torch.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = next(self.parameters())
+        return (
+            weight.new_zeros(self.layers, batch, self.dim),
+            weight.new_zeros(self.layers, batch, self.dim),
+        )
+
+
+class CarriedLM(nn.Module):
+    """WordLM with its hidden state carried between calls in buffers, detached (truncated
+    backpropagation through time for a step that returns only the loss)."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.lm = WordLM()
+        h, c = self.lm.init_hidden(batch)
+        self.register_buffer("h", h)
+        self.register_buffer("c", c)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Copies in: backward reads the initial state, which the copy_ below overwrites.
+        output, (h, c) = self.lm(tokens, (self.h.clone(), self.c.clone()))
+        self.h.copy_(h.detach())
+        self.c.copy_(c.detach())
+        return output
+
+
+class PackedClassifier(nn.Module):
+    """Token sequences of different lengths, packed (unsorted), through a 2-layer
+    bidirectional recurrent layer with dropout; the mean of the padded-back outputs is
+    classified."""
+
+    def __init__(self, rnn: type = nn.GRU):
+        super().__init__()
+        self.embed = nn.Embedding(30, 8, padding_idx=0)
+        self.rnn = rnn(8, 12, num_layers=2, batch_first=True, dropout=0.1, bidirectional=True)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        packed = pack_padded_sequence(
+            self.embed(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
+        out, _ = self.rnn(packed)
+        padded, counts = pad_packed_sequence(out, batch_first=True)
+        return self.head(padded.sum(1) / counts[:, None].to(padded.dtype))
+
+
+class BiLSTMTagger(nn.Module):
+    """A sequence tagger: embedding, a 2-layer bidirectional LSTM (batch first, dropout
+    between layers), a score per tag for every token."""
+
+    def __init__(self, vocab: int = 40, tags: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 12)
+        self.lstm = nn.LSTM(12, 16, 2, batch_first=True, dropout=0.25, bidirectional=True)
+        self.tags = nn.Linear(32, tags)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tags(self.lstm(self.embed(tokens))[0])
+
+
+class CellTagger(nn.Module):
+    """The same tagger from cells unrolled over time: an LSTMCell, a GRUCell on its output
+    and an RNNCell on that, each with its state carried from step to step."""
+
+    def __init__(self, vocab: int = 40, tags: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 12)
+        self.lstm = nn.LSTMCell(12, 16)
+        self.gru = nn.GRUCell(16, 16)
+        self.rnn = nn.RNNCell(16, 16, nonlinearity="relu")
+        self.tags = nn.Linear(16, tags)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, state, g, r, out = self.embed(tokens), None, None, None, []
+        for t in range(x.shape[1]):
+            state = self.lstm(x[:, t], state)
+            g = self.gru(state[0], g)
+            r = self.rnn(g, r)
+            out.append(r)
+        return self.tags(torch.stack(out, 1))
+
+
+def rnnt_heads() -> nn.ModuleDict:
+    """Hugging Face's Parakeet RNN-T prediction network (embedding, 2-layer LSTM, projection)
+    and joint network, from a tiny config (random weights, no download)."""
+    from transformers import ParakeetRNNTConfig
+    from transformers.models.parakeet.modeling_parakeet import (
+        ParakeetRNNTDecoder,
+        ParakeetRNNTJointNetwork,
+    )
+
+    config = ParakeetRNNTConfig(
+        vocab_size=20, decoder_hidden_size=16, num_decoder_layers=2, blank_token_id=0
+    )
+    return nn.ModuleDict(
+        {"decoder": ParakeetRNNTDecoder(config), "joint": ParakeetRNNTJointNetwork(config)}
+    )

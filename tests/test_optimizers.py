@@ -8,9 +8,10 @@ after each one, from the same start and batches as the same eager loop. With
 bit for bit, and the step must trace once — twice for the optimizers whose first step adds
 ``param_groups`` entries (timm's Lamb and Adan: ``group["step"] = 1``) or creates state
 from its first gradient or treats it apart from given state (timm's Lars: its momentum
-buffer; Adopt), which makes their second step another program. Under Inductor, losses and parameters within rtol 1e-4 / atol 1e-6: the
-kernels are fused and reassociated (float32 rounding of a few ops per element over 4 steps),
-while a stale learning rate or a skipped update moves them by percents.
+buffer; Adopt), which makes their second step another program. Under Inductor, losses and
+parameters within rtol 1e-4 / atol 1e-6: the kernels are fused and reassociated (float32
+rounding of a few ops per element over 4 steps), while a stale learning rate or a skipped
+update moves them by percents.
 """
 
 from __future__ import annotations
@@ -64,22 +65,22 @@ def _lion_pytorch(params: Any) -> torch.optim.Optimizer:
     return lion_pytorch.Lion(params, lr=1e-4, weight_decay=0.01)
 
 
-O = torch.optim
+optim = torch.optim
 # name -> (make, traces)
 OPTIMIZERS: dict[str, tuple[Callable, int]] = {
-    "SGD": (lambda p: O.SGD(p, lr=0.1, momentum=0.9, nesterov=True), 1),
-    "Adam": (lambda p: O.Adam(p, lr=1e-2, amsgrad=True), 1),
-    "AdamW": (lambda p: O.AdamW(p, lr=1e-2, weight_decay=0.1), 1),
-    "RMSprop": (lambda p: O.RMSprop(p, lr=1e-2, momentum=0.9, centered=True), 1),
-    "Adagrad": (lambda p: O.Adagrad(p, lr=0.05, lr_decay=0.01, weight_decay=0.01), 1),
-    "Adadelta": (lambda p: O.Adadelta(p, lr=1.0, weight_decay=0.01), 1),
-    "Adamax": (lambda p: O.Adamax(p, lr=1e-2), 1),
-    "NAdam": (lambda p: O.NAdam(p, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1), 1),
-    "RAdam": (lambda p: O.RAdam(p, lr=1e-2), 1),
-    "ASGD": (lambda p: O.ASGD(p, lr=1e-2, t0=2), 1),
-    "Rprop": (lambda p: O.Rprop(p, lr=1e-2), 1),
-    "Adafactor": (lambda p: O.Adafactor(p, lr=1e-2), 1),
-    "Muon": (lambda p: O.Muon(p, lr=0.02), 1),
+    "SGD": (lambda p: optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), 1),
+    "Adam": (lambda p: optim.Adam(p, lr=1e-2, amsgrad=True), 1),
+    "AdamW": (lambda p: optim.AdamW(p, lr=1e-2, weight_decay=0.1), 1),
+    "RMSprop": (lambda p: optim.RMSprop(p, lr=1e-2, momentum=0.9, centered=True), 1),
+    "Adagrad": (lambda p: optim.Adagrad(p, lr=0.05, lr_decay=0.01, weight_decay=0.01), 1),
+    "Adadelta": (lambda p: optim.Adadelta(p, lr=1.0, weight_decay=0.01), 1),
+    "Adamax": (lambda p: optim.Adamax(p, lr=1e-2), 1),
+    "NAdam": (lambda p: optim.NAdam(p, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1), 1),
+    "RAdam": (lambda p: optim.RAdam(p, lr=1e-2), 1),
+    "ASGD": (lambda p: optim.ASGD(p, lr=1e-2, t0=2), 1),
+    "Rprop": (lambda p: optim.Rprop(p, lr=1e-2), 1),
+    "Adafactor": (lambda p: optim.Adafactor(p, lr=1e-2), 1),
+    "Muon": (lambda p: optim.Muon(p, lr=0.02), 1),
     "timm.Lion": (_timm("Lion", lr=1e-3, weight_decay=0.01), 1),
     "timm.AdaBelief": (_timm("AdaBelief", lr=1e-3), 1),
     "timm.MADGRAD": (_timm("MADGRAD", lr=1e-2), 1),
