@@ -17,12 +17,17 @@ update moves them by percents.
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close
 from test_jit import assert_same, tensors_of
 from torch import nn
 
@@ -229,3 +234,46 @@ def test_an_optimizer_that_branches_on_tensor_values_is_a_clear_error() -> None:
     with pytest.raises(functacc.TraceError, match="branch on tensor values"):
         step(*batches(1)[0])
     assert_same(tensors_of([model], [opt]), before)
+
+
+@pytest.mark.distributed
+def test_data_parallel_and_zero1_equal_one_process_on_the_full_batch(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent / "dist"))
+    import optim_worker
+
+    out = tmp_path / "optim.pt"
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*cmd, optim_worker.__file__, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    got = torch.load(out, weights_only=False)
+    for name in optim_worker.OPTIMIZERS:
+        model, opt = optim_worker.objects(name)
+        body = optim_worker.make_step(model, opt)
+        for x, y in optim_worker.batches(2):
+            body(x, y)
+        for layout in optim_worker.LAYOUTS:
+            run, what = got[layout, name], f"{layout} {name}"
+            # The gradients are summed over the ranks in another order than over one batch.
+            assert_close(run["model"], model.state_dict(), rtol=1e-5, atol=2e-5, what=what)
+            assert_close(
+                run["optimizer"]["state"],
+                opt.state_dict()["state"],
+                rtol=1e-5,
+                atol=2e-5,
+                what=what,
+            )
+            assert run["optimizer"]["param_groups"] == opt.state_dict()["param_groups"], what
+            assert run["traces"] == optim_worker.expected_traces(name), what
+        # ZeRO-1: each rank keeps the state of the parameters it owns, and the new values
+        # are all-gathered in the graph.
+        assert 0 < got["zero1", name]["own_state"] < len(opt.state) == got["dp", name]["own_state"]
+        assert got["zero1", name]["all_gathers"] == 1 and got["dp", name]["all_gathers"] == 0
+    assert "ZeRO(1)" in got["zero2"]

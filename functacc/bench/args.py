@@ -25,8 +25,8 @@ def parser() -> argparse.ArgumentParser:
         "--model",
         choices=(*WORKLOADS, *STEP_WORKLOADS),
         default="mlp",
-        help="a model trained by the standard step, or a whole step body (wgan-gp, distill: "
-        "eager vs torch.compile of the step function vs functacc.jit)",
+        help="a model trained by the standard step, or a whole step body (wgan-gp, distill, "
+        "lstm-lm: eager vs torch.compile of the step function vs functacc.jit)",
     )
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet models only")

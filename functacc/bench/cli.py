@@ -160,7 +160,7 @@ def _step_bodies(args: argparse.Namespace, argv: list[str]) -> int:
         [lambda n=n: make_step_competitor(n, workload) for n in names],
         failures=failures,
         labels=names,
-        batch_size=workload.batches[0][0].shape[0],
+        batch_size=workload.samples or workload.batches[0][0].shape[0],
         device=torch.device(args.device),
         warmup=args.warmup,
         steps=args.steps,

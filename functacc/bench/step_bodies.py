@@ -1,5 +1,6 @@
-"""Benchmark workloads that are whole step bodies (``--model wgan-gp``, ``--model distill``):
-eager, ``torch.compile`` of the step function, and ``functacc.jit``, from the same start.
+"""Benchmark workloads that are whole step bodies (``--model wgan-gp``, ``distill``,
+``lstm-lm``): eager, ``torch.compile`` of the step function, and ``functacc.jit``, from the
+same start.
 
 ``torch.compile(train_step)`` compiles what Dynamo can of the body, the optimizers' steps
 included (its recommended way to compile an optimizer), and falls back to eager around
@@ -29,6 +30,10 @@ class StepWorkload:
     build: Callable[[], tuple[list[nn.Module], list[torch.optim.Optimizer]]]
     make_step: Callable[..., Callable[..., Any]]
     batches: list[tuple[Tensor, ...]]
+    # State the loop carries from step to step (an RNN's hidden state): its start, made
+    # from the modules; the step then takes it last and returns (loss, new state).
+    carry: Callable[[list[nn.Module]], Any] | None = None
+    samples: int | None = None  # samples per step, where not the first input's first size
 
 
 def _mlp(sizes: list[int], act: Callable[[], nn.Module], norm: bool = False) -> nn.Sequential:
@@ -132,7 +137,72 @@ def _distill(batch: int, device: str) -> StepWorkload:
     )
 
 
-STEP_WORKLOADS = {"wgan-gp": (_wgan_gp, 256), "distill": (_distill, 128)}
+class _WordLM(nn.Module):
+    """pytorch/examples word_language_model's RNNModel (LSTM, tied decoder weights)."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, dropout: float):
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(vocab, dim)
+        self.rnn = nn.LSTM(dim, dim, layers, dropout=dropout)
+        self.decoder = nn.Linear(dim, vocab)
+        self.decoder.weight = self.encoder.weight
+        self.vocab, self.layers, self.dim = vocab, layers, dim
+
+    def forward(self, tokens: Tensor, hidden: tuple[Tensor, Tensor]) -> tuple[Tensor, Any]:
+        output, hidden = self.rnn(self.drop(self.encoder(tokens)), hidden)
+        decoded = self.decoder(self.drop(output)).view(-1, self.vocab)
+        return F.log_softmax(decoded, dim=1), hidden
+
+
+def _lstm_lm(batch: int, device: str) -> StepWorkload:
+    vocab, dim, layers, bptt, lr, clip = 10000, 200, 2, 35, 20.0, 0.25
+
+    def build() -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        torch.manual_seed(0)
+        return [_WordLM(vocab, dim, layers, dropout=0.2).to(device)], []
+
+    def make_step(model: nn.Module) -> Callable:
+        def train_step(data: Tensor, targets: Tensor, hidden: tuple[Tensor, Tensor]) -> tuple:
+            model.zero_grad()
+            output, hidden = model(data, hidden)
+            loss = F.nll_loss(output, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-lr)
+            return loss.detach(), hidden
+
+        return train_step
+
+    def carry(modules: list[nn.Module]) -> tuple[Tensor, Tensor]:
+        zeros = torch.zeros(layers, batch, dim, device=device)
+        return zeros, zeros.clone()
+
+    g = torch.Generator().manual_seed(1)
+    source = torch.randint(0, vocab, (4 * bptt + 1, batch), generator=g).to(device)
+    batches = [
+        (source[i : i + bptt], source[i + 1 : i + 1 + bptt].reshape(-1))
+        for i in range(0, 4 * bptt, bptt)
+    ]
+    return StepWorkload(
+        "lstm-lm",
+        f"word-level LSTM language model (pytorch/examples word_language_model: 2x{dim} LSTM, "
+        f"dropout 0.2, tied {vocab}-word decoder, bptt {bptt}, batch {batch}), {device}: "
+        "clip_grad_norm_ and a manual SGD update in the step, hidden state carried",
+        build,
+        make_step,
+        batches,
+        carry,
+        samples=batch,
+    )
+
+
+STEP_WORKLOADS = {
+    "wgan-gp": (_wgan_gp, 256),
+    "distill": (_distill, 128),
+    "lstm-lm": (_lstm_lm, 20),
+}
 
 
 def build_step_workload(name: str, *, batch_size: int | None, device: str) -> StepWorkload:
@@ -148,9 +218,15 @@ class StepCompetitor:
         modules, optimizers = w.build()
         self.jitted = wrap(w.make_step(*modules, *optimizers), modules, optimizers)
         self.batches = itertools.cycle(w.batches)
+        self.carried = w.carry(modules) if w.carry is not None else None
 
     def step(self) -> Tensor:
-        return self.jitted(*next(self.batches))
+        if self.carried is None:
+            return self.jitted(*next(self.batches))
+        loss, carried = self.jitted(*next(self.batches), self.carried)
+        # repackage_hidden: the next step starts from the values, not through this graph
+        self.carried = tuple(t.detach() for t in carried)
+        return loss
 
     def compile_times(self) -> list[tuple[float, float]]:
         traces = getattr(self.jitted, "traces", None)

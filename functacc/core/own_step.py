@@ -264,6 +264,16 @@ class OwnStepLink:
         self.label = label
         self.names = names
         self.sharding: Any = None
+        self.owners: Any = None  # ZeRO-1: functacc.parallel.owned_params.ParameterOwners
+        self._link_up()
+
+    def shard(self, owners: Any) -> None:
+        """Keep, and step, only the parameters this rank owns (ZeRO-1, whole parameters)."""
+        self.owners = owners
+        for n, p in self.params.items():
+            if not owners.owns(n):
+                self.optimizer.state.pop(p, None)
+        owners.show_whole(self.optimizer, self.names)
         self._link_up()
 
     def _link_up(self) -> None:
@@ -271,8 +281,9 @@ class OwnStepLink:
         self.groups = [[self.names[id(p)] for p in g["params"]] for g in opt.param_groups]
         self.link = _Groups(self.groups)
         self.params = {self.names[id(p)]: p for g in opt.param_groups for p in g["params"]}
+        owned = {n: p for n, p in self.params.items() if self.owners is None or self.owners.owns(n)}
         try:
-            made = initial_state(opt, self.params)
+            made = initial_state(opt, owned)
         except _NotAhead:
             # Its first step() creates state it treats differently from state that exists
             # (timm's Adopt: `first = len(state) == 0`): the first trace creates it, as the
@@ -607,7 +618,12 @@ class OwnStepTrace:
                 "without a closure."
             )
         opt = self.link.optimizer
-        self.stepped |= {n for n in self.link.params if self.leaf_of(n).grad is not None}
+        owners = self.link.owners
+        self.stepped |= {
+            n
+            for n in self.link.params
+            if self.leaf_of(n).grad is not None and (owners is None or owners.owns(n))
+        }
         sources, fed = {}, {}
         for (n, key), scalar in self.link.scalars.items():
             placeholder = self.placeholders[f".state[{n!r}][{key!r}]"]
@@ -617,8 +633,20 @@ class OwnStepTrace:
                 fed[id(placeholder)] = value
                 self.python.symbols[value.node.expr] = scalar
         symbols = self.python.symbols if self.python is not None else {}
-        with torch.no_grad(), _Scalars(sources, fed, symbols), symbolic_builtins(opt):
-            result = type(opt).step(opt)
+        owners = self.link.owners
+        if owners is not None:  # ZeRO-1: this rank steps the parameters it owns
+            for group, names in zip(opt.param_groups, self.link.groups, strict=True):
+                group["params"] = [self.leaf_of(n) for n in names if owners.owns(n)]
+        try:
+            with torch.no_grad(), _Scalars(sources, fed, symbols), symbolic_builtins(opt):
+                result = type(opt).step(opt)
+        finally:
+            if owners is not None:
+                for group, names in zip(opt.param_groups, self.link.groups, strict=True):
+                    group["params"] = [self.leaf_of(n) for n in names]
+        if owners is not None:
+            with torch.no_grad():
+                owners.gather({n: self.leaf_of(n) for n in self.link.params})
         if self.python is not None:
             self.python.stepped(opt)
         return result

@@ -207,9 +207,11 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     """What the step's ``backward()`` does with gradients under torchrun (``None`` on one
     process): averaged whole (data parallel, ZeRO-1) or reduce-scattered (ZeRO-2); under
     ZeRO each optimizer's state is sharded too."""
+    from ..core.own_step import OwnStepLink
     from ..parallel import DataParallel, ZeRO
     from ..parallel.jit_grads import AveragedGradients, LocalGradients, ShardedGradients
     from ..parallel.mesh import world_size
+    from ..parallel.owned_params import ParameterOwners
     from ..parallel.strategy import check_same_model, sync_from_rank0
     from ..parallel.zero_jit import ShardedOptimizer
 
@@ -240,8 +242,20 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     if zero is None:
         return AveragedGradients(replicated)
     holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
-    shards = [ShardedOptimizer(zero, holder, linked.link.groups) for linked in capture.optimizers]
-    for linked, sharded in zip(capture.optimizers, shards, strict=True):
+    whole = [linked for linked in capture.optimizers if isinstance(linked, OwnStepLink)]
+    if whole and zero.stage == 2:
+        raise ValueError(
+            f"parallel=ZeRO(2) with {type(whole[0].optimizer).__name__}: functacc shards the "
+            "gradients of SGD, Adam and AdamW by flat segments (its pure twins update any "
+            "segment); an optimizer traced through its own step() is stepped per whole "
+            "parameter. Use parallel=functacc.parallel.ZeRO(1): each rank then owns whole "
+            "parameters, their state and their update (the gradients are averaged whole)."
+        )
+    for linked in whole:  # each rank owns whole parameters (parallel/owned_params.py)
+        linked.shard(ParameterOwners(linked.params))
+    twins = [linked for linked in capture.optimizers if not isinstance(linked, OwnStepLink)]
+    shards = [ShardedOptimizer(zero, holder, linked.link.groups) for linked in twins]
+    for linked, sharded in zip(twins, shards, strict=True):
         linked.shard(sharded)
     if zero.stage == 2:
         return ShardedGradients(replicated, shards)
