@@ -10,6 +10,7 @@ import torch
 
 from . import competitors
 from .models import WORKLOADS
+from .optimizers import OPTIMIZERS
 from .step_bodies import STEP_WORKLOADS
 
 __all__ = ["parser"]
@@ -27,6 +28,13 @@ def parser() -> argparse.ArgumentParser:
         default="mlp",
         help="a model trained by the standard step, or a whole step body (wgan-gp, distill, "
         "lstm-lm: eager vs torch.compile of the step function vs functacc.jit)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default=None,
+        help="train every competitor with this optimizer (default: the workload's own, AdamW "
+        "or SGD); those without a functacc twin run their own step(), traced",
     )
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None, help="resnet models only")

@@ -14,6 +14,7 @@ from ..transforms.remat import POLICIES
 from . import competitors, report, runner
 from .args import parser
 from .models import build
+from .optimizers import OPTIMIZERS
 from .step_bodies import STEP_WORKLOADS
 
 __all__ = ["main"]
@@ -57,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=args.device,
         amp=torch.bfloat16 if args.amp == "bf16" else None,
     )
+    if args.optimizer:
+        workload.make_opt = OPTIMIZERS[args.optimizer]
+        workload.description += f" (optimizer: {args.optimizer})"
     names = [n.strip() for n in args.competitors.split(",") if n.strip()]
     if args.accelerate and "accelerate" not in names:
         names = ["eager", "accelerate"]

@@ -124,7 +124,9 @@ class Functacc:
         signature, picking the program, bookkeeping. Measured by calling the step with the
         graph replaced by one that returns the last loss, so nothing else is timed; the
         step count is put back afterwards."""
-        program = self.compiled._last_program
+        program = getattr(self.compiled, "_last_program", None)
+        if program is None:  # compile_step on jit's pipeline (an optimizer traced whole)
+            return float("nan")
         loss = self.step()
         real, count = program.run, self.compiled._calls
         program.run = lambda args: (loss,)

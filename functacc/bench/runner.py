@@ -130,7 +130,8 @@ def run(
         if hasattr(competitor, "compile_times"):
             result.compile_s = competitor.compile_times()
         if hasattr(competitor, "host_overhead_s") and device.type == "cpu":
-            result.host_overhead_us = competitor.host_overhead_s() * 1e6
+            seconds = competitor.host_overhead_s()
+            result.host_overhead_us = None if seconds != seconds else seconds * 1e6
         bar.update(1)
     bar.close()
     return results
