@@ -28,6 +28,7 @@ STAGES: dict[str, list[str]] = {
         "core/body",
         "core/capture",
         "core/optimizers",
+        "core/own_step",
         "core/body_trace",
         "core/python_state",
         "core/python_reach",
