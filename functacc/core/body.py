@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..backends import Backend, CudaGraphRunner, check_cuda_graphs
 from ..errors import TraceError
-from .body_trace import TracedBody, known_generators
+from .body_trace import TracedBody, ValueGuard, held_by, known_generators
 from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, poison
@@ -92,6 +92,8 @@ class StepBody:
         # What the body reads and writes in Python: guarded, fed or replayed.
         self.python = PythonState(fn, capture.optimizers)
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
+        self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
+        self._values = ValueGuard()
         # Autocast on the CPU and, where there is one, the GPU: a body may run on either.
         self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")
         self._last_state: list[Tensor | None] = []
@@ -121,6 +123,8 @@ class StepBody:
 
         def keys() -> tuple[tuple, tuple]:
             full = (*context, ("python", self.python.key()))
+            if self._value_guarded:  # batch tensors whose values a trace branched on
+                full = (*full, ("batch values", self._values.key(self._value_guarded, tensors)))
             return (tuple(map(TensorSpec.of, tensors)), full), (family_key(tensors), full)
 
         key, family = keys()
@@ -232,6 +236,7 @@ class StepBody:
         else:
             raise TraceError(f"{self.engine.cache.what}: its Python state kept changing shape")
         python = self.python.finish(body.recorder, fed, traced.number_guard)
+        self._value_guarded |= body.value_guarded
         self.python.generator_resets(python, traced.graph, known)
         plan.key, plan.family = keys()  # with the guards this trace found
         drop_unread_ops(traced.graph)
@@ -321,6 +326,19 @@ class StepBody:
         return check_cuda_graphs(self.cuda_graphs, device, collectives)
 
     def _trace_error(self, exc: Exception, described: str) -> Exception:
+        if "convert all Tensors to FakeTensors" in str(exc) and "grad_fn=" in str(exc):
+            return TraceError(
+                "the step read a tensor computed before the call, with autograd history "
+                f"(a grad_fn){held_by(self.python.roots)}: functacc.jit traces the step "
+                "alone, so its backward() cannot reach the work done outside it, where "
+                "eager's backward() runs through it. Passing the tensor as an argument "
+                "would not help (arguments come in detached).\n"
+                f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
+                "Fix: compute it inside the step: keep what the forward needs (observations, "
+                "actions, inputs) and call the model in the step body, e.g. an actor-critic "
+                "update that stacks the episode's states and recomputes the log-"
+                "probabilities there; or leave this update eager."
+            )
         if "convert all Tensors to FakeTensors" in str(exc):
             return TraceError(
                 "the step read a tensor that is none of its inputs: not an argument of the "

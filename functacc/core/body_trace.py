@@ -14,7 +14,8 @@ into the graph's outputs, in this order:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from .donation import donation_target
 from .python_reach import Location, Root, plain_objects
 from .python_trace import Recorder
 
-__all__ = ["TracedBody", "known_generators"]
+__all__ = ["TracedBody", "ValueGuard", "held_by", "known_generators", "mask_checks_on_values"]
 
 
 _NUMBER_KINDS = {torch.SymFloat: (float, torch.float64), torch.SymInt: (int, torch.int64)}
@@ -62,6 +63,8 @@ class TracedBody:
         self.n_out = 0
         self.n_grads = 0
         self.numbers: list[tuple[int, type]] = []  # Python outputs that are numbers, by kind
+        self.real_batch = [x for x in leaves if isinstance(x, Tensor)]
+        self.value_guarded: set[int] = set()  # batch tensors whose values the trace read
 
     def __call__(self, *flat: Tensor) -> tuple[Any, ...]:
         n_fixed = self.n_state + len(self.fed)
@@ -69,7 +72,11 @@ class TracedBody:
         call = [next(batch_in) if t else next(consts) for t in self.is_tensor]
         call_args, call_kwargs = pytree.tree_unflatten(call, self.spec)
         python, capture = self.step.python, self.step.capture
-        with python.scope(self.fed, flat[self.n_state : n_fixed]) as recorder:
+        batch = {id(t): i for i, t in enumerate(flat[n_fixed:]) if isinstance(t, Tensor)}
+        with (
+            python.scope(self.fed, flat[self.n_state : n_fixed]) as recorder,
+            mask_checks_on_values(batch, self.real_batch, self.value_guarded),
+        ):
             self.recorder = recorder
             with (
                 capture.installed(self.names, flat[: self.n_state], recorder) as exit_,
@@ -146,6 +153,79 @@ class TracedBody:
 
 def _shares_memory(a: Tensor, b: Tensor) -> bool:
     return a is b or torch._C._is_alias_of(a, b)
+
+
+class ValueGuard:
+    """The values of batch tensors that a trace branched on (an attention mask), as a
+    signature part: the index of the distinct value each has (the same tensor, unchanged
+    since the last check, costs no comparison)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, list[tuple[Tensor, Tensor, int]]] = {}
+
+    def key(self, positions: set[int], tensors: list[Tensor]) -> tuple:
+        return tuple(
+            (f"batch tensor {i} (which of its values seen so far)", self._token(i, tensors[i]))
+            for i in sorted(positions)
+            if i < len(tensors)
+        )
+
+    def _token(self, i: int, t: Tensor) -> int:
+        seen = self._seen.setdefault(i, [])
+        for k, (ref, last, version) in enumerate(seen):
+            if last is t and t._version == version:
+                return k
+            if ref.shape == t.shape and ref.dtype == t.dtype and torch.equal(ref, t):
+                seen[k] = (ref, t, t._version)
+                return k
+        seen.append((t.detach().clone(), t, t._version))
+        return len(seen) - 1
+
+
+def held_by(roots: Sequence[Any]) -> str:
+    """Where the body's Python state holds a tensor with autograd history, in words."""
+    for location, value in plain_objects(list(roots)).values():
+        values = value if isinstance(value, list) else []
+        if isinstance(value, dict):
+            values = list(value.values())
+        if any(isinstance(v, Tensor) and v.grad_fn is not None for v in values):
+            return f" (held in {location.label})"
+    for root in roots:
+        value = root.get()
+        if isinstance(value, Tensor) and value.grad_fn is not None:
+            return f" ({root.label})"
+    return ""
+
+
+@contextlib.contextmanager
+def mask_checks_on_values(
+    batch: dict[int, int], real: list[Tensor], guarded: set[int]
+) -> Iterator[None]:
+    """While tracing: torch's check whether an attention mask is causal
+    (``nn.TransformerEncoder(src, mask=...)`` compares the mask's values with a causal one)
+    runs on the real mask where the mask is an argument of the call; its values become part
+    of the step's signature (``guarded``: their positions among the batch tensors), so a
+    mask with other values traces again, as eager would take the other branch."""
+    from torch.nn.modules import transformer
+
+    original = transformer._detect_is_causal_mask
+
+    def detect(mask: Any, is_causal: Any = None, size: Any = None) -> bool:
+        index = batch.get(id(mask)) if mask is not None else None
+        if index is None or is_causal is not None:
+            return original(mask, is_causal, size)
+        guarded.add(index)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        with disable_proxy_modes_tracing(), unset_fake_temporarily():  # real values, eagerly
+            return bool(original(real[index], is_causal, size))
+
+    transformer._detect_is_causal_mask = detect
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = original
 
 
 def known_generators(

@@ -194,8 +194,10 @@ class ProgramCache:
 
     def alias(self, key: Hashable, program: Any) -> None:
         """Serve ``key`` exactly with a program compiled for another signature (not a new
-        trace: nothing is recorded or counted)."""
+        trace: nothing is recorded or counted). The next trace's reason is told against
+        it, the signature seen last."""
         self._exact[key] = program
+        self._last_key = key
 
     def add(
         self,

@@ -95,11 +95,21 @@ def _where(exc: BaseException, model: nn.Module) -> str:
 
 def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceError:
     where = _where(exc, model)
+    if _is_data_dependent(exc) and _in_function(exc, "_detect_is_causal_mask"):
+        return TraceError(
+            "torch's transformer layers check whether the attention mask is causal by "
+            f"comparing its values, which a traced step cannot do for a mask it computes "
+            f"{where}\nFix: pass is_causal=True with a causal mask (mask=..., "
+            "is_causal=True: torch then skips the check), or pass the mask as an argument "
+            "of the step (functacc then reads its values at the trace and retraces for a "
+            f"mask with other values). Inputs were: {signature}."
+        )
     if _is_data_dependent(exc):
         return TraceError(
             "functacc traces the whole training step once into a graph, so Python code "
-            "cannot branch on tensor values (if/while on a tensor, .item(), .tolist(), "
-            f"data-dependent shapes such as nonzero()), but the step does so {where}\n"
+            "cannot branch on tensor values (if/while on a tensor or on its .item() or "
+            ".tolist(), data-dependent shapes such as nonzero(); returning or storing "
+            f"loss.item() is fine), but the step does so {where}\n"
             "Expected: control flow that depends only on shapes, dtypes and Python values. "
             "Fix: replace the branch with tensor ops, e.g. torch.where(cond, a, b) or "
             "torch.cond(pred, true_fn, false_fn, operands), or move the check out of "
@@ -125,6 +135,16 @@ def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErro
         "devices the model expects (the same call must work in eager PyTorch: "
         "loss_fn(model(inputs), targets))."
     )
+
+
+def _in_function(exc: BaseException, name: str) -> bool:
+    """Whether ``exc`` was raised inside a function called ``name``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == name:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
