@@ -464,6 +464,10 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         opt.param_groups[0]["nesterov"] = True
         return standard(model, opt, x, y)
 
+    def counts_by_length(x: Tensor, y: Tensor) -> None:
+        torch.manual_seed(len(history))  # len() read at the trace, where eager reads it anew
+        history.append(standard(model, opt, x, y).item())
+
     def seed_from_data(x: Tensor, y: Tensor) -> Tensor:
         torch.manual_seed(int(x.abs().sum().item()))
         return standard(model, opt, x, y)
@@ -477,6 +481,7 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "stores_object": (stores_object, functacc.TraceError, "made while tracing"),
         "structure": (structure, ValueError, "nesterov"),
         "seed_from_data": (seed_from_data, functacc.TraceError, "data-dependent"),
+        "counts_by_length": (counts_by_length, functacc.TraceError, "keep a counter"),
     }, (trainer, sched, history)
 
 

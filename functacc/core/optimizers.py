@@ -259,6 +259,7 @@ class TracedOptimizer:
         assigned = self.python.overrides(self.linked.optimizer)
         if not any(assigned):
             return self.state
+        self._check_structure(assigned)
         groups = []
         for i, (group_state, values) in enumerate(zip(self.state, assigned, strict=True)):
             hyper = dict(getattr(group_state, "hyperparams", None) or {})
@@ -283,6 +284,27 @@ class TracedOptimizer:
                         hyper[n] = torch.full((), part, dtype=like.dtype, device=like.device)
             groups.append(group_state._replace(hyperparams=hyper))
         return type(self.state)(groups)
+
+    def _check_structure(self, assigned: list[dict[str, Any]]) -> None:
+        """A value assigned in the body that changes which update the twin runs (SGD's
+        momentum from 0, a weight decay from 0) is an error: the update was fixed when the
+        step was traced."""
+        from ..optim._torch import _structure
+
+        opt = self.linked.optimizer
+        for i, (group, values) in enumerate(zip(opt.param_groups, assigned, strict=True)):
+            plain = {k: v for k, v in values.items() if isinstance(v, (int, float, tuple))}
+            if not plain:
+                continue
+            before = {**dict(getattr(group, "original", group)), "params": []}
+            if _structure(opt, {**before, **plain}) != _structure(opt, before):
+                raise argument_error(
+                    f"the step assigns {opt.__class__.__name__} param_groups[{i}] "
+                    f"{sorted(plain)} = {[plain[k] for k in sorted(plain)]} before step(), which "
+                    "changes which update functacc's traced step runs (a momentum or weight "
+                    "decay from zero to non-zero, or back), fixed when the step was traced. "
+                    "Fix: set it outside the step: the next call traces the new update."
+                )
 
     def write_back(self) -> None:
         """At the end of the traced body: the new state goes into the state's inputs

@@ -120,7 +120,8 @@ class Location:
         self.root = root
         self.steps = steps
         self.label = root.label + "".join(
-            f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in steps
+            f".{k}" if kind == "attr" else ".__len__()" if kind == "len" else f"[{k!r}]"
+            for kind, k in steps
         )
 
     def child(self, kind: str, key: Any) -> Location:
@@ -173,6 +174,8 @@ class Location:
 
 
 def _step(value: Any, kind: str, key: Any) -> Any:
+    if kind == "len":
+        return len(value) if isinstance(value, (list, dict)) else MISSING
     if kind == "attr":
         fields = getattr(value, "__dict__", None)
         return fields.get(key, MISSING) if fields is not None else MISSING

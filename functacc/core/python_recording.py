@@ -29,7 +29,7 @@ from typing import Any
 
 from .python_reach import Location
 
-__all__ = ["ACTIVE", "RecordingDict", "RecordingGroup", "recording"]
+__all__ = ["ACTIVE", "RecordingDict", "RecordingGroup", "RecordingList", "recording"]
 
 
 class _Recorder:
@@ -188,3 +188,40 @@ class RecordingGroup(RecordingDict):
         for key in list(dict.keys(self)):
             if key != "params":
                 self._read(key)
+
+
+class RecordingList(list):
+    """A list the body reaches, while it is traced: a copy that notes whether the body
+    read it (its length, an item, a loop over it). Appends are replayed after each call; a
+    list the body both reads and appends to would be read at its trace-time length on every
+    call, which is refused (``read``)."""
+
+    def __init__(self, original: list, location: Location, recorder: Any):
+        super().__init__(original)
+        self.location = location
+        self.recorder = recorder
+        self.read = False
+
+    def _note(self) -> None:
+        if self.recorder.recording:
+            self.read = True
+
+    def __len__(self) -> int:
+        self._note()
+        return list.__len__(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        self._note()
+        return list.__getitem__(self, index)
+
+    def __iter__(self) -> Any:
+        self._note()
+        return list.__iter__(self)
+
+    def __contains__(self, value: object) -> bool:
+        self._note()
+        return list.__contains__(self, value)
+
+    def __bool__(self) -> bool:
+        self._note()
+        return list.__len__(self) > 0

@@ -35,7 +35,7 @@ from .python_effects import (
     list_effect,
 )
 from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
-from .python_recording import ACTIVE, RecordingDict, RecordingGroup, recording
+from .python_recording import ACTIVE, RecordingDict, RecordingGroup, RecordingList, recording
 
 __all__ = ["Recorder", "Retry", "groups_root"]
 
@@ -103,7 +103,11 @@ class Recorder:
                 self._undo.append(lambda location=location, obj=obj: location.set(obj))
                 self.snapshots.append((location, copy, dict(obj)))
             elif isinstance(obj, list):
-                self.snapshots.append((location, obj, list(obj)))
+                copy_ = RecordingList(obj, location, self)
+                self._originals[id(copy_)] = obj
+                location.set(copy_)
+                self._undo.append(lambda location=location, obj=obj: location.set(obj))
+                self.snapshots.append((location, copy_, list(obj)))
             else:
                 self.snapshots.append((location, obj, dict(vars(obj))))
                 stop = recording(obj)
@@ -276,9 +280,23 @@ class Recorder:
         promote: list[Location] = []
         for location, obj, contents in self.snapshots:
             if isinstance(obj, list):
-                effect = list_effect(location, contents, obj, self.template)
+                # list.__len__ and friends, so that the checks below are not reads
+                now = list(list.__iter__(obj)) if isinstance(obj, RecordingList) else obj
+                effect = list_effect(location, contents, now, self.template)
+                read = getattr(obj, "read", False)
+                if effect is not None and read:
+                    raise TraceError(
+                        f"the step reads the list {location.label} (its length or its items) "
+                        "and appends to it. functacc.jit replays the appends after each call, "
+                        "but what the step read of the list is fixed when it is traced, where "
+                        "eager reads it afresh (len(history) as a step count would stay "
+                        f"{len(contents)}). Fix: keep a counter (self.step += 1) and read that, "
+                        "or return the values and keep the list outside the step."
+                    )
                 if effect is not None:
                     self.effects.append(effect)
+                elif read:  # read, not written: its length is part of the signature
+                    self.guard(location.child("len", None), len(contents))
                 continue
             fields = obj if isinstance(obj, dict) else vars(obj)
             keys = list(contents) + [k for k in fields if k not in contents]
