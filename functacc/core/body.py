@@ -37,7 +37,7 @@ from .graph_passes import drop_unread_ops, drop_unused_inputs, host_scalars, wri
 from .graph_passes import fingerprint as graph_fingerprint
 from .python_effects import build
 from .python_state import PythonPlan, PythonState
-from .signature import AmbientWatch, TensorSpec, family_key, hashable_constant
+from .signature import AmbientWatch, BatchWatch, TensorSpec, family_key, hashable_constant
 
 __all__ = ["BodyProgram", "StepBody"]
 
@@ -96,8 +96,9 @@ class StepBody:
         self._values = ValueGuard()
         # Autocast on the CPU and, where there is one, the GPU: a body may run on either.
         self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")
-        self._last_state: list[Tensor | None] = []
-        self._last_specs: list[TensorSpec | None] = []
+        self._state_watch = BatchWatch()
+        self._batch_watch = BatchWatch()
+        self._last: tuple | None = None  # the last call's signature parts and program
 
     @property
     def reused(self) -> int:
@@ -108,29 +109,53 @@ class StepBody:
         names, state, context = self.capture.read()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
-        donated = donated_positions(self.donate, args, leaves)
+        donated = tuple(donated_positions(self.donate, args, leaves)) if self.donate else ()
         constants = tuple(
             hashable_constant(x) if not isinstance(x, Tensor) else None for x in leaves
         )
-        context = (
-            tuple(names),
-            self._state_specs(names, state),
+        # What the signature is made of; each part is the same object as at the last call
+        # while unchanged (the state's and the batch's specs are checked in C++), so the
+        # common call compares them by identity and skips building and hashing its key.
+        parts = (
+            names,
+            self._state_watch.key(state),
             context,
-            ("ambient", self._ambient.key()),
-            ("grad mode", torch.is_grad_enabled()),
-            ("batch", spec, constants, tuple(donated)),
+            self._ambient.key(),
+            torch.is_grad_enabled(),
+            spec,
+            constants,
+            donated,
+            self._batch_watch.key(tensors),
+            self.python.key(),
+            self._values.key(self._value_guarded, tensors) if self._value_guarded else (),
         )
+        last = self._last
+        if last is not None and all(a is b or a == b for a, b in zip(parts, last[0], strict=True)):
+            program = last[1]
+        else:
 
-        def keys() -> tuple[tuple, tuple]:
-            full = (*context, ("python", self.python.key()))
-            if self._value_guarded:  # batch tensors whose values a trace branched on
-                full = (*full, ("batch values", self._values.key(self._value_guarded, tensors)))
-            return (tuple(map(TensorSpec.of, tensors)), full), (family_key(tensors), full)
+            def keys() -> tuple[tuple, tuple]:
+                full = (
+                    names,
+                    parts[1],
+                    context,
+                    ("ambient", parts[3]),
+                    ("grad mode", parts[4]),
+                    ("batch", spec, constants, donated),
+                    ("python", self.python.key()),
+                )
+                if self._value_guarded:  # batch tensors whose values a trace branched on
+                    values = self._values.key(self._value_guarded, tensors)
+                    full = (*full, ("batch values", values))
+                return (tuple(map(TensorSpec.of, tensors)), full), (family_key(tensors), full)
 
-        key, family = keys()
-        program = self.engine.lookup(key, family, tensors)
-        if program is None:
-            program = self._build(keys, names, state, leaves, spec, tensors, donated)
+            key, family = keys()
+            program = self.engine.lookup(key, family, tensors)
+            if program is None:  # the next call looks up again: this trace found guards
+                program = self._build(keys, names, state, leaves, spec, tensors, list(donated))
+                self._last = None
+            else:
+                self._last = (parts, program)
         replay = self.python.before_run(program.python)
         if replay.changed:  # a scheduler stepped before the graph: its new hyperparameters
             self.capture.sync_hyperparameters()
@@ -152,24 +177,6 @@ class StepBody:
         replay.after(python_outputs)
         self.capture.settle()
         return self._outputs(program, outputs, tensors, python_outputs, replay.lrs)
-
-    def _state_specs(self, names: list[str], state: list[Tensor]) -> tuple:
-        """The state tensors' specs; those of the tensors that persist across calls
-        (parameters, buffers, optimizer state: the same objects every call) are reused."""
-        last, specs = self._last_state, self._last_specs
-        if len(last) != len(state):
-            last, specs = [None] * len(state), [None] * len(state)
-        new_specs = [
-            s if t is old else TensorSpec.of(t)
-            for t, old, s in zip(state, last, specs, strict=True)
-        ]
-        # Gradients come and go (zero_grad): not held past the call, so that eager's memory
-        # high point is not raised by keeping the last ones alive.
-        self._last_state = [
-            None if n.startswith("grad ") else t for n, t in zip(names, state, strict=True)
-        ]
-        self._last_specs = new_specs
-        return tuple(new_specs)
 
     def _outputs(
         self,

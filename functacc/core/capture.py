@@ -110,6 +110,12 @@ class Capture:
         # left it in .grad; the next trace checks that the body does not read it.
         self.dropped: set[str] = set()
         self._watched: tuple | None = None
+        # The hot path of read(): names computed once, and the last results (returned as
+        # the same objects while unchanged, so a call's signature compares by identity).
+        self._fixed: tuple | None = None
+        self._labelled: dict[int, tuple] = {}
+        self._names: tuple[str, ...] = ()
+        self._context: tuple = ()
         # Submodules or tensors replaced (registration hooks), hooks added or removed.
         self.structures = [StructureWatch(m) for m in self.modules]
         self.hooks = [
@@ -118,17 +124,19 @@ class Capture:
         ]
 
     # -- per call ----------------------------------------------------------------------
-    def read(self) -> tuple[list[str], list[Tensor], tuple]:
+    def read(self) -> tuple[tuple[str, ...], list[Tensor], tuple]:
         """The state's names and tensors now, and what else the graph depends on (train
-        mode, trainable parameters, module attributes, optimizer structure)."""
-        names: list[str] = []
-        tensors: list[Tensor] = []
-        for n, p in self.params.items():
-            names.append(f"param {n}")
-            tensors.append(p)
-        for n, b in self.buffers.items():
-            names.append(f"buffer {n}")
-            tensors.append(b)
+        mode, trainable parameters, module attributes, optimizer structure). The names come
+        back as the same tuple object while they are unchanged (the hot path of a call)."""
+        if self._fixed is None:
+            self._fixed = (
+                [*(f"param {n}" for n in self.params), *(f"buffer {n}" for n in self.buffers)],
+                [*self.params.values(), *self.buffers.values()],
+                {n: f"grad {n}" for n in self.params},
+            )
+        fixed_names, fixed_tensors, grad_names = self._fixed
+        names = list(fixed_names)
+        tensors = list(fixed_tensors)
         for qualified, module, attr in self.attributes:
             value = vars(module).get(attr)
             if not isinstance(value, Tensor):
@@ -140,14 +148,15 @@ class Capture:
             names.append(f"attribute {qualified}")
             tensors.append(value)
         for n, p in self.params.items():
-            if p.grad is not None:
-                names.append(f"grad {n}")
-                tensors.append(p.grad)
+            grad = p.grad
+            if grad is not None:
+                names.append(grad_names[n])
+                tensors.append(grad)
             elif n in self.dropped:
                 # The gradient eager would hold here, which ZeRO-2 did not keep: the
                 # parameter stands in for it (same shape and dtype; the trace replaces it
                 # and makes sure the graph never reads it).
-                names.append(f"grad {n}")
+                names.append(grad_names[n])
                 tensors.append(p)
         watched = self.watch.key()
         if watched is not self._watched or any(w.replaced for w in self.structures):
@@ -157,10 +166,20 @@ class Capture:
         for opt in self.optimizers:
             structure.append(opt.refresh())
             paths, leaves = opt.leaves()
-            names.extend(f"{opt.label}{path}" for path in paths)
+            labelled = self._labelled.get(id(paths))
+            if labelled is None or labelled[0] is not paths:
+                labelled = (paths, [f"{opt.label}{path}" for path in paths])
+                self._labelled[id(paths)] = labelled
+            names.extend(labelled[1])
             tensors.extend(leaves)
         hooks = tuple(h.key() for h in self.hooks)
-        return names, tensors, (watched, hooks, tuple(structure))
+        key = (watched, hooks, tuple(structure))
+        if key != self._context:
+            self._context = key
+        named = tuple(names)
+        if named != self._names:
+            self._names = named
+        return self._names, tensors, self._context
 
     def settle(self) -> None:
         """After a call's Python writes: optimizers show state those writes created."""
