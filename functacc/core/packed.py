@@ -45,7 +45,8 @@ class HostPacking(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self._host: dict[int, weakref.ref] = {}
-        self._constants: dict[int, Tensor] = {}  # host tensor id -> its traced constant
+        # host tensor id -> (the host tensor, its constant in the graph)
+        self._constants: dict[int, tuple[weakref.ref, Tensor]] = {}
 
     def _is_host(self, value: Any) -> bool:
         ref = self._host.get(id(value)) if isinstance(value, Tensor) else None
@@ -60,6 +61,8 @@ class HostPacking(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
+        """Pack and pad on the host; what reads only host tensors runs eagerly; an op that
+        mixes them with traced tensors is traced, the host tensors as constants."""
         kwargs = kwargs or {}
         if func is _VF._pack_padded_sequence:
             return self._pack(*args, **kwargs)
@@ -93,9 +96,11 @@ class HostPacking(TorchFunctionMode):
         def constant(t: Tensor) -> Tensor:
             if not self._is_host(t):
                 return t
-            if id(t) not in self._constants:
-                self._constants[id(t)] = torch.tensor(t.tolist(), dtype=t.dtype, device=t.device)
-            return self._constants[id(t)]
+            ref, made = self._constants.get(id(t), (None, None))
+            if ref is None or ref() is not t:
+                made = torch.tensor(t.tolist(), dtype=t.dtype, device=t.device)
+                self._constants[id(t)] = (weakref.ref(t), made)
+            return made
 
         return pytree.tree_map_only(Tensor, constant, tree)
 
