@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -104,13 +103,14 @@ def _fake_mode(fakes: Sequence[Any]) -> Any:
 
 @contextlib.contextmanager
 def no_tensorify() -> Iterator[None]:
-    """While compiling: Inductor leaves float arithmetic on the host (as eager does it)."""
-    old = os.environ.get("TENSORIFY_PYTHON_SCALARS")
-    os.environ["TENSORIFY_PYTHON_SCALARS"] = "0"
+    """While compiling: Inductor leaves float arithmetic on the host (as eager does it).
+    torch reads its switch for that pass once per process (TENSORIFY_PYTHON_SCALARS,
+    cached), so the pass's own module is told it is off, for this compile only."""
+    from torch.fx.passes import _tensorify_python_scalars as tensorify
+
+    enabled = tensorify._is_tensorify_enabled
+    tensorify._is_tensorify_enabled = lambda: False
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["TENSORIFY_PYTHON_SCALARS"]
-        else:
-            os.environ["TENSORIFY_PYTHON_SCALARS"] = old
+        tensorify._is_tensorify_enabled = enabled
