@@ -153,12 +153,16 @@ def test_optimizer_over_other_parameters() -> None:
         functacc.compile_step(model, nn.CrossEntropyLoss(), opt)
 
 
-def test_unsupported_optimizer_lists_supported() -> None:
+def test_an_optimizer_that_cannot_be_traced_says_what_to_do() -> None:
+    # Any optimizer is taken now (tests/test_optimizers.py); LBFGS and SparseAdam are not.
     model = models.mlp()
     with pytest.raises(TypeError) as info:
-        functacc.compile_step(model, nn.MSELoss(), torch.optim.RMSprop(model.parameters()))
-    assert "torch.optim.RMSprop" in str(info.value)
-    assert "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW" in str(info.value)
+        functacc.compile_step(model, nn.MSELoss(), torch.optim.LBFGS(model.parameters()))
+    assert "LBFGS" in str(info.value) and "closure" in str(info.value)
+    with pytest.raises(ValueError, match="precision"):
+        functacc.compile_step(
+            model, nn.MSELoss(), torch.optim.RMSprop(model.parameters()), precision="bf16"
+        )
 
 
 def test_unsupported_optimizer_option() -> None:
