@@ -144,6 +144,37 @@ class Functacc:
         return best
 
 
+class FunctaccJit(Eager):
+    """``functacc.jit`` of the same eager step body (zero_grad, forward, loss, backward,
+    opt.step()): the general front door, to compare with ``compile_step``."""
+
+    name = "functacc.jit"
+
+    def __init__(self, w: Workload):
+        from ..frontends.jit import jit
+
+        super().__init__(w)
+        model, opt, loss_fn = self.model, self.opt, w.loss_fn
+
+        def train_step(inputs: Tensor, targets: Tensor) -> Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        options = {"precision": w.amp} if w.amp is not None else {}
+        if options:
+            raise ValueError("functacc.jit in the bench takes no --amp yet")
+        self.compiled = jit(train_step, modules=[model], optimizers=[opt])
+
+    def step(self) -> Tensor:
+        return self.compiled(*next(self.batches))
+
+    def compile_times(self) -> list[tuple[float, float]]:
+        return [(r.trace_s, r.compile_s) for r in self.compiled.traces]
+
+
 class Accelerate(Eager):
     """The eager loop on a model prepared by ``functacc.accelerate`` (torch.compile)."""
 
@@ -157,7 +188,8 @@ class Accelerate(Eager):
 
 
 COMPETITORS = {
-    c.name: c for c in (Eager, TorchCompile, TorchCompileReduceOverhead, Functacc, Accelerate)
+    c.name: c
+    for c in (Eager, TorchCompile, TorchCompileReduceOverhead, Functacc, FunctaccJit, Accelerate)
 }
 
 
