@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/resnet_quickstart.py
+	$(PY) examples/demo.py
 
 # Two pytest workers, whole files each (a file's torchrun fixtures run once): most of the
 # suite is Inductor compiles, single-threaded Python half of the time (15 min -> 12 here).

@@ -22,6 +22,14 @@ def run(args: list[str], timeout: float = 600) -> str:
     return proc.stdout
 
 
+def test_demo() -> None:
+    # `make demo` at a tiny size: the three loops train and the table comes out.
+    out = run([str(EXAMPLES / "demo.py"), "--rounds", "1", "--steps", "2", "--width", "32"])
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["eager", "torch.compile", "functacc"]
+    assert "first step" in rows[0]
+
+
 def test_quickstart() -> None:
     out = run(
         [
