@@ -237,7 +237,7 @@ def test_an_optimizer_that_branches_on_tensor_values_is_a_clear_error() -> None:
 
 
 @pytest.mark.distributed
-def test_data_parallel_and_zero1_equal_one_process_on_the_full_batch(tmp_path: Path) -> None:
+def test_data_parallel_and_zero_equal_one_process_on_the_full_batch(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parent / "dist"))
     import optim_worker
 
@@ -272,8 +272,13 @@ def test_data_parallel_and_zero1_equal_one_process_on_the_full_batch(tmp_path: P
             )
             assert run["optimizer"]["param_groups"] == opt.state_dict()["param_groups"], what
             assert run["traces"] == optim_worker.expected_traces(name), what
-        # ZeRO-1: each rank keeps the state of the parameters it owns, and the new values
-        # are all-gathered in the graph.
-        assert 0 < got["zero1", name]["own_state"] < len(opt.state) == got["dp", name]["own_state"]
-        assert got["zero1", name]["all_gathers"] == 1 and got["dp", name]["all_gathers"] == 0
-    assert "ZeRO(1)" in got["zero2"]
+        # ZeRO-1/2: each rank keeps the state of the parameters it owns, and the new values
+        # are all-gathered in the graph; ZeRO-2 reduce-scatters the gradients to their
+        # owners (no all-reduce left) and they do not outlive the call.
+        dp, zero1, zero2 = (got[layout, name] for layout in ("dp", "zero1", "zero2"))
+        assert 0 < zero1["own_state"] < len(opt.state) == dp["own_state"]
+        assert zero2["own_state"] == zero1["own_state"]
+        assert zero1["all_gathers"] == zero2["all_gathers"] == 1 and dp["all_gathers"] == 0
+        assert zero2["reduce_scatters"] >= 1 and zero2["all_reduces"] == 0
+        assert dp["reduce_scatters"] == zero1["reduce_scatters"] == 0
+        assert all(dp["grads_after_call"]) and not any(zero2["grads_after_call"])

@@ -211,7 +211,7 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     from ..parallel import DataParallel, ZeRO
     from ..parallel.jit_grads import AveragedGradients, LocalGradients, ShardedGradients
     from ..parallel.mesh import world_size
-    from ..parallel.owned_params import ParameterOwners
+    from ..parallel.owned_params import OwnedGradients, ParameterOwners
     from ..parallel.strategy import check_same_model, sync_from_rank0
     from ..parallel.zero_jit import ShardedOptimizer
 
@@ -243,17 +243,17 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
         return AveragedGradients(replicated)
     holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
     whole = [linked for linked in capture.optimizers if isinstance(linked, OwnStepLink)]
-    if whole and zero.stage == 2:
+    twins = [linked for linked in capture.optimizers if not isinstance(linked, OwnStepLink)]
+    if whole and twins and zero.stage == 2:
         raise ValueError(
-            f"parallel=ZeRO(2) with {type(whole[0].optimizer).__name__}: functacc shards the "
-            "gradients of SGD, Adam and AdamW by flat segments (its pure twins update any "
-            "segment); an optimizer traced through its own step() is stepped per whole "
-            "parameter. Use parallel=functacc.parallel.ZeRO(1): each rank then owns whole "
-            "parameters, their state and their update (the gradients are averaged whole)."
+            "parallel=ZeRO(2) with an optimizer traced through its own step() "
+            f"({type(whole[0].optimizer).__name__}) beside SGD, Adam or AdamW in one step: "
+            "their gradients are sharded two different ways. Use ZeRO(1), or one kind."
         )
     for linked in whole:  # each rank owns whole parameters (parallel/owned_params.py)
         linked.shard(ParameterOwners(linked.params))
-    twins = [linked for linked in capture.optimizers if not isinstance(linked, OwnStepLink)]
+    if whole and zero.stage == 2:
+        return OwnedGradients(AveragedGradients(replicated), [w.owners for w in whole])
     shards = [ShardedOptimizer(zero, holder, linked.link.groups) for linked in twins]
     for linked, sharded in zip(twins, shards, strict=True):
         linked.shard(sharded)

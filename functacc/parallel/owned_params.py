@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ParameterOwners", "assign_owners"]
+__all__ = ["OwnedGradients", "ParameterOwners", "assign_owners"]
 
 
 def assign_owners(params: Mapping[str, Tensor], world: int) -> dict[str, int]:
@@ -53,6 +53,8 @@ class ParameterOwners:
         self.rank = dist.get_rank(group)
         self.owner = assign_owners(params, self.world)
         self.by_rank = [[n for n in params if self.owner[n] == r] for r in range(self.world)]
+        self.shapes = {n: tuple(p.shape) for n, p in params.items()}
+        self.numel = {n: p.numel() for n, p in params.items()}
         sizes = [sum(params[n].numel() for n in names) for names in self.by_rank]
         self.width = max(sizes) if sizes else 0  # the flat buffer each rank contributes
 
@@ -104,3 +106,69 @@ class ParameterOwners:
 
         optimizer.register_state_dict_post_hook(gather_state)
         optimizer.register_load_state_dict_pre_hook(keep_own)
+
+
+class OwnedGradients:
+    """ZeRO-2 for optimizers traced whole: each ``backward()`` reduces each of their
+    parameters' gradients to the rank that owns the parameter (one reduce-scatter of a
+    buffer packed by owner: each rank receives the mean of its own parameters' gradients,
+    which is what its ``opt.step()`` reads); on every rank ``.grad`` is the all-gathered
+    whole, which the graph drops where nothing reads it (a body that clips reads it). These
+    gradients do not outlive the call (``.grad`` is ``None`` after it), as under
+    :class:`~.jit_grads.ShardedGradients`. Other parameters' gradients are averaged whole
+    by ``averaged`` (:class:`~.jit_grads.AveragedGradients`)."""
+
+    def __init__(self, averaged: Any, owners: list[ParameterOwners]):
+        self.averaged = averaged
+        self.owners = owners
+        self.owner_of = {n: o for o in owners for n in o.owner}
+        self.transient = frozenset(self.owner_of)
+
+    def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self.averaged.sync_buffers(buffers)
+
+    def reducing_backward(self, leaves: Mapping[str, Tensor]) -> Any:
+        return type(self.averaged).reducing_backward(self, leaves)
+
+    def reset(self) -> None:
+        """A new trace starts."""
+
+    def after_backward(
+        self, before: Mapping[str, Tensor | None], fresh: Mapping[str, Tensor]
+    ) -> dict[str, Tensor | None]:
+        from torch.distributed import _functional_collectives as funcol
+
+        others = {n: g for n, g in before.items() if n not in self.owner_of}
+        whole = {n: g for n, g in fresh.items() if n not in self.owner_of}
+        out = self.averaged.after_backward(others, whole)
+        out.update({n: g for n, g in before.items() if n in self.owner_of})
+        for owners in self.owners:
+            mine = {n: fresh[n] for n in owners.owner if n in fresh}
+            if not mine:
+                continue
+            like = next(iter(mine.values()))
+            parts = []
+            for names in owners.by_rank:
+                pieces = [
+                    (mine[n] if n in mine else like.new_zeros(owners.shapes[n])).reshape(-1)
+                    for n in names
+                ]
+                pad = owners.width - sum(p.numel() for p in pieces)
+                parts.append(torch.cat([*pieces, like.new_zeros(pad)]))
+            group = owners.group or dist.group.WORLD
+            chunk = (
+                funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.cat(parts), "sum", 0, group))
+                / owners.world
+            )
+            gathered = funcol.wait_tensor(funcol.all_gather_tensor(chunk, 0, group))
+            for rank, names in enumerate(owners.by_rank):
+                source = chunk if rank == owners.rank else gathered[rank * owners.width :]
+                offset = 0
+                for n in names:
+                    size = owners.numel[n]
+                    if n in mine:
+                        grad = source[offset : offset + size].view(owners.shapes[n])
+                        old = before.get(n)
+                        out[n] = grad if old is None else old + grad
+                    offset += size
+        return out
