@@ -31,11 +31,17 @@ def _timm(name: str, **options: float) -> Callable[[nn.Module], torch.optim.Opti
     return make
 
 
+class AdamWOwnStep(torch.optim.AdamW):
+    """AdamW run through its own traced ``step()``, not functacc's twin: to measure one
+    against the other (a subclass has no twin)."""
+
+
 O = torch.optim  # noqa: E741
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "sgd": lambda m: O.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4),
     "adam": lambda m: O.Adam(m.parameters(), lr=1e-3),
     "adamw": lambda m: O.AdamW(m.parameters(), lr=1e-3),
+    "adamw-own-step": lambda m: AdamWOwnStep(m.parameters(), lr=1e-3),
     "rmsprop": lambda m: O.RMSprop(m.parameters(), lr=1e-3, momentum=0.9),
     "adagrad": lambda m: O.Adagrad(m.parameters(), lr=1e-2),
     "nadam": lambda m: O.NAdam(m.parameters(), lr=1e-3),
