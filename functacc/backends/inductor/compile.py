@@ -125,8 +125,10 @@ def compile_inductor(
         if cpu:
             stack.enter_context(input_checks_first())
             stack.enter_context(independent_loops_nowait())
-        if floats:
-            stack.enter_context(no_tensorify())
+        # Always, not only with float inputs: a float symbol can reach the graph another
+        # way (seen with Rprop and timm's ADOPT on a cold cache), and the pass's answer, a
+        # restart, is for Dynamo, which a make_fx graph has not.
+        stack.enter_context(no_tensorify())
         try:
             compiled = compile_fx(graph, list(fakes))
         except Exception as exc:
