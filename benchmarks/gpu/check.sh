@@ -6,6 +6,8 @@
 #
 #   OUT=out/gpu BUDGET=560 bash benchmarks/gpu/check.sh
 #   ONLY="tests/test_data.py tests/test_accelerate.py" DIST=load bash benchmarks/gpu/check.sh
+#   BENCH="wgan-gp distill" bash benchmarks/gpu/check.sh   # these bench rows after the CUDA
+#                    tests, before the suite: eager, torch.compile and functacc.jit, JSON each
 set -u
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
@@ -23,7 +25,14 @@ if [ -z "${ONLY:-}" ]; then
     timeout $((end - SECONDS)) python3 -m pytest -q -rfEs -n 6 -p no:cacheprovider \
         tests/test_cuda.py tests/test_cudagraph.py 2>&1 | tee "$OUT/cuda.log" | tail -25
     rest=(--ignore tests/test_cuda.py --ignore tests/test_cudagraph.py)
-else
+fi
+for model in ${BENCH:-}; do
+    timeout $((end - SECONDS)) python3 -m functacc bench --model "$model" --device cuda \
+        --competitors eager,torch.compile,functacc --steps "${BENCH_STEPS:-50}" --rounds 2 \
+        --warmup 3 --no-progress --json "$OUT/gpu-$model.json" 2>&1 | tee "$OUT/bench-$model.log" |
+        tail -15
+done
+if [ -n "${ONLY:-}" ]; then
     read -r -a rest <<<"$ONLY"
 fi
 timeout $((end - SECONDS)) python3 -m pytest -v -n "$workers" --dist "${DIST:-loadfile}" --tb=short -rfE \
