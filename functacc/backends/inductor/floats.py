@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -104,13 +105,26 @@ def _fake_mode(fakes: Sequence[Any]) -> Any:
 @contextlib.contextmanager
 def no_tensorify() -> Iterator[None]:
     """While compiling: Inductor leaves float arithmetic on the host (as eager does it).
-    torch reads its switch for that pass once per process (TENSORIFY_PYTHON_SCALARS,
-    cached), so the pass's own module is told it is off, for this compile only."""
+    The pass's switch differs between torch releases (2.14 reads an environment variable
+    and a knob through ``torch._dynamo.utils``; 2.11 has no such function in the pass's
+    module), so the pass itself is replaced, for this compile only, wherever torch's
+    modules hold it (AOTAutograd imports it by name)."""
     from torch.fx.passes import _tensorify_python_scalars as tensorify
 
-    enabled = tensorify._is_tensorify_enabled
-    tensorify._is_tensorify_enabled = lambda: False
+    original = tensorify.tensorify_python_scalars
+    holders = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("torch.") and getattr(m, "tensorify_python_scalars", None) is original
+    ]
+    for module in holders:
+        module.tensorify_python_scalars = _skip_tensorify
     try:
         yield
     finally:
-        tensorify._is_tensorify_enabled = enabled
+        for module in holders:
+            module.tensorify_python_scalars = original
+
+
+def _skip_tensorify(gm: GraphModule, shape_env: Any, fake_mode: Any) -> None:
+    """The pass, off: it changes nothing, as with its switch off."""
