@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -205,3 +206,20 @@ def needs_inductor_random_order() -> None:
             f"after 2.11 does (2.14.1 and 2.15.0 tested); torch {torch.__version__} may swap "
             "two dropouts' draws"
         )
+
+
+@contextlib.contextmanager
+def exact_cuda() -> Iterator[None]:
+    """GPU comparisons that mean the step, not the libraries' choices: TF32 off (it rounds
+    float32 matmul and convolution inputs to 10 bits) and cuDNN's deterministic algorithms
+    only (some convolution backward algorithms add with atomics, in whatever order the
+    blocks finish: an H200 run gave a captured and an uncaptured EMA+SAM step losses one
+    ulp apart)."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = matmul.allow_tf32, cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = saved

@@ -3,7 +3,8 @@ mixed precision on tensor cores, the loader's pinned-memory copies, accelerate.
 
 Two references. Against the eager PyTorch loop on the same GPU, with TF32 off (TF32 rounds
 float32 matmul inputs to 10 bits, and cuBLAS/cuDNN pick algorithms per call site, so it
-would make the comparison about algorithms, not about the step): Inductor reorders float32
+would make the comparison about algorithms, not about the step) and cuDNN deterministic
+(``helpers.exact_cuda``): Inductor reorders float32
 arithmetic, hence rtol 1e-4 / atol 1e-5 after several AdamW steps, as on CPU. Against the
 same compiled step with ``cuda_graphs=False``: a replay runs the very kernels of the
 uncaptured call on the same inputs, so it must be equal bit for bit (rtol = atol = 0).
@@ -19,7 +20,13 @@ from collections.abc import Iterator
 import models
 import pytest
 import torch
-from helpers import assert_close, assert_same_training, eager_train, functacc_train
+from helpers import (
+    assert_close,
+    assert_same_training,
+    eager_train,
+    exact_cuda,
+    functacc_train,
+)
 from torch import nn
 
 import functacc
@@ -34,10 +41,8 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def no_tf32() -> Iterator[None]:
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    with exact_cuda():
+        yield
 
 
 def cnn() -> nn.Module:

@@ -9,7 +9,7 @@ import typing
 import models
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, exact_cuda
 from torch import nn
 
 import functacc
@@ -316,7 +316,33 @@ def on_gpu(case: str, cuda_graphs: bool) -> tuple:
     return step, modules, optimizers, data
 
 
+@pytest.fixture
+def exact() -> typing.Iterator[None]:
+    with exact_cuda():
+        yield
+
+
+def noise_gradients(modules: list[nn.Module], optimizers: list) -> set[str]:
+    """``tensors_of`` key prefixes of biases that feed a BatchNorm, and of their optimizer
+    state: their gradient is zero up to rounding (the norm subtracts the mean), which Adam
+    turns into lr-sized noise in either implementation, so they are compared nowhere."""
+    noisy: dict[str, nn.Parameter] = {}
+    for i, module in enumerate(modules):
+        for name, seq in module.named_modules():
+            if isinstance(seq, nn.Sequential):
+                for j, (a, b) in enumerate(zip(seq, list(seq)[1:], strict=False)):
+                    if isinstance(b, nn.modules.batchnorm._BatchNorm) and a.bias is not None:
+                        noisy[f"{i}.{name + '.' if name else ''}{j}.bias"] = a.bias
+    ids = {id(p) for p in noisy.values()}
+    keys = set(noisy)  # the bias, its .grad and .requires_grad
+    for i, opt in enumerate(optimizers):
+        params = [p for group in opt.param_groups for p in group["params"]]
+        keys |= {f"opt{i}.{k}." for k, p in enumerate(params) if id(p) in ids}
+    return keys
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.usefixtures("exact")
 @pytest.mark.parametrize("case", sorted(jit_cases()))
 def test_jit_cuda_graph_matches_uncaptured_on_gpu(case: str) -> None:
     # The WGAN-GP (double backward, two optimizers, random interpolates), the distillation
@@ -343,6 +369,7 @@ def test_jit_cuda_graph_matches_uncaptured_on_gpu(case: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.usefixtures("exact")
 @pytest.mark.parametrize("case", ["accumulating", "distillation", "ema_sam"])
 def test_jit_cuda_graph_matches_the_eager_body_on_gpu(case: str) -> None:
     # The captured, Inductor-compiled step against the same body run eagerly on the same
@@ -364,12 +391,15 @@ def test_jit_cuda_graph_matches_the_eager_body_on_gpu(case: str) -> None:
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     got, expected = tensors_of(modules, optimizers), tensors_of(ref_modules, ref_optimizers)
     assert got.keys() == expected.keys()
+    noise = noise_gradients(modules, optimizers)  # distillation's Linear -> BatchNorm1d
+    assert case != "distillation" or noise
     for key, value in got.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not any(key.startswith(k) for k in noise):
             torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.usefixtures("exact")
 def test_cuda_graph_step_matches_uncaptured_step_on_gpu() -> None:
     torch.manual_seed(0)
     model = models.cnn_bn().cuda()

@@ -27,6 +27,7 @@ from test_jit import assert_same, tensors_of
 from torch import Tensor, nn
 
 import functacc
+from functacc import _compat
 
 SCALE = 1.0  # read by the "global" case's body; the loop changes it between calls
 
@@ -398,6 +399,10 @@ def _detached(tree: Any) -> Any:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_python_state_matches_eager_bit_for_bit(name: str) -> None:
+    if name == "generator_in_body" and not _compat.make_fx_traces_generators():
+        # torch 2.11 (the GPU machines' torch): a TraceError that says so, tested in
+        # test_errors.test_an_own_generator_on_a_torch_that_cannot_trace_it_is_a_clear_error
+        pytest.skip(f"torch {torch.__version__}'s make_fx cannot trace a torch.Generator")
     run_both(name, "eager", exactly)
 
 

@@ -157,6 +157,8 @@ def test_matches_eager_bit_for_bit(name: str, front: str) -> None:
         mine = {k: v for k, v in mine.items() if not k.endswith(".grad")}
         theirs = {k: v for k, v in theirs.items() if not k.endswith(".grad")}
     assert_same(mine, theirs)
+    groups, ref_groups = opt.state_dict()["param_groups"], ref_opt.state_dict()["param_groups"]
+    assert groups == ref_groups, (groups, ref_groups)  # names the field where str() would not
     assert str(opt.state_dict()) == str(ref_opt.state_dict())
     assert step.num_traces == OPTIMIZERS[name][1], [t.reason for t in step.traces]
 
@@ -263,10 +265,13 @@ def test_data_parallel_and_zero_equal_one_process_on_the_full_batch(tmp_path: Pa
             run, what = got[layout, name], f"{layout} {name}"
             # The gradients are summed over the ranks in another order than over one batch.
             assert_close(run["model"], model.state_dict(), rtol=1e-5, atol=2e-5, what=what)
+            # RMSprop's first steps divide a gradient by its own running root mean square
+            # (about +-10 whatever its size), so a tiny gradient's rounding reaches the
+            # momentum buffer amplified: 3.2e-5 relative on torch 2.11 (H100), hence 1e-4.
             assert_close(
                 run["optimizer"]["state"],
                 opt.state_dict()["state"],
-                rtol=1e-5,
+                rtol=1e-4,
                 atol=2e-5,
                 what=what,
             )
