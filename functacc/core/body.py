@@ -75,8 +75,11 @@ class StepBody:
         donate: frozenset[int],
         what: str,
         cuda_graphs: bool | None = None,
+        remat: Any = None,
     ):
         self.fn = fn
+        # What the body recomputes in backward (transforms.remat_passes.Recompute) or None.
+        self.remat = remat
         self.capture = capture
         self.donate = donate
         self.cuda_graphs = cuda_graphs  # None: on where the step runs on CUDA (capturable)
@@ -242,6 +245,8 @@ class StepBody:
             break
         else:
             raise TraceError(f"{self.engine.cache.what}: its Python state kept changing shape")
+        if self.remat is not None:
+            self.remat.rewrite(traced.graph, batch_inputs=len(tensors))
         python = self.python.finish(body.recorder, fed, traced.number_guard)
         self._value_guarded |= body.value_guarded
         self.python.generator_resets(python, traced.graph, known)

@@ -78,9 +78,11 @@ class TracedBody:
             mask_checks_on_values(batch, self.real_batch, self.value_guarded),
         ):
             self.recorder = recorder
+            remat = self.step.remat
             with (
                 capture.installed(self.names, flat[: self.n_state], recorder) as exit_,
                 torch.set_grad_enabled(self.grad_mode),
+                remat.active() if remat is not None else contextlib.nullcontext(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)

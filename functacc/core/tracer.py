@@ -209,13 +209,43 @@ def _make_fx(
     # Eager's in-place ops on intermediates (a GRU cell's) come back after functionalization:
     # eager_inplace.py. The nodes carry their tag through a trace run node by node.
     mark_inplace(first)
+    _carry_meta(first)
     pure = torch.func.functionalize(traced_node_by_node(first), remove="mutations")
     with fx_traceback.preserve_node_meta():
         second = make_fx(pure, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
             *[f.detach() if _tensor(f) else f for f in fakes]
         )
     restore_inplace(second)
+    _uncarry_meta(second)
     return second
+
+
+# functacc's own node metadata (remat's forward and recomputation regions: FORWARD and
+# RECOMPUTE in transforms/remat.py) rides through the functionalizing trace in the one field
+# that trace copies from node to node, "custom", and is put back where the passes read it.
+_OWN_META = "functacc_"
+
+
+def _carry_meta(gm: GraphModule) -> None:
+    for node in gm.graph.nodes:
+        own = {k: v for k, v in node.meta.items() if k.startswith(_OWN_META)}
+        if own:
+            node.meta["custom"] = {**node.meta.get("custom", {}), **own}
+
+
+def _uncarry_meta(gm: GraphModule) -> None:
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom")
+        if not custom or not any(k.startswith(_OWN_META) for k in custom):
+            continue
+        for k, v in custom.items():
+            if k.startswith(_OWN_META):
+                node.meta[k] = v
+        rest = {k: v for k, v in custom.items() if not k.startswith(_OWN_META)}
+        if rest:
+            node.meta["custom"] = rest
+        else:
+            del node.meta["custom"]
 
 
 # Ops whose kernel returns one tensor in two output slots: oneDNN's LSTM backward gives the

@@ -27,6 +27,8 @@ from ..backends import Backend, check_backend, check_cuda_graphs, check_inductor
 from ..core.body import StepBody
 from ..core.cache import TraceRecord
 from ..core.capture import Capture
+from ..transforms.remat import RematPolicy, validate_remat
+from ..transforms.remat_passes import Recompute
 
 __all__ = ["Jitted", "jit"]
 
@@ -87,6 +89,8 @@ def jit(
     max_traces: int | None = 32,
     parallel: Any = None,
     cuda_graphs: bool | None = None,
+    remat: Collection[str] | None = None,
+    remat_policy: RematPolicy = "full",
 ) -> Jitted:
     """Compile a whole training step, written as eager code or as a pure function.
 
@@ -124,8 +128,13 @@ def jit(
         cuda_graphs: capture each compiled step as a CUDA graph and replay it (the batch
             is copied into static buffers, the outputs out). ``None``: on where the step's
             tensors are on CUDA (and, under torchrun, its collectives are NCCL's); ``True``
-            elsewhere is an error. Not yet run on a GPU (tested on CPU with a stand-in
-            graph).
+            elsewhere is an error.
+        remat: class names of modules (in any of ``modules``) whose activations are
+            recomputed in backward instead of kept, as ``compile_step(remat=)`` does: each
+            outermost such module runs under non-reentrant checkpointing inside the trace,
+            its dropout masks replayed, so the gradients equal those of the kept
+            activations. ``remat_policy``: ``"full"``, ``"save_matmuls"`` or
+            ``"selective"`` (see docs/precision.md).
 
     A tensor the body reads that is none of these (a module not in ``modules``, a global
     tensor) is an error naming the op, never a constant baked into the graph. Python side
@@ -166,6 +175,8 @@ def jit(
         raise ValueError(f"donate must hold argument positions (ints >= 0); got {donate!r}")
     labels = _labels(fn, modules, "modules")
     opt_labels = _labels(fn, optimizers, "optimizers")
+    holder = nn.ModuleDict(dict(zip(labels, modules, strict=True)))
+    recomputed = validate_remat(holder, remat, remat_policy, stacklevel=3)
     capture = Capture(modules, labels, optimizers, opt_labels)
     capture.strategy = _strategy(parallel, capture)
     engine = StepBody(
@@ -178,6 +189,7 @@ def jit(
         donate=donated,
         what=f"the jitted step {getattr(fn, '__qualname__', 'fn')}",
         cuda_graphs=cuda_graphs,
+        remat=Recompute(holder, recomputed, remat_policy) if recomputed else None,
     )
     return Jitted(fn, engine)
 

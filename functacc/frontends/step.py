@@ -12,7 +12,6 @@ Two forms share the same mathematics (:mod:`functacc.frontends.step_fn`):
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -40,7 +39,7 @@ from ..parallel import resolve_strategy
 from ..parallel.comm import CommStats
 from ..parallel.strategy import check_same_model, sync_from_rank0
 from ..transforms.precision import resolve_precision
-from ..transforms.remat import POLICIES, RematPolicy, validate_remat
+from ..transforms.remat import RematPolicy, validate_remat
 from .step_fn import LossFn, StepFunction, TrainState
 from .step_programs import StepProgram, StepPrograms
 from .step_signature import StepSignature, describe_batch
@@ -148,21 +147,8 @@ class Step:
             grad_accum_steps,
             max_grad_norm,
             self.precision,
-            validate_remat(model, remat),
+            validate_remat(model, remat, remat_policy),
         )
-        if remat_policy not in POLICIES:
-            raise ValueError(
-                f"remat_policy must be one of {POLICIES}; got {remat_policy!r}. 'full' "
-                "recomputes the whole module in backward (least memory); 'save_matmuls' keeps "
-                "the matmul and convolution results and recomputes the rest (less compute); "
-                "'selective' keeps those with weights and recomputes attention's (between)."
-            )
-        if remat_policy != "full" and not remat:
-            warnings.warn(
-                f"remat_policy={remat_policy!r} has no effect without remat=...: no module "
-                "is recomputed. Name the modules to recompute, e.g. remat={'Block'}.",
-                stacklevel=3,
-            )
         self.remat_policy = remat_policy
         self._programs = StepPrograms(
             self._engine,

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import os
 import sys
+import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -149,7 +150,24 @@ def _with_replay(module: nn.Module, forward: Callable) -> Callable:
     return run
 
 
-def validate_remat(model: nn.Module, classes: Collection[str] | None) -> frozenset[str]:
+def validate_remat(
+    model: nn.Module, classes: Collection[str] | None, policy: str = "full", *, stacklevel: int = 4
+) -> frozenset[str]:
+    """The class names to recompute (each must be a class in ``model``), after checking
+    ``policy`` (warns where it has no effect; ``stacklevel`` points at the user's call)."""
+    if policy not in POLICIES:
+        raise ValueError(
+            f"remat_policy must be one of {POLICIES}; got {policy!r}. 'full' "
+            "recomputes the whole module in backward (least memory); 'save_matmuls' keeps "
+            "the matmul and convolution results and recomputes the rest (less compute); "
+            "'selective' keeps those with weights and recomputes attention's (between)."
+        )
+    if policy != "full" and not classes:
+        warnings.warn(
+            f"remat_policy={policy!r} has no effect without remat=...: no module "
+            "is recomputed. Name the modules to recompute, e.g. remat={'Block'}.",
+            stacklevel=stacklevel,
+        )
     if not classes:
         return frozenset()
     return frozenset(check_module_classes(model, classes, "remat"))

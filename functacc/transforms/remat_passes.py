@@ -6,18 +6,53 @@ module call's forward and recomputation nodes: :mod:`.remat`).
 - :func:`order_recomputation`: keeps each recomputation after the backward that needs it
   is ready, so that a compiler does not hoist it into forward (which would keep the
   activations alive after all).
+
+:class:`Recompute` bundles the trace-time part and the policy's pass for a step body
+(``functacc.jit(remat=)``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.fx import GraphModule, Node
 
-from .remat import FORWARD, RECOMPUTE
+from .remat import FORWARD, RECOMPUTE, rematerialize
 
-__all__ = ["order_recomputation", "save_matmuls"]
+__all__ = ["Recompute", "order_recomputation", "save_matmuls"]
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What a traced step body recomputes: the outermost modules of ``classes`` in
+    ``model`` (all of the body's modules under one root), under ``policy``.
+
+    Example:
+        >>> import torch
+        >>> plan = Recompute(torch.nn.Sequential(torch.nn.Linear(2, 2)), frozenset({"Linear"}))
+        >>> with plan.active():
+        ...     pass  # trace the body here
+    """
+
+    model: nn.Module
+    classes: frozenset[str]
+    policy: str = "full"
+
+    def active(self) -> contextlib.AbstractContextManager[None]:
+        """While the body is traced: those modules run under checkpointing."""
+        return rematerialize(self.model, self.classes)
+
+    def rewrite(self, gm: GraphModule, batch_inputs: int) -> None:
+        """After the trace: the policy's pass (``"full"`` has none); ``batch_inputs``: how
+        many of the graph's last inputs are the batch."""
+        if self.policy != "full":
+            selective = self.policy == "selective"
+            save_matmuls(gm, batch_inputs=batch_inputs if selective else None)
+
 
 # What "save_matmuls" keeps from forward instead of recomputing: the ops that dominate a
 # block's compute (their inputs: norms, activations, dropout, are recomputed), each with the
