@@ -36,6 +36,7 @@ from .engine import Engine, Program
 from .graph_passes import drop_unread_ops, drop_unused_inputs, host_scalars, written_inputs
 from .graph_passes import fingerprint as graph_fingerprint
 from .python_effects import build
+from .python_reach import library_objects, restore_objects
 from .python_state import PythonPlan, PythonState
 from .signature import AmbientWatch, BatchWatch, TensorSpec, family_key, hashable_constant
 
@@ -221,6 +222,9 @@ class StepBody:
         stand_ins = self.capture.stand_ins(names, state)
         # Counters the body writes are fed from the first trace, numbers it branches on are
         # guarded: each discovery traces again (fake tensors, cheap), never compiles twice.
+        # Library objects the body holds (a GradScaler) as they were: a failed trace, or
+        # one that traces again, must not leave its fake tensors in them.
+        held = library_objects(self.python.roots)
         for _ in range(_MAX_PYTHON_RETRACES):
             fed = self.python.prepare()
             example = [*state, *self.python.inputs(), *tensors]
@@ -239,6 +243,7 @@ class StepBody:
                     on_error=lambda exc: self._trace_error(exc, plan.signature),
                 )
             except Exception as exc:
+                restore_objects(held)
                 if self.python.retry(exc):
                     continue
                 raise

@@ -104,6 +104,16 @@ def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErro
             "of the step (functacc then reads its values at the trace and retraces for a "
             f"mask with other values). Inputs were: {signature}."
         )
+    if _is_data_dependent(exc) and _in_function(exc, "_maybe_opt_step"):
+        return TraceError(
+            "torch.amp.GradScaler.step() decides on the host whether to skip the optimizer "
+            "step (it reads found_inf with .item()), which a traced step cannot do "
+            f"{where}\nFix: with bf16 autocast, drop the scaler (bf16 needs no loss "
+            "scaling: loss.backward(); opt.step()); for fp16, use functacc.compile_step(model, "
+            "loss_fn, opt, precision='fp16'), which keeps the scale, the inf check and the "
+            "skip inside the graph; or run this step eagerly. A GradScaler in a jit body is "
+            f"not supported yet. Inputs were: {signature}."
+        )
     if _is_data_dependent(exc):
         return TraceError(
             "functacc traces the whole training step once into a graph, so Python code "
