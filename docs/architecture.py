@@ -35,6 +35,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_trace",
         "core/python_recording",
         "core/python_effects",
+        "core/grad_scaler",
         "core/donation",
         "core/graph_passes",
         "core/eager_inplace",

@@ -155,18 +155,19 @@ def test_a_branch_on_a_value_names_the_line_and_what_is_fine() -> None:
         functacc.jit(branchy, modules=[model], backend="eager")(torch.randn(2, 4))
 
 
-def test_a_grad_scaler_is_a_clear_error_that_leaves_the_scaler_as_it_was() -> None:
-    # The mixed-precision loop of the PyTorch AMP recipe. GradScaler.step decides on the
-    # host whether to step; the trace cannot, and must not leave its fake tensors in the
-    # scaler (its scale is made at the first scale(), its per-optimizer state filled in
-    # place), so that the same loop still runs eagerly afterwards with eager's numbers.
+def test_a_grad_scaler_passed_in_is_a_clear_error_that_leaves_it_as_it_was() -> None:
+    # The AMP recipe's loop with the scaler as an argument of the step: functacc.jit moves
+    # GradScaler.step's skip into the graph only for a scaler the body holds
+    # (test_jit_amp.py). The failed trace must not leave its fake tensors in the scaler (its
+    # scale is made at the first scale(), its per-optimizer state filled in place), so the
+    # same loop still runs eagerly afterwards with eager's numbers.
     def build() -> tuple:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
 
-        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def body(x: torch.Tensor, y: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = F.cross_entropy(model(x), y)
@@ -181,12 +182,12 @@ def test_a_grad_scaler_is_a_clear_error_that_leaves_the_scaler_as_it_was() -> No
     ref_model, ref_opt, ref_scaler, ref_body = build()
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
-    with pytest.raises(functacc.TraceError, match=r"(?s)GradScaler.step\(\).*drop the scaler"):
-        step(x, y)
+    with pytest.raises(functacc.TraceError, match=r"(?s)GradScaler.step\(\).*refer to it by name"):
+        step(x, y, scaler)
     assert scaler._scale is None and not scaler._per_optimizer_states
     assert opt.state_dict() == ref_opt.state_dict()
     for _ in range(2):  # eagerly, as if jit had never been tried
-        assert torch.equal(body(x, y), ref_body(x, y))
+        assert torch.equal(body(x, y, scaler), ref_body(x, y, ref_scaler))
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q)
     assert scaler.get_scale() == ref_scaler.get_scale()

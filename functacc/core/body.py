@@ -33,6 +33,7 @@ from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
+from .grad_scaler import find_grad_scalers, prepare_grad_scaler
 from .graph_passes import drop_unread_ops, drop_unused_inputs, host_scalars, written_inputs
 from .graph_passes import fingerprint as graph_fingerprint
 from .python_effects import build
@@ -95,6 +96,13 @@ class StepBody:
         self.cache = self.engine.cache
         # What the body reads and writes in Python: guarded, fed or replayed.
         self.python = PythonState(fn, capture.optimizers)
+        # GradScalers the body holds: their scale and growth tracker are state of the graph
+        # and their step() selects instead of branching (grad_scaler.py).
+        self.scalers = find_grad_scalers(self.python.roots) if capture.params else []
+        device = next(iter(capture.params.values())).device if capture.params else None
+        for i, scaler in enumerate(self.scalers):
+            for attr in prepare_grad_scaler(scaler, device):
+                capture.attributes.append((f"grad_scaler{i}.{attr}", scaler, attr))
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
         self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
         self._values = ValueGuard()
@@ -224,7 +232,7 @@ class StepBody:
         # guarded: each discovery traces again (fake tensors, cheap), never compiles twice.
         # Library objects the body holds (a GradScaler) as they were: a failed trace, or
         # one that traces again, must not leave its fake tensors in them.
-        held = library_objects(self.python.roots)
+        held = library_objects(self.python.roots, [x for x in leaves if not _is_t(x)])
         for _ in range(_MAX_PYTHON_RETRACES):
             fed = self.python.prepare()
             example = [*state, *self.python.inputs(), *tensors]

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from .capture import Exit
 from .donation import donation_target
+from .grad_scaler import scalers_step_in_graph
 from .python_reach import Location, Root, plain_objects
 from .python_trace import Recorder
 
@@ -83,6 +84,7 @@ class TracedBody:
                 capture.installed(self.names, flat[: self.n_state], recorder) as exit_,
                 torch.set_grad_enabled(self.grad_mode),
                 remat.active() if remat is not None else contextlib.nullcontext(),
+                scalers_step_in_graph() if self.step.scalers else contextlib.nullcontext(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)

@@ -107,12 +107,12 @@ def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErro
     if _is_data_dependent(exc) and _in_function(exc, "_maybe_opt_step"):
         return TraceError(
             "torch.amp.GradScaler.step() decides on the host whether to skip the optimizer "
-            "step (it reads found_inf with .item()), which a traced step cannot do "
-            f"{where}\nFix: with bf16 autocast, drop the scaler (bf16 needs no loss "
-            "scaling: loss.backward(); opt.step()); for fp16, use functacc.compile_step(model, "
-            "loss_fn, opt, precision='fp16'), which keeps the scale, the inf check and the "
-            "skip inside the graph; or run this step eagerly. A GradScaler in a jit body is "
-            f"not supported yet. Inputs were: {signature}."
+            f"step {where}\nfunctacc.jit moves that decision into the graph for a "
+            "GradScaler the body holds (in its closure or globals, or as an attribute of an "
+            "object it reaches, like self.scaler) and whose optimizer is one of the step's; "
+            "this one it reached otherwise (an argument of the step?) or its optimizer is not "
+            "in optimizers=. Fix: create the scaler outside the step and refer to it by name "
+            f"there, and pass its optimizer in optimizers=. Inputs were: {signature}."
         )
     if _is_data_dependent(exc):
         return TraceError(

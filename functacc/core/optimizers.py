@@ -12,7 +12,8 @@ each call the optimizer's ``state`` holds the very tensors the graph updates, as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -249,6 +250,27 @@ class TracedOptimizer:
         self.stepped |= set(grads)
         if self.python is not None:
             self.python.stepped(self.linked.optimizer)
+
+    @contextlib.contextmanager
+    def unless(self, skip: Tensor) -> Iterator[None]:
+        """A ``step()`` inside leaves the parameters and state as they were where ``skip``
+        (a GradScaler's found inf) is true: each takes ``where(skip, before, after)``."""
+        params = {n: self.leaf_of(n) for g in self.linked.link.groups for n in g}
+        before = {n: p.detach().clone() for n, p in params.items()}
+        state = self.state
+        yield
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(torch.where(skip, before[n], p))
+            self.state = pytree.tree_map(
+                lambda old, new: (
+                    torch.where(skip, old, new)
+                    if isinstance(new, Tensor) and new is not old
+                    else new
+                ),
+                state,
+                self.state,
+            )
 
     def _with_assigned_hyperparameters(self) -> Any:
         """The state, with the hyperparameters the body assigned in ``param_groups`` before

@@ -651,6 +651,44 @@ class OwnStepTrace:
             self.python.stepped(opt)
         return result
 
+    @contextlib.contextmanager
+    def unless(self, skip: Tensor) -> Iterator[None]:
+        """A ``step()`` inside leaves the parameters and state as they were where ``skip``
+        (a GradScaler's found inf) is true: each tensor takes ``where(skip, before,
+        after)``, written in place or assigned as the step left it."""
+        params = [self.leaf_of(n) for n in self.link.params]
+        entries = {n: dict(d) for n, d in self.state.items()}
+        before = [p.detach().clone() for p in params]
+        old = {
+            (n, k): v.detach().clone() if isinstance(v, Tensor) else v
+            for n, d in entries.items()
+            for k, v in d.items()
+        }
+        yield
+        with torch.no_grad():
+            for p, b in zip(params, before, strict=True):
+                p.copy_(torch.where(skip, b, p))
+            for n, d in self.state.items():
+                for k, v in d.items():
+                    if (n, k) not in old:
+                        raise argument_error(
+                            f"{self.link.label}.step() under a GradScaler made its state "
+                            f"{k!r} in the step; a skipped step would not have. Take one "
+                            "step before jitting, or use SGD, Adam or AdamW."
+                        )
+                    if not isinstance(v, Tensor):
+                        if v is not old[(n, k)]:
+                            raise argument_error(
+                                f"{self.link.label}.step() under a GradScaler changed the "
+                                f"Python number {k!r} of its state, which a skipped step "
+                                "must leave as it was; functacc.jit selects tensors only."
+                            )
+                        continue
+                    if v is entries[n][k]:  # written in place
+                        v.copy_(torch.where(skip, old[(n, k)], v))
+                    else:
+                        d[k] = torch.where(skip, old[(n, k)], v)
+
     def __exit__(self, *exc: object) -> None:
         opt = self.link.optimizer
         for group, params in zip(opt.param_groups, self._saved_params, strict=True):

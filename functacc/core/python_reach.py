@@ -31,7 +31,7 @@ import functools
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -371,17 +371,20 @@ def _containerish(value: Any) -> bool:
     return (type(value) in (dict, list)) or is_plain_object(value)
 
 
-def library_objects(roots: list[Root]) -> list[tuple[Any, dict[str, Any]]]:
+def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> list[tuple[Any, dict]]:
     """The library objects the body holds directly (a ``torch.amp.GradScaler``, a
-    scheduler), each with a shallow copy of its attributes. Their code is not scanned, so a
-    trace may leave fake tensors in them (GradScaler makes its scale at the first
-    ``scale()``); :func:`restore_objects` puts back what they held before the trace."""
-    saved, seen = [], set()
+    scheduler) or is given (``more``: the call's arguments), each with a copy of its
+    attributes. Their code is not scanned, so a trace may leave fake tensors in them
+    (GradScaler makes its scale at the first ``scale()``); :func:`restore_objects` puts
+    back what they held before the trace."""
+    values = list(more)
     for root in roots:
         try:
-            value = root.get()
+            values.append(root.get())
         except Exception:  # a cell not yet filled, a global not yet defined
             continue
+    saved, seen = [], set()
+    for value in values:
         if id(value) in seen or is_plain_object(value) or not hasattr(value, "__dict__"):
             continue
         if isinstance(value, (Tensor, nn.Module, torch.optim.Optimizer, torch.Generator)):

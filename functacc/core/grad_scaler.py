@@ -1,0 +1,90 @@
+"""``torch.amp.GradScaler`` inside a jitted step body: the loss scale, the inf check and
+the skipped step, all in the graph.
+
+Eager's ``scaler.step(opt)`` reads ``found_inf`` on the host and calls ``opt.step()`` only
+if every gradient is finite; a traced step cannot branch on a value. Here the update always
+runs and every tensor it writes (the parameters, the optimizer's state) then takes
+``torch.where(found_inf, before, after)``: the values eager leaves, bit for bit, with no
+host synchronisation. The scale and the growth tracker are inputs of the graph written back
+after each call, like a module's tensor attributes (``torch._amp_update_scale_`` updates
+them in place); ``scale()``, ``unscale_()`` and ``update()`` are torch's own, traced.
+
+Example (the whole loop is in docs/jit.md, "Mixed precision"):
+    >>> import torch
+    >>> scaler = torch.amp.GradScaler("cpu")
+    >>> prepare_grad_scaler(scaler, torch.device("cpu"))  # state the graph reads and writes
+    ['_scale', '_growth_tracker']
+    >>> scaler.get_scale()
+    65536.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .python_reach import Root, plain_objects
+
+__all__ = ["find_grad_scalers", "prepare_grad_scaler", "scalers_step_in_graph"]
+
+_TORCH_MAYBE_OPT_STEP = torch.amp.GradScaler._maybe_opt_step
+
+
+def find_grad_scalers(roots: list[Root]) -> list[torch.amp.GradScaler]:
+    """The enabled GradScalers the body holds: in its closure or globals, or as an attribute
+    of a plain object it reaches (a trainer's ``self.scaler``)."""
+    values = []
+    for root in roots:
+        try:
+            values.append(root.get())
+        except Exception:  # a cell not yet filled
+            continue
+    for _, value in plain_objects(roots).values():
+        if isinstance(value, dict):
+            values.extend(value.values())
+        elif isinstance(value, list):
+            values.extend(value)
+        else:
+            values.extend(vars(value).values())
+    found: dict[int, torch.amp.GradScaler] = {}
+    for value in values:
+        if isinstance(value, torch.amp.GradScaler) and value.is_enabled():
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def prepare_grad_scaler(scaler: torch.amp.GradScaler, device: torch.device) -> list[str]:
+    """Make the scaler's scale and growth tracker now (eager makes them at the first
+    ``scale()``, with the same values), so that they are state the graph reads and writes;
+    returns their attribute names."""
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(device)
+    return ["_scale", "_growth_tracker"]
+
+
+@contextlib.contextmanager
+def scalers_step_in_graph() -> Iterator[None]:
+    """While the body is traced: ``GradScaler.step`` steps unless a gradient was not
+    finite, as a selection in the graph instead of a branch on the host."""
+    original = torch.amp.GradScaler._maybe_opt_step
+    torch.amp.GradScaler._maybe_opt_step = _maybe_opt_step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.amp.GradScaler._maybe_opt_step = original  # type: ignore[method-assign]
+
+
+def _maybe_opt_step(
+    self: torch.amp.GradScaler, optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any
+) -> Any:
+    traced = getattr(optimizer.step, "__self__", None)
+    if not hasattr(traced, "unless"):
+        # Not an optimizer of the jitted step: torch's own (its branch is a clear error).
+        return _TORCH_MAYBE_OPT_STEP(self, optimizer, optimizer_state, *args, **kwargs)
+    infs = list(optimizer_state["found_inf_per_device"].values())
+    skip = torch.stack([v.to(infs[0].device) for v in infs]).sum() > 0
+    with traced.unless(skip):
+        return optimizer.step(*args, **kwargs)
