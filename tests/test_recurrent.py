@@ -253,7 +253,9 @@ def tag_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable:
     return body
 
 
-def test_new_lengths_retrace_with_static_sizes_and_eager_numbers() -> None:
+def test_new_lengths_retrace_with_static_sizes_and_eager_numbers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # eager's LSTM kernels take concrete sizes: a third length is a third static trace,
     # not a symbolic one (which failed, or took torch's decompositions: other numbers).
     torch.manual_seed(0)
@@ -263,10 +265,14 @@ def test_new_lengths_retrace_with_static_sizes_and_eager_numbers() -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     step = functacc.compile_step(model, tag_loss, opt, backend="eager")
     batches = tag_batches((9, 7, 5, 9))
-    losses = functacc_train(step, batches)
+    with caplog.at_level("WARNING", logger="functacc"):
+        losses = functacc_train(step, batches)
     ref_losses = eager_train(ref, ref_opt, tag_loss, batches)
     assert_same_training(model, opt, ref, ref_opt, losses, ref_losses, rtol=0, atol=0)
     assert step.num_traces == 3 and not any(t.dynamic for t in step.traces)
+    # The third trace warns, with advice that works here: buckets, not dynamic=True.
+    (warning,) = [r.getMessage() for r in caplog.records if "trace #3" in r.getMessage()]
+    assert "buckets=" in warning and "dynamic=True" not in warning, warning
     with pytest.warns(UserWarning, match="dynamic=True is ignored"):
         functacc.compile_step(model, tag_loss, opt, backend="eager", dynamic=True)
 

@@ -112,6 +112,7 @@ class ProgramCache:
             )
         self.what = what
         self.dynamic = dynamic
+        self.static = False  # sizes stay static whatever dynamic says (recurrent layers)
         self.max_traces = max_traces
         self.records: list[TraceRecord] = []
         self._exact: dict[Hashable, Any] = {}
@@ -188,7 +189,7 @@ class ProgramCache:
         raise RetraceError(
             f"{self.what} would be traced a {self.num_traces + 1}th time, above "
             f"max_traces={self.max_traces}: {reason}\n  inputs: {signature}\nThe last traces "
-            f"were:\n{recent}\n{_fix(reason)} Or raise the limit: "
+            f"were:\n{recent}\n{_fix(reason, self.static)} Or raise the limit: "
             "compile_step(..., max_traces=None) means no limit. Nothing was changed by this call."
         )
 
@@ -236,7 +237,7 @@ class ProgramCache:
             f"+ {record.compile_s:.1f} s compile): {record.reason}{symbolic}"
         )
         if record.number >= WARN_FROM:
-            log.warning("%s. %s", message, _fix(record.reason))
+            log.warning("%s. %s", message, _fix(record.reason, self.static))
         else:
             log.info("%s", message)
 
@@ -245,7 +246,7 @@ def _differing_dims(a: Sequence[int], b: Sequence[int]) -> set[int]:
     return {d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y}
 
 
-def _fix(reason: str) -> str:
+def _fix(reason: str, static: bool = False) -> str:
     if reason.startswith("module attributes"):
         return (
             "A traced forward bakes in the Python values it reads from the model's modules, "
@@ -254,6 +255,13 @@ def _fix(reason: str) -> str:
             "it a name starting with '_' (not part of the signature); if it does and changes "
             "often, make it a tensor buffer (register_buffer, updated in place), which the "
             "graph reads afresh on every call."
+        )
+    if (" dim " in reason or "guard" in reason) and static:
+        return (
+            "Each new input size costs a trace and a compile, and this step traces static "
+            "sizes only (its recurrent layers run eager's kernels, which take no symbolic "
+            "size). Fix: pad batches to a few sizes with functacc.DeviceLoader(loader, "
+            "buckets=[...]), or pad sequences to a fixed length."
         )
     if " dim " in reason or "guard" in reason:
         return (

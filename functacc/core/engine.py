@@ -102,6 +102,7 @@ class Engine:
         self.cache = ProgramCache(what, dynamic=dynamic, max_traces=max_traces)
         # Recurrent layers run eager's kernels only with static sizes (core/recurrent.py).
         self.static = static_sizes(holder, dynamic)
+        self.cache.static = self.static  # its advice on retraces leaves out dynamic=True
         self.reused = 0  # signatures served by a graph compiled for another one
         self._by_fingerprint: dict[Hashable, Compiled] = {}
 
