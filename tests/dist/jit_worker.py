@@ -133,7 +133,30 @@ def edges_step(model: nn.Module, other: nn.Module, opt) -> object:
     return body
 
 
+def amp_step(encoder: nn.Module, head: nn.Module, opt) -> object:
+    # The AMP recipe with its own GradScaler, the scale so near float32's top that 4 x the
+    # loss overflows at 2^126: steps 2 and 4 are skipped (the scale halves, then doubles
+    # again). Every rank must skip the same steps (the inf check reads the averaged
+    # gradients) and keep the same scale.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**125, growth_interval=1)
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        # float32 (no autocast): bf16 sums over half batches round differently from one
+        # sum over the whole batch, far beyond this comparison's 1e-5.
+        loss = F.cross_entropy(head(encoder(x)), y)
+        scaler.scale(4 * loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([*encoder.parameters(), *head.parameters()], 0.05)
+        scaler.step(opt)
+        scaler.update()
+        return torch.stack([loss.detach().float(), scaler._scale])
+
+    return body
+
+
 SCENARIOS = {
+    "amp": (clip_objects, amp_step),
     "distill": (distill_objects, distill_step),
     "ema_sam": (ema_objects, ema_step),
     "clip": (clip_objects, clip_step),
