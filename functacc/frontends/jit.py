@@ -101,8 +101,11 @@ def jit(
         modules: every module whose parameters, buffers or ``.grad`` the body reads or
             writes (a student and its frozen teacher, a generator and a discriminator, an
             EMA copy). Their state is read on every call; nothing is baked in.
-        optimizers: the ``torch.optim`` optimizers (SGD, Adam, AdamW) the body steps; their
-            state and ``param_groups`` stay live (schedules do not retrace).
+        optimizers: the optimizers the body steps: any ``torch.optim.Optimizer`` but LBFGS
+            and SparseAdam (SGD, Adam and AdamW run functacc's twins, others their own
+            ``step()``, traced; docs/optimizers.md); their state and ``param_groups`` stay
+            live (schedules do not retrace). A ``torch.amp.GradScaler`` the body holds
+            steps them inside the graph (docs/jit.md, "Mixed precision").
         donate: positions of arguments whose tensors the call may reuse for its outputs
             (the pure form's ``state``): afterwards reading them is an error.
         backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph run op by
