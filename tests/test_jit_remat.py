@@ -155,3 +155,25 @@ def test_blocks_of_two_modules_recompute_in_both() -> None:
     # The teacher runs without gradients: nothing of it to recompute; the student's block is.
     assert len({n.meta[RECOMPUTE] for n in graph.nodes if RECOMPUTE in n.meta}) == 1
     assert not hasattr(student[0], "forward") or "forward" not in vars(student[0])
+
+
+def test_compile_step_with_an_optimizer_traced_whole_takes_remat() -> None:
+    # compile_step with RMSprop (no twin) is the standard body on jit: remat= goes through.
+    def run(remat):
+        model, _ = objects()
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9)
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, backend="eager", remat=remat
+        )
+        losses = []
+        for i, (x, y) in enumerate(mlp_batches()):
+            torch.manual_seed(100 + i)
+            losses.append(step(x, y))
+        return torch.stack(losses), model, opt, step
+
+    kept, recomputed = run(None), run({"Block"})
+    assert torch.equal(recomputed[0], kept[0])
+    assert_close(recomputed[1].state_dict(), kept[1].state_dict(), rtol=0, atol=0, what="model")
+    assert str(recomputed[2].state_dict()) == str(kept[2].state_dict())
+    graph = recomputed[3]._jitted.graphs[-1].graph
+    assert len({n.meta[RECOMPUTE] for n in graph.nodes if RECOMPUTE in n.meta}) == 8

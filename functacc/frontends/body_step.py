@@ -60,6 +60,8 @@ class BodyStep:
         cuda_graphs: bool | None,
         dynamic: bool | None,
         max_traces: int | None,
+        remat: Any = None,
+        remat_policy: Any = "full",
         **unsupported: Any,
     ):
         given = {k: v for k, v in unsupported.items() if v not in (None, "full", 8)}
@@ -88,6 +90,8 @@ class BodyStep:
             max_traces=max_traces,
             parallel=parallel,
             cuda_graphs=cuda_graphs,
+            remat=remat,
+            remat_policy=remat_policy,
         )
 
     def _body(self, *args: Any, **kwargs: Any) -> Tensor:

@@ -106,25 +106,9 @@ def compile_step(
         ...                              backend="eager")
         >>> loss = step(torch.randn(32, 8), torch.randint(0, 4, (32,)))
     """
-    if needs_body_step(opt):  # no pure twin: the optimizer's own step(), traced by jit
-        return BodyStep(
-            model,
-            loss_fn,
-            opt,
-            backend=backend,
-            inductor_options=inductor_options,
-            grad_accum_steps=grad_accum_steps,
-            max_grad_norm=max_grad_norm,
-            parallel=parallel,
-            cuda_graphs=cuda_graphs,
-            dynamic=dynamic,
-            max_traces=max_traces,
-            precision=precision,
-            remat=remat,
-            remat_policy=remat_policy,
-            cuda_graph_cache_size=cuda_graph_cache_size,
-        )
-    return Step(
+    # No pure twin: the standard body on jit, tracing the optimizer's own step().
+    front = BodyStep if needs_body_step(opt) else Step
+    return front(
         model,
         loss_fn,
         opt,
