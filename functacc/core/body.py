@@ -33,11 +33,11 @@ from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
-from .grad_scaler import find_grad_scalers, prepare_grad_scaler
+from .grad_scaler import attach_grad_scalers
 from .graph_passes import drop_unread_ops, drop_unused_inputs, host_scalars, written_inputs
 from .graph_passes import fingerprint as graph_fingerprint
+from .held_objects import library_objects, restore_objects
 from .python_effects import build
-from .python_reach import library_objects, restore_objects
 from .python_state import PythonPlan, PythonState
 from .signature import AmbientWatch, BatchWatch, TensorSpec, family_key, hashable_constant
 
@@ -96,13 +96,8 @@ class StepBody:
         self.cache = self.engine.cache
         # What the body reads and writes in Python: guarded, fed or replayed.
         self.python = PythonState(fn, capture.optimizers)
-        # GradScalers the body holds: their scale and growth tracker are state of the graph
-        # and their step() selects instead of branching (grad_scaler.py).
-        self.scalers = find_grad_scalers(self.python.roots) if capture.params else []
-        device = next(iter(capture.params.values())).device if capture.params else None
-        for i, scaler in enumerate(self.scalers):
-            for attr in prepare_grad_scaler(scaler, device):
-                capture.attributes.append((f"grad_scaler{i}.{attr}", scaler, attr))
+        # GradScalers the body holds: their step() selects instead of branching.
+        self.scalers = attach_grad_scalers(capture, self.python.roots)
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
         self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
         self._values = ValueGuard()

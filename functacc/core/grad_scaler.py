@@ -28,7 +28,12 @@ import torch
 
 from .python_reach import Root, plain_objects
 
-__all__ = ["find_grad_scalers", "prepare_grad_scaler", "scalers_step_in_graph"]
+__all__ = [
+    "attach_grad_scalers",
+    "find_grad_scalers",
+    "prepare_grad_scaler",
+    "scalers_step_in_graph",
+]
 
 _TORCH_MAYBE_OPT_STEP = torch.amp.GradScaler._maybe_opt_step
 
@@ -63,6 +68,19 @@ def prepare_grad_scaler(scaler: torch.amp.GradScaler, device: torch.device) -> l
     if scaler._scale is None:
         scaler._lazy_init_scale_growth_tracker(device)
     return ["_scale", "_growth_tracker"]
+
+
+def attach_grad_scalers(capture: Any, roots: list[Root]) -> list[torch.amp.GradScaler]:
+    """The GradScalers the body holds, their scale and growth tracker made and added to
+    ``capture``'s tensor attributes (read as inputs, written back after each call)."""
+    if not capture.params:
+        return []
+    scalers = find_grad_scalers(roots)
+    device = next(iter(capture.params.values())).device
+    for i, scaler in enumerate(scalers):
+        for attr in prepare_grad_scaler(scaler, device):
+            capture.attributes.append((f"grad_scaler{i}.{attr}", scaler, attr))
+    return scalers
 
 
 @contextlib.contextmanager

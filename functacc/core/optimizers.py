@@ -42,7 +42,8 @@ def link_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], l
 
 def trace_optimizer(linked: Any, placeholders: list[Tensor], leaf_of: Callable, python: Any) -> Any:
     """The optimizer while its body is traced (see :func:`link_optimizer`)."""
-    from .own_step import OwnStepLink, OwnStepTrace
+    from .own_step import OwnStepLink
+    from .own_step_trace import OwnStepTrace
 
     if isinstance(linked, OwnStepLink):
         return OwnStepTrace(linked, placeholders, leaf_of, python)
@@ -182,7 +183,7 @@ class TracedOptimizer:
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Per param group, the graph's inputs for its ``param_groups`` entries (as
-        :meth:`OwnStepTrace.hyperparameters <functacc.core.own_step.OwnStepTrace>` gives
+        :meth:`OwnStepTrace.hyperparameters <functacc.core.own_step_trace.OwnStepTrace>` gives
         them): ``("number", t)``, or ``("numbers", (t1, t2))`` for ``betas``."""
         out = []
         for s in self.state:

@@ -23,15 +23,13 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import copy
 import dis
 import enum
 import functools
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,9 +42,7 @@ __all__ = [
     "find_roots",
     "is_plain_object",
     "is_scalar",
-    "library_objects",
     "plain_objects",
-    "restore_objects",
 ]
 
 
@@ -369,51 +365,3 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
 
 def _containerish(value: Any) -> bool:
     return (type(value) in (dict, list)) or is_plain_object(value)
-
-
-def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> list[tuple[Any, dict]]:
-    """The library objects the body holds directly (a ``torch.amp.GradScaler``, a
-    scheduler) or is given (``more``: the call's arguments), each with a copy of its
-    attributes. Their code is not scanned, so a trace may leave fake tensors in them
-    (GradScaler makes its scale at the first ``scale()``); :func:`restore_objects` puts
-    back what they held before the trace."""
-    values = list(more)
-    for root in roots:
-        try:
-            values.append(root.get())
-        except Exception:  # a cell not yet filled, a global not yet defined
-            continue
-    saved, seen = [], set()
-    for value in values:
-        if id(value) in seen or is_plain_object(value) or not hasattr(value, "__dict__"):
-            continue
-        if isinstance(value, (Tensor, nn.Module, torch.optim.Optimizer, torch.Generator)):
-            continue
-        if inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value):
-            continue
-        seen.add(id(value))
-        saved.append((value, _containers_copied(vars(value))))
-    return saved
-
-
-def _containers_copied(value: Any, depth: int = 0) -> Any:
-    """``value`` with its dicts and lists copied (a GradScaler's per-optimizer state dicts
-    are filled in place) down to a few levels; everything else kept as the same object (a
-    scheduler's optimizer stays that optimizer)."""
-    if depth > 3 or type(value) not in (dict, list, collections.defaultdict):
-        return value
-    if isinstance(value, list):
-        return [_containers_copied(v, depth + 1) for v in value]
-    copied = copy.copy(value)  # a defaultdict keeps its default factory
-    for k, v in value.items():
-        copied[k] = _containers_copied(v, depth + 1)
-    return copied
-
-
-def restore_objects(saved: list[tuple[Any, dict[str, Any]]]) -> None:
-    """Each object's attributes exactly as :func:`library_objects` saw them."""
-    for value, attributes in saved:
-        current = vars(value)
-        for name in [n for n in current if n not in attributes]:
-            del current[name]
-        current.update(_containers_copied(attributes))

@@ -1,0 +1,323 @@
+"""An optimizer traced whole while the step body is traced (:mod:`.own_step` links it
+across calls): its real ``step()`` runs over the traced parameters, the state's
+placeholders and the fed hyperparameters. Python numbers the step computes with stay
+symbolic (:class:`_Scalars`, :func:`symbolic_builtins`: ``max``, ``min`` and ``math`` on
+symbols), so a branch on one is a guard; under a GradScaler :meth:`OwnStepTrace.unless`
+selects the state a skipped step leaves.
+
+Example:
+    >>> from functacc.core.own_step_trace import OwnStepTrace
+    >>> OwnStepTrace.__name__
+    'OwnStepTrace'
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import argument_error
+from .own_step import OwnStepLink, ScalarOf, _fed
+from .python_reach import Location
+
+__all__ = ["OwnStepTrace", "symbolic_builtins"]
+
+
+class _Scalars(torch.overrides.TorchFunctionMode):
+    """While an optimizer's step() is traced: the Python number a 0-dim state tensor holds.
+
+    ``.item()`` of a state scalar that is not fed gives a symbol without a value; each is
+    noted (``symbols``), so that a branch on it makes it fed at the next trace. A fed one
+    starts as its fed number, follows whole-number increments (``step_t += 1``, exact in
+    float32 up to 2**24) and is what ``.item()`` gives; any other write stops that (the
+    next ``.item()`` is a symbol without a value again)."""
+
+    def __init__(self, sources: dict[int, ScalarOf], fed: dict[int, Any], symbols: dict):
+        super().__init__()
+        self.sources, self.values, self.symbols = sources, dict(fed), symbols
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if func in _FROM_NUMBER and isinstance(target, (torch.SymFloat, torch.SymInt)):
+            # torch.as_tensor(lr / ...) of a fed number: traced as that number's tensor
+            # (torch.tensor would fix it to its value at the trace)
+            floating = isinstance(target, torch.SymFloat)
+            dtype = kwargs.get("dtype") or (torch.get_default_dtype() if floating else torch.int64)
+            device = kwargs.get("device")
+            return torch.scalar_tensor(target, dtype=dtype, device=device)
+        key = id(target)
+        if key in self.sources and func in _ITEM:
+            if key in self.values:
+                value = self.values[key]
+                return value  # the fed symbol, or what increments made of it
+            result = func(*args, **kwargs)
+            if hasattr(result, "node"):
+                self.symbols[result.node.expr] = self.sources[key]
+            return result
+        result = func(*args, **kwargs)
+        if key in self.values:
+            other = args[1] if len(args) > 1 else kwargs.get("other")
+            alpha = kwargs.get("alpha", 1)
+            if func in _ADDS and _whole(other) and _whole(alpha):
+                self.values[key] = self.values[key] + other * alpha
+            elif func in _WRITES or getattr(func, "__name__", "").endswith("_"):
+                del self.values[key]
+        return result
+
+
+@contextlib.contextmanager
+def symbolic_builtins(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While its step() is traced: ``max``/``min`` in the optimizer's module and ``math``'s
+    functions compute with symbols instead of branching on them (Adafactor's
+    ``max(eps2, p.norm().item() / ...)``, RAdam's ``math.sqrt``); on plain numbers they are
+    Python's own, so the graph computes what eager computes, on the host, in double."""
+    cls = type(optimizer)
+    names = {cls.__module__, getattr(cls.step, "__module__", None)}
+    modules = [sys.modules[n] for n in sorted(filter(None, names)) if n in sys.modules]
+    patched: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: dict, name: str, value: Any) -> None:
+        patched.append((owner, name, owner.get(name, _ABSENT)))
+        owner[name] = value
+
+    for module in modules:
+        scope = vars(module)
+        for name, sym in (("max", torch.sym_max), ("min", torch.sym_min)):
+            if name not in scope:  # the builtin, not the module's own
+                patch(scope, name, _symbolic(getattr(builtins, name), sym))
+    for name in ("sqrt", "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "tanh"):
+        sym = getattr(torch, f"_sym_{name}", None)
+        if sym is not None:
+            patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(patched):
+            if value is _ABSENT:
+                del owner[name]
+            else:
+                owner[name] = value
+
+
+def _symbolic(python: Callable, sym: Callable, arity: int = 2) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) == arity and not kwargs and any(isinstance(a, _SYMBOLS) for a in args):
+            return sym(*args)
+        return python(*args, **kwargs)
+
+    return call
+
+
+_SYMBOLS = (torch.SymInt, torch.SymFloat)
+_ITEM = {Tensor.item, Tensor.__float__, Tensor.__int__}
+_FROM_NUMBER = {torch.as_tensor, torch.tensor}
+_ADDS = {Tensor.add_, Tensor.__iadd__}
+_WRITES = {Tensor.copy_, Tensor.fill_, Tensor.zero_, Tensor.__isub__, Tensor.__imul__}
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- while the body is traced ---------------------------------------------------------------
+class OwnStepTrace:
+    """The optimizer while its step body is traced: its real ``step()`` runs over the traced
+    parameters, state and fed hyperparameters."""
+
+    def __init__(
+        self, link: OwnStepLink, placeholders: list[Tensor], leaf_of: Callable, python: Any
+    ):
+        self.link = link
+        self.leaf_of = leaf_of
+        self.python = python
+        self.stepped: set[str] = set()
+        paths, _ = link.leaves()
+        by_path = dict(zip(paths, placeholders, strict=True))
+        self.state = {
+            n: {
+                k: by_path[f".state[{n!r}][{k!r}]"] if isinstance(v, Tensor) else v
+                for k, v in entries.items()
+            }
+            for n, entries in link.store.items()
+        }
+        self._hyper = [
+            {k: ("tensor", by_path[f".param_groups[{i}][{k!r}]"]) for k in entries}
+            for i, entries in enumerate(link.tensors)
+        ]
+        self.placeholders = dict(zip(paths, placeholders, strict=True))
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Per param group, the graph's inputs for its entries (for the recording groups)."""
+        return self._hyper
+
+    def __enter__(self) -> OwnStepTrace:
+        opt = self.link.optimizer
+        self._saved_params = [g["params"] for g in opt.param_groups]
+        self._saved_state = opt.state
+        for group, names in zip(opt.param_groups, self.link.groups, strict=True):
+            group["params"] = [self.leaf_of(n) for n in names]
+        state: Any = defaultdict(dict)
+        for n in self.link.params:
+            state[self.leaf_of(n)] = self.state[n]
+        opt.state = state
+        self._numbers = {
+            n: {k: v for k, v in d.items() if not isinstance(v, Tensor)}
+            for n, d in self.state.items()
+        }
+        for n, numbers in self._numbers.items():
+            for k, v in numbers.items():
+                loc = Location(self.link.roots[n], (("item", k),))
+                fed = self.python.symbolic_inputs.get(loc) if self.python is not None else None
+                if fed is not None:
+                    self.python.symbols[fed.node.expr] = loc
+                    self.state[n][k] = fed
+                elif self.python is not None:
+                    self.python.guard(loc, v)
+        opt.step = self.step  # an instance attribute shadows the class's step
+        return self
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise argument_error(
+                f"{self.link.label}.step(closure) inside functacc.jit: a closure re-runs the "
+                "forward inside step(), a number of times the traced step cannot know. "
+                "Compute the loss and call backward() in the step body, then call step() "
+                "without a closure."
+            )
+        opt = self.link.optimizer
+        owners = self.link.owners
+        self.stepped |= {
+            n
+            for n in self.link.params
+            if self.leaf_of(n).grad is not None and (owners is None or owners.owns(n))
+        }
+        sources, fed = {}, {}
+        for (n, key), scalar in self.link.scalars.items():
+            placeholder = self.placeholders[f".state[{n!r}][{key!r}]"]
+            sources[id(placeholder)] = scalar
+            value = self.python.symbolic_inputs.get(scalar) if self.python is not None else None
+            if value is not None:
+                fed[id(placeholder)] = value
+                self.python.symbols[value.node.expr] = scalar
+        symbols = self.python.symbols if self.python is not None else {}
+        owners = self.link.owners
+        if owners is not None:  # ZeRO-1: this rank steps the parameters it owns
+            for group, names in zip(opt.param_groups, self.link.groups, strict=True):
+                group["params"] = [self.leaf_of(n) for n in names if owners.owns(n)]
+        try:
+            with torch.no_grad(), _Scalars(sources, fed, symbols), symbolic_builtins(opt):
+                result = type(opt).step(opt)
+        finally:
+            if owners is not None:
+                for group, names in zip(opt.param_groups, self.link.groups, strict=True):
+                    group["params"] = [self.leaf_of(n) for n in names]
+        if owners is not None:
+            with torch.no_grad():
+                owners.gather({n: self.leaf_of(n) for n in self.link.params})
+        if self.python is not None:
+            self.python.stepped(opt)
+        return result
+
+    @contextlib.contextmanager
+    def unless(self, skip: Tensor) -> Iterator[None]:
+        """A ``step()`` inside leaves the parameters and state as they were where ``skip``
+        (a GradScaler's found inf) is true: each tensor takes ``where(skip, before,
+        after)``, written in place or assigned as the step left it."""
+        params = [self.leaf_of(n) for n in self.link.params]
+        entries = {n: dict(d) for n, d in self.state.items()}
+        before = [p.detach().clone() for p in params]
+        old = {
+            (n, k): v.detach().clone() if isinstance(v, Tensor) else v
+            for n, d in entries.items()
+            for k, v in d.items()
+        }
+        yield
+        with torch.no_grad():
+            for p, b in zip(params, before, strict=True):
+                p.copy_(torch.where(skip, b, p))
+            for n, d in self.state.items():
+                for k, v in d.items():
+                    if (n, k) not in old:
+                        raise argument_error(
+                            f"{self.link.label}.step() under a GradScaler made its state "
+                            f"{k!r} in the step; a skipped step would not have. Take one "
+                            "step before jitting, or use SGD, Adam or AdamW."
+                        )
+                    if not isinstance(v, Tensor):
+                        if v is not old[(n, k)]:
+                            raise argument_error(
+                                f"{self.link.label}.step() under a GradScaler changed the "
+                                f"Python number {k!r} of its state, which a skipped step "
+                                "must leave as it was; functacc.jit selects tensors only."
+                            )
+                        continue
+                    if v is entries[n][k]:  # written in place
+                        v.copy_(torch.where(skip, old[(n, k)], v))
+                    else:
+                        d[k] = torch.where(skip, old[(n, k)], v)
+
+    def __exit__(self, *exc: object) -> None:
+        opt = self.link.optimizer
+        for group, params in zip(opt.param_groups, self._saved_params, strict=True):
+            group["params"] = params
+        opt.state = self._saved_state
+        vars(opt).pop("step", None)
+
+    def write_back(self) -> None:
+        """At the end of the traced body: new state values go into the state's inputs (the
+        graph's final writes); numbers the step wrote are replayed after each call."""
+        promote = []
+        for n, entries in self.state.items():
+            root = self.link.roots[n]
+            for key, value in list(entries.items()):
+                path = f".state[{n!r}][{key!r}]"
+                placeholder = self.placeholders.get(path)
+                if placeholder is not None:
+                    if value is not placeholder:
+                        _write(placeholder, value, f"{self.link.label}{path}")
+                    continue
+                loc = Location(root, (("item", key),))
+                old = self._numbers.get(n, {}).get(key, _ABSENT)
+                if value is old:
+                    continue
+                if self.python is None:
+                    raise argument_error(f"{self.link.label}{path} changed outside a traced body")
+                if _fed(old) and loc not in self.python.symbolic_inputs:
+                    promote.append(loc)
+                if old is _ABSENT:
+                    self.link.created = True
+                self.python.effects.append(
+                    ("assign", loc, self.python.template(value, f"{self.link.label}{path}"))
+                )
+        if promote:
+            from .python_trace import Retry
+
+            raise Retry(promote)
+
+
+_ABSENT = object()
+
+
+def _write(placeholder: Tensor, value: Any, where: str) -> None:
+    if (
+        not isinstance(value, Tensor)
+        or value.shape != placeholder.shape
+        or value.dtype != placeholder.dtype
+    ):
+        got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, Tensor) else repr(value)
+        raise argument_error(
+            f"{where} was replaced by {got} in the optimizer's step, where it held "
+            f"{tuple(placeholder.shape)} {placeholder.dtype}; functacc writes the state in "
+            "place, which needs the same shape and dtype."
+        )
+    with torch.no_grad():
+        placeholder.copy_(value)
