@@ -174,8 +174,8 @@ def accelerate(
         >>> config = functacc.Config()
         >>> config.compute.compile = False
         >>> model = functacc.accelerate(model, config=config)
-        >>> model.device
-        device(type='cpu')
+        >>> model.device  # device(type='cpu') without CUDA, else the current GPU
+        device(type='...)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")

@@ -136,8 +136,8 @@ def default_device() -> torch.device:
     ``accelerate``): see :func:`device_for`.
 
     Example:
-        >>> default_device()  # a machine without CUDA
-        device(type='cpu')
+        >>> default_device()  # device(type='cpu') without CUDA, else the current GPU
+        device(type='...)
     """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     current = torch.cuda.current_device() if gpus else 0
