@@ -27,6 +27,7 @@ from ..backends import Backend, check_backend, check_cuda_graphs, check_inductor
 from ..core.body import StepBody
 from ..core.cache import TraceRecord
 from ..core.capture import Capture
+from ..parallel.tp_setup import TensorParallelSetup, split_parallel
 from ..transforms.remat import RematPolicy, validate_remat
 from ..transforms.remat_passes import Recompute
 
@@ -180,8 +181,14 @@ def jit(
     opt_labels = _labels(fn, optimizers, "optimizers")
     holder = nn.ModuleDict(dict(zip(labels, modules, strict=True)))
     recomputed = validate_remat(holder, remat, remat_policy, stacklevel=3)
+    tensor_parallel, parallel = split_parallel(parallel)
+    if tensor_parallel is not None:  # the modules keep their slices from here on
+        tensor_parallel = TensorParallelSetup.build(tensor_parallel, modules, optimizers)
     capture = Capture(modules, labels, optimizers, opt_labels)
-    capture.strategy = _strategy(parallel, capture)
+    if tensor_parallel is not None:
+        capture.strategy = _across_tensor_parallel(parallel, capture, tensor_parallel)
+    else:
+        capture.strategy = _strategy(parallel, capture)
     engine = StepBody(
         fn,
         capture,
@@ -275,3 +282,32 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     if zero.stage == 2:
         return ShardedGradients(replicated, shards)
     return AveragedGradients(replicated)
+
+
+def _across_tensor_parallel(parallel: Any, capture: Capture, setup: Any) -> Any:
+    """Data parallel over the replicas of the tensor-parallel groups (the modules are split
+    and synced already), and clipping that sees the split parameters' slices."""
+    from ..parallel import DataParallel, ZeRO
+    from ..parallel.jit_grads import AveragedGradients
+    from ..parallel.strategy import Replicated
+    from ..parallel.tp_clip import TensorParallelGradients
+
+    if isinstance(parallel, ZeRO):
+        raise ValueError(
+            "TensorParallel combines with DataParallel so far, not ZeRO: use "
+            "parallel=[TensorParallel(...), DataParallel()]"
+        )
+    parallel = parallel or DataParallel()
+    inner = None
+    if setup.replicas > 1:
+        topology = setup.topology()
+        inner = AveragedGradients(
+            Replicated(topology, bucket_mb=parallel.bucket_mb, compression=parallel.compression)
+        )
+    split = {
+        f"{label}.{n}": layout.group
+        for label, layout in zip(capture.labels, setup.layouts, strict=True)
+        for n in layout.dims
+        if f"{label}.{n}" in capture.params
+    }
+    return TensorParallelGradients(inner, split)

@@ -38,6 +38,7 @@ from ..optim._torch import _check_supported
 from ..parallel import resolve_strategy
 from ..parallel.comm import CommStats
 from ..parallel.strategy import check_same_model, sync_from_rank0
+from ..parallel.tp_setup import TensorParallelSetup, split_parallel
 from ..transforms.precision import resolve_precision
 from ..transforms.remat import RematPolicy, validate_remat
 from .step_fn import LossFn, StepFunction, TrainState
@@ -105,6 +106,10 @@ class Step:
         self.loss_fn = loss_fn
         self.inductor_options = check_inductor_options(inductor_options, backend)
         self.grad_accum_steps = grad_accum_steps
+        tensor_parallel, parallel = split_parallel(parallel)
+        if tensor_parallel is not None:  # the model keeps its slices from here on
+            torch_opts = [opt] if isinstance(opt, torch.optim.Optimizer) else []
+            tensor_parallel = TensorParallelSetup.build(tensor_parallel, [model], torch_opts)
         self._params: dict[str, Tensor] = dict(model.named_parameters())
         self._buffers: dict[str, Tensor] = dict(model.named_buffers())
         self._engine = Engine(
@@ -119,9 +124,10 @@ class Step:
         self._calls = 0
 
         link = LiveState.link_for(opt, self._params)
-        self._strategy = resolve_strategy(parallel, model, link.groups if link else None)
+        groups = link.groups if link else None
+        self._strategy = resolve_strategy(parallel, model, groups, tensor_parallel)
         self._distributed = self._strategy.topology.world > 1
-        if self._distributed:
+        if self._distributed and tensor_parallel is None:  # (the split synced the model)
             # A collective call: every rank builds its step at the same point of its program.
             check_same_model(self._params, "parameter")
             check_same_model(self._buffers, "buffer")

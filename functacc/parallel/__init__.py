@@ -12,49 +12,73 @@ collectives), on gloo (CPU) or NCCL (CUDA), under ``torchrun``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from .data_parallel import DataParallel
-from .mesh import Topology, init_distributed, rank, world_size
+from .mesh import Topology, check_launched, init_distributed, rank, world_size
 from .powersgd import PowerSGD
-from .strategy import Strategy
+from .strategy import Replicated, Strategy
+from .tensor_parallel import TensorParallel
+from .tp_ops import vocab_parallel_cross_entropy
+from .tp_setup import TensorParallelSetup
 from .zero import ZeRO
 
 __all__ = [
     "DataParallel",
     "PowerSGD",
+    "TensorParallel",
     "Topology",
     "ZeRO",
     "init_distributed",
     "rank",
     "resolve_strategy",
+    "vocab_parallel_cross_entropy",
     "world_size",
 ]
 
 
 def resolve_strategy(
-    parallel: Any, model: nn.Module, groups: Sequence[Sequence[str]] | None
+    parallel: Any,
+    model: nn.Module,
+    groups: Sequence[Sequence[str]] | None,
+    tensor_parallel: TensorParallelSetup | None = None,
 ) -> Strategy:
     """The strategy for ``compile_step(parallel=...)``; ``None`` means data parallel over
-    all ranks when the world size is > 1, nothing otherwise."""
+    all ranks when the world size is > 1, nothing otherwise. With ``tensor_parallel`` (the
+    model split already), data parallel across its groups."""
+    if tensor_parallel is not None:
+        return _across_tensor_parallel(parallel, tensor_parallel)
     if parallel is not None and not isinstance(parallel, (DataParallel, ZeRO)):
         raise TypeError(
             "parallel must be None, functacc.parallel.DataParallel(...) or "
             f"functacc.parallel.ZeRO(...); got {type(parallel).__name__}"
         )
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if launched > 1 and world_size() == 1:
-        raise RuntimeError(
-            f"this process was launched as one of {launched} ranks (WORLD_SIZE={launched}) "
-            "but the process group is not initialised, so each rank would train alone. Call "
-            "functacc.init_distributed() before compile_step()."
-        )
+    check_launched()
     if parallel is None:
         parallel = DataParallel()
     if world_size() == 1:
         return Strategy()
     return parallel.build(model, groups)
+
+
+def _across_tensor_parallel(parallel: Any, setup: TensorParallelSetup) -> Strategy:
+    if isinstance(parallel, ZeRO):
+        raise ValueError(
+            "TensorParallel combines with DataParallel so far, not ZeRO: use "
+            "parallel=[TensorParallel(...), DataParallel()]"
+        )
+    parallel = parallel or DataParallel()
+    if setup.replicas == 1:
+        strategy = Strategy()
+    else:
+        strategy = Replicated(
+            setup.topology(), bucket_mb=parallel.bucket_mb, compression=parallel.compression
+        )
+    strategy.tensor_parallel = setup.layouts[0]
+    strategy.name = f"tensor parallel (size {setup.layouts[0].size})" + (
+        f" x data parallel ({setup.replicas})" if setup.replicas > 1 else ""
+    )
+    return strategy

@@ -16,6 +16,7 @@ import torch.distributed as dist
 __all__ = [
     "GroupRef",
     "Topology",
+    "check_launched",
     "default_device",
     "device_for",
     "init_distributed",
@@ -163,6 +164,18 @@ def device_for(
     if (local_processes or local_rank + 1) > gpus:
         return torch.device("cpu")
     return torch.device("cuda", local_rank)
+
+
+def check_launched() -> None:
+    """Raise if torchrun started this process as one of several ranks but the process group
+    is not initialised (each rank would train alone)."""
+    launched = _env_int("WORLD_SIZE") or 1
+    if launched > 1 and world_size() == 1:
+        raise RuntimeError(
+            f"this process was launched as one of {launched} ranks (WORLD_SIZE={launched}) "
+            "but the process group is not initialised, so each rank would train alone. Call "
+            "functacc.init_distributed() before compile_step()."
+        )
 
 
 def world_size() -> int:

@@ -30,6 +30,7 @@ class Strategy:
     topology = Topology(1, 1, None, None)
     name = "single process"
     named_state = True  # the optimizer updates the named parameters themselves (no shards)
+    tensor_parallel: Any = None  # the split model's TensorParallelLayout, if any
 
     # -- construction (eager) ------------------------------------------------------------
     def live_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -109,6 +110,8 @@ class Strategy:
 
     def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
         """The norm of the whole gradient, for clipping."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.global_norm(grads)
         return global_norm(dict(grads))
 
     def any_rank(self, flag: Tensor) -> Tensor:
