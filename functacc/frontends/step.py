@@ -304,6 +304,8 @@ class Step:
         ``all_gather``) are read off the compiled graph; ``sent_bytes`` estimates what this
         rank sends on a ring. ``memory`` gives the bytes this rank holds between steps for
         ``params``, ``grads`` (0: gradients live only inside the step) and ``optimizer``.
+        ``tensor_parallel_bytes``: the payload of the tensor-parallel group's collectives
+        (0 without :class:`~functacc.parallel.TensorParallel`).
         """
         program = getattr(self, "_last_program", None)
         comm = program.stats if program is not None and program.stats else CommStats()
@@ -313,6 +315,7 @@ class Step:
             "collectives": dict(comm.collectives),
             "payload_bytes": dict(comm.payload_bytes),
             "sent_bytes": dict(comm.sent_bytes),
+            "tensor_parallel_bytes": comm.group_bytes.get(self._tensor_parallel_group(), 0),
             "memory": {
                 "params": _nbytes(self._state.state.params),
                 "grads": 0,
@@ -320,6 +323,11 @@ class Step:
                 "buffers": _nbytes(self._state.state.buffers),
             },
         }
+
+    def _tensor_parallel_group(self) -> str:
+        layout = self._strategy.tensor_parallel
+        group = layout.group if layout is not None else None
+        return group.group_name if group is not None else ""
 
     def sync_model(self) -> nn.Module:
         """Make ``model`` hold the full trained parameters on every rank (ZeRO-3 gathers

@@ -223,8 +223,11 @@ class CommStats:
     collectives: dict[str, int] = field(default_factory=dict)
     payload_bytes: dict[str, int] = field(default_factory=dict)
     sent_bytes: dict[str, float] = field(default_factory=dict)
+    group_bytes: dict[str, int] = field(default_factory=dict)
+    """Payload per process group name (tensor parallel's group apart from data parallel's)."""
 
-    def add(self, kind: str, payload: int, group_size: int) -> None:
+    def add(self, kind: str, payload: int, group_size: int, group: str = "") -> None:
+        self.group_bytes[group] = self.group_bytes.get(group, 0) + payload
         factor = (
             2 * (group_size - 1) / group_size
             if kind == "all_reduce"
@@ -257,5 +260,5 @@ def comm_stats(graph: GraphModule) -> CommStats:
             payload = _nbytes(node.meta.get("val"))
         else:
             payload = _nbytes(node.args[0].meta.get("val"))
-        stats.add(kind, payload, group_size)
+        stats.add(kind, payload, group_size, group_name)
     return stats

@@ -133,7 +133,11 @@ class TensorParallel:
             )
         rank = dist.get_rank(group) if group is not None else 0
         chosen = [(n, m, self.style_of(n)) for n, m in model.named_modules()]
-        chosen = [(n, m, s) for n, m, s in chosen if s not in (None, "replicate")]
+        chosen = [
+            (n, m, "vocab" if s == "rowwise" and isinstance(m, nn.Embedding) else s)
+            for n, m, s in chosen
+            if s not in (None, "replicate")
+        ]
         dims: dict[int, int] = {}  # id(parameter) -> the dimension split
         for name, module, style in chosen:
             for pname, dim in _split_dims(name, module, style, size).items():
@@ -158,8 +162,10 @@ class TensorParallel:
                         done.add(id(param))
                         param.data = param.data.chunk(size, dim)[rank].clone()
                 _install(module, style, layout)
+        # Where the heads are split: the parents of column-wise layers (not the model).
         for parent in {n.rpartition(".")[0] for n, _, s in chosen if s.startswith("colwise")}:
-            _note_reshapes(model.get_submodule(parent), parent, size)
+            if parent:
+                _note_reshapes(model.get_submodule(parent), parent, size)
         model._functacc_tensor_parallel = layout
         return layout
 
@@ -186,6 +192,12 @@ class TensorParallelLayout:
         parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(parts, local.contiguous(), group=self.group)
         return torch.cat(parts, dim)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
+        """``model.state_dict()`` with every split tensor whole (a collective of the group:
+        every rank of it calls this), e.g. to save the model for a run without tensor
+        parallelism."""
+        return {n: self.gather(n, t.detach()) for n, t in model.state_dict().items()}
 
     def slice(self, name: str, whole: Tensor) -> Tensor:
         """This rank's slice of ``name``'s whole value."""
@@ -282,10 +294,10 @@ def _note_reshapes(parent: nn.Module, name: str, size: int) -> None:
         except RuntimeError as e:
             if "shape" in str(e) or "size" in str(e):
                 e.add_note(
-                    f"TensorParallel: {name or 'the model'} ({type(parent).__name__}) computes "
-                    f"on 1/{size} of its column-wise layers' output features (its heads, on "
-                    "this rank); a reshape to the full head count fails. Write it with -1 or "
-                    "the layer's head_dim, or leave these layers out of the plan."
+                    f"TensorParallel: {name} ({type(parent).__name__}) computes on 1/{size} "
+                    "of its column-wise layers' output features (its heads, on this rank); if "
+                    "this is a reshape to the full head count (view(b, s, n_heads, d)), write "
+                    "it with -1 or the layer's head_dim, or leave these layers out of the plan."
                 )
             raise
 

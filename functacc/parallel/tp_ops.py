@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import _compat
 
@@ -97,7 +97,7 @@ def gather_from(x: Tensor, dim: int, group: dist.ProcessGroup | None) -> Tensor:
 def vocab_parallel_cross_entropy(
     logits: Tensor,
     target: Tensor,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | nn.Module | None,
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
@@ -107,7 +107,8 @@ def vocab_parallel_cross_entropy(
     ``target`` holds global vocabulary ids, the same on every rank. The logits are never
     gathered: the maximum, the sum of exponentials and the target's logit are all-reduced
     (three messages of one value per token). The result is the same on every rank.
-    ``group=None`` is one rank holding the whole vocabulary.
+    ``group`` may be the model split by :class:`~functacc.parallel.TensorParallel` (its
+    group; a model not split: one rank), ``None`` is one rank holding the whole vocabulary.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -116,6 +117,9 @@ def vocab_parallel_cross_entropy(
         >>> torch.allclose(loss, F.cross_entropy(logits, target))
         True
     """
+    if isinstance(group, nn.Module):
+        layout = getattr(group, "_functacc_tensor_parallel", None)
+        group = layout.group if layout is not None else None
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
     if target.shape != logits.shape[:-1]:

@@ -194,9 +194,7 @@ def load(
             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}. A data file is "
             "damaged or truncated (a crash while writing?); use an earlier checkpoint."
         ) from exc
-    for temp, live in layout.fixups:
-        with torch.no_grad():
-            live.copy_(temp.view_as(live))
+    layout.apply_fixups()
     _restore_host_state(step, layout, targets, loader, states, path)
 
 

@@ -56,6 +56,10 @@ class Layout:
         self.entries: dict[str, Any] = {}
         self.per_rank: set[str] = set()
         self.fixups: list[tuple[Tensor, Tensor]] = []  # (loaded temp, live destination)
+        # Tensor parallel: a split parameter (and its optimizer state) is stored whole,
+        # gathered over its group, and loaded through a whole temporary (name, temp, live).
+        self.split = getattr(self.strategy, "tensor_parallel", None)
+        self.split_fixups: list[tuple[str, Tensor, Tensor]] = []
         state = step.state
         self._params(state.params)
         for name, buf in state.buffers.items():
@@ -84,6 +88,21 @@ class Layout:
             self.fixups.append((temp, t))
             self.entries[key] = temp
 
+    def _whole(self, key: str, name: str, t: Tensor) -> None:
+        whole = self.split.gather(name, t).reshape(-1)  # a collective of the group
+        self.split_fixups.append((name, whole, t))
+        self.entries[key] = whole
+
+    def apply_fixups(self) -> None:
+        """After loading: copy the temporaries into the live tensors."""
+        with torch.no_grad():
+            for temp, live in self.fixups:
+                live.copy_(temp.view_as(live))
+            for name, temp, live in self.split_fixups:
+                shape = list(live.shape)
+                shape[self.split.dims[name]] *= self.split.size
+                live.copy_(self.split.slice(name, temp.view(shape)))
+
     def _per_rank(self, key: str, t: Tensor) -> None:
         full = f"rank{rank()}.{key}"
         self.entries[full] = t
@@ -95,6 +114,8 @@ class Layout:
                 unit = self.units[name]
                 for param, view in self._unit_slices(unit, p.detach()).items():
                     self.entries[f"params.{param}"] = view
+            elif self.split is not None and name in self.split.dims:
+                self._whole(f"params.{name}", name, p.detach())
             else:
                 self._plain(f"params.{name}", p.detach())
         for name, shape in self._param_shapes().items():
@@ -102,6 +123,11 @@ class Layout:
 
     def _param_shapes(self) -> dict[str, torch.Size]:
         shapes = {n: p.shape for n, p in self.step.state.params.items() if n not in self.units}
+        for name, dim in (self.split.dims if self.split is not None else {}).items():
+            if name in shapes:
+                whole = list(shapes[name])
+                whole[dim] *= self.split.size
+                shapes[name] = torch.Size(whole)
         for unit in self.units.values():
             shapes.update(zip(unit.names, unit.shapes, strict=True))
         return shapes
@@ -166,6 +192,8 @@ class Layout:
         # step whole, the same on every rank).
         if self.sharded and key in self.strategy.sharded_names and t.dim() > 0:
             self.entries[f"{path}.{key}"] = self._segment(key, t)
+        elif self.split is not None and key in self.split.dims and t.dim() > 0:
+            self._whole(f"{path}.{key}", key, t)
         else:
             self._plain(f"{path}.{key}", t)
 
