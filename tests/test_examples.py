@@ -69,6 +69,26 @@ def test_data_parallel_example() -> None:
 
 
 @pytest.mark.distributed
+def test_tensor_parallel_example() -> None:
+    out = run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(EXAMPLES / "train_tensor_parallel.py"),
+            "--steps",
+            "10",
+            "--backend",
+            "eager",
+        ]
+    )
+    assert "Step: 10, Loss:" in out
+    # Every projection, the embedding and the output layer split in two; the norms whole.
+    assert "tensor parallel (size 2): 427,136 of 853,120 parameters on this rank" in out
+
+
+@pytest.mark.distributed
 def test_zero3_example() -> None:
     out = run(
         [

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import functacc
+from functacc.parallel import TensorParallel
+
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 import tp_worker
 
@@ -49,9 +52,30 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp2xdp2"])
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("tp") / "out.pt"
-    torchrun(request.param, str(out), "2")
-    return torch.load(out, weights_only=False)
+    folder = tmp_path_factory.mktemp("tp")
+    extras = []
+    if request.param == 2:  # and the checks of tp_worker.extras
+        one = mlp_step()
+        for batch in tp_worker.batches()[:2]:
+            one(*batch)
+        functacc.save(one.compiled, folder / "one")
+        extras = [str(folder)]
+    torchrun(request.param, str(folder / "out.pt"), "2", *extras)
+    return {**torch.load(folder / "out.pt", weights_only=False), "folder": folder}
+
+
+class mlp_step:
+    """The MLP's compile_step in one process, without tensor parallelism."""
+
+    def __init__(self) -> None:
+        self.model = tp_worker.mlp()
+        opt = tp_worker.optimizer("mlp", self.model)
+        self.compiled = functacc.compile_step(
+            self.model, torch.nn.CrossEntropyLoss(), opt, backend="eager", max_grad_norm=0.5
+        )
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor) -> float:
+        return float(self.compiled(x, y))
 
 
 @pytest.mark.distributed
@@ -74,3 +98,179 @@ def test_tensor_parallel_equals_one_process_on_the_whole_batch(
     whole = dict(tp_worker.MODELS[name][0]().named_parameters())
     assert got["split_numel"] * 2 == sum(whole[n].numel() for n in got["split_names"] if n in whole)
     assert got["split_state_numel"] == got["split_numel"] * (2 if name == "mlp" else 1)
+
+
+def close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        scale = value.abs().max().clamp(min=1e-3)
+        err = float((got[key] - value).abs().max() / scale)
+        assert err < rtol, f"{key}: {err:.2e} relative"
+
+
+@pytest.mark.distributed
+def test_vocabulary_parallel_cross_entropy_equals_the_whole_logits(trained: dict) -> None:
+    if "vocab_ce" not in trained:
+        pytest.skip("checked on the 2-rank run")
+    got, expected = trained["vocab_ce"]
+    assert abs(got - expected) <= 1e-6 * abs(expected)
+    torch.testing.assert_close(*trained["vocab_ce_grads"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_checkpoints_move_between_one_process_and_tensor_parallel(trained: dict) -> None:
+    if "vocab_ce" not in trained:
+        pytest.skip("checked on the 2-rank run")
+    batches = tp_worker.batches()
+    # Written by one process after 2 steps, resumed under TP=2: the third step as one
+    # process's own third step.
+    one = mlp_step()
+    for batch in batches[:3]:
+        loss = one(*batch)
+    got_loss, got_params = trained["resumed", "one"]
+    assert abs(got_loss - loss) <= 1e-5 * abs(loss)
+    close(got_params, one.model.state_dict(), 1e-5)
+    # Written under TP=2 after 2 steps, resumed in one process: its third step as TP=2's.
+    resumed = mlp_step()
+    functacc.load(resumed.compiled, trained["folder"] / "tp")
+    loss = resumed(*batches[2])
+    got_loss, got_params = trained["resumed", "tp"]
+    assert abs(got_loss - loss) <= 1e-5 * abs(loss)
+    close(got_params, resumed.model.state_dict(), 1e-5)
+
+
+@pytest.mark.distributed
+def test_dropout_and_inductor_under_tensor_parallel(trained: dict) -> None:
+    if "vocab_ce" not in trained:
+        pytest.skip("checked on the 2-rank run")
+    # Dropout on the activations every rank holds whole: the masks one process draws from
+    # the same seed, so the same losses.
+    model = tp_worker.gpt(dropout=0.1)
+    opt = tp_worker.optimizer("gpt", model)
+    batches = tp_worker.batches()
+    torch.manual_seed(3)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = tp_worker.loss_of("gpt", model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        losses.append(float(loss.detach()))
+    for front in ("compile_step", "jit"):
+        torch.testing.assert_close(trained["dropout", front], losses, rtol=1e-5, atol=0)
+    # Inductor (fused kernels, other summation orders): 1e-5 relative over 4 AdamW steps.
+    losses, params = reference("mlp")
+    torch.testing.assert_close(trained["inductor"], losses, rtol=1e-5, atol=0)
+    close(trained["inductor_params"], params, 1e-5)
+
+
+@pytest.mark.distributed
+def test_stats_count_the_tensor_parallel_bytes_of_a_step(trained: dict) -> None:
+    # The MLP (8 -> 32 -> 8 -> 16 -> 4) on TP=2, float32, per replica's batch of b rows: the
+    # row-wise layers' outputs summed forward (b x 8 and b x 4), the second column-wise
+    # layer's input gradient summed backward (b x 8; the first one's input, the batch, needs
+    # none), and the clipping's squared norm (one value).
+    stats = trained["mlp", "compile_step"]["stats"]
+    rows = tp_worker.BATCH // (1 if "vocab_ce" in trained else 2)  # 1 or 2 replicas
+    assert stats["tensor_parallel_bytes"] == 4 * (rows * (8 + 4 + 8) + 1), stats
+    assert stats["strategy"].startswith("tensor parallel (size 2)")
+
+
+@pytest.mark.distributed
+def test_a_reshape_to_the_full_head_count_names_the_module(trained: dict) -> None:
+    if "vocab_ce" not in trained:
+        pytest.skip("checked on the 2-rank run")
+    message = trained["full_heads"]
+    assert "shape" in message and "TensorParallel: attn (Module)" in message, message
+    assert "-1 or the layer's head_dim" in message
+
+
+# -- one process: the plan and its errors ------------------------------------------------
+def test_plan_patterns_follow_hugging_face() -> None:
+    tp = TensorParallel({"layers.*.self_attn.q_proj": "colwise", "embed_tokens": "rowwise"})
+    assert tp.style_of("model.layers.11.self_attn.q_proj") == "colwise"
+    assert tp.style_of("layers.0.self_attn.q_proj") == "colwise"
+    assert tp.style_of("model.xlayers.0.self_attn.q_proj") is None
+    assert tp.style_of("model.layers.0.self_attn.q_proj.lora") is None
+    assert tp.style_of("model.embed_tokens") == "rowwise"
+    assert TensorParallel({"head": "colwise_rep"}).style_of("head") == "colwise_gather_output"
+
+
+@pytest.mark.parametrize(
+    ("plan", "error", "match"),
+    [
+        ({"0": "sequence_parallel"}, ValueError, "'sequence_parallel' for '0' is not one"),
+        ({"7": "colwise"}, ValueError, r"plan's \['7'\] name no module of Sequential"),
+        ({"1": "colwise"}, TypeError, "'colwise' splits nn.Linear; the plan gives it to '1'"),
+        ({}, TypeError, "non-empty mapping"),
+    ],
+)
+def test_a_bad_plan_is_a_clear_error_that_leaves_the_model(plan, error, match) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=match):
+        functacc.compile_step(
+            model, torch.nn.MSELoss(), opt, backend="eager", parallel=TensorParallel(plan)
+        )
+    assert not hasattr(model, "_functacc_tensor_parallel")
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, before[n])
+
+
+def test_splits_that_cannot_work_are_clear_errors() -> None:
+    from functacc.parallel.tensor_parallel import _split_dims
+
+    with pytest.raises(ValueError, match=r"0\.weight has 6 entries along dimension 0, which 4"):
+        _split_dims("0", torch.nn.Linear(3, 6), "colwise", 4)
+    emb = torch.nn.Embedding(8, 4, max_norm=1.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        _split_dims("emb", emb, "vocab", 2)
+    tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(8, 4), "head": torch.nn.Linear(8, 4)})
+    tied["head"].weight = torch.nn.Parameter(torch.randn(4, 8))
+    tied["emb"].weight = tied["head"].weight
+    with pytest.raises(ValueError, match="tied to a parameter split along dimension 0"):
+        TensorParallel({"emb": "vocab", "head": "rowwise"}).split([tied], None)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="the SGD has state already"):
+        functacc.jit(
+            lambda: None,
+            modules=[model],
+            optimizers=[opt],
+            parallel=TensorParallel({"": "colwise"}),
+        )
+    with pytest.raises(ValueError, match=r"TensorParallel\(size=2\) needs a world size"):
+        functacc.compile_step(
+            model,
+            torch.nn.MSELoss(),
+            torch.optim.SGD(model.parameters()),
+            parallel=TensorParallel({"": "colwise"}, size=2),
+        )
+    tp = TensorParallel({"": "colwise"})
+    with pytest.raises(ValueError, match="one TensorParallel and one DataParallel or ZeRO"):
+        functacc.jit(lambda: None, modules=[model], parallel=[tp, tp])
+    with pytest.raises(ValueError, match="not ZeRO"):
+        functacc.compile_step(
+            model,
+            torch.nn.MSELoss(),
+            torch.optim.SGD(model.parameters()),
+            parallel=[tp, functacc.parallel.ZeRO(1)],
+        )
+
+
+def test_one_process_with_a_plan_trains_as_without() -> None:
+    # The same program on one process as on many: size 1, nothing split, bit for bit.
+    results = []
+    for parallel in (None, TensorParallel(tp_worker.GPT_PLAN)):
+        model = tp_worker.gpt()
+        opt = tp_worker.optimizer("gpt", model)
+        step = functacc.compile_step(model, None, opt, backend="eager", parallel=parallel)
+        for _, _, ids in tp_worker.batches():
+            step(ids, ids.roll(-1, 1))
+        results.append(model.state_dict())
+    for key, value in results[0].items():
+        assert torch.equal(value, results[1][key]), key

@@ -138,9 +138,10 @@ def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErro
             "generator=, seed with torch.manual_seed) or install a newer torch (pip install "
             "'torch>=2.14,<2.16')."
         )
+    notes = "".join(f"{note}\n" for note in getattr(exc, "__notes__", ()))  # e.g. a split's
     return TraceError(
         f"tracing the training step failed {where}\n"
-        f"{type(exc).__name__}: {message}\n"
+        f"{type(exc).__name__}: {message}\n{notes}"
         f"Inputs were: {signature}. Check that the inputs have the shapes, dtypes and "
         "devices the model expects (the same call must work in eager PyTorch: "
         "loss_fn(model(inputs), targets))."

@@ -195,7 +195,7 @@ class StepPrograms:
             graph=graph,
             changed=meta["changed"],
             names_with_grads=meta["names_with_grads"],
-            stats=comm_stats(graph) if self.state.strategy.topology.world > 1 else None,
+            stats=comm_stats(graph) if _communicates(self.state.strategy) else None,
         )
         self.engine.keep(plan, program, traced, n_fixed=n_fixed)
         return program, plan.key
@@ -203,3 +203,9 @@ class StepPrograms:
 
 def _shares_storage(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _communicates(strategy: Any) -> bool:
+    """Whether the step's graph may hold collectives (data parallel or tensor parallel)."""
+    split = strategy.tensor_parallel
+    return strategy.topology.world > 1 or (split is not None and split.group is not None)

@@ -2,6 +2,8 @@
 
 - :class:`DataParallel`: gradients averaged with bucketed all-reduces (optionally
   compressed to bfloat16 or with :class:`PowerSGD`).
+- :class:`TensorParallel`: layers split over groups of ranks (Megatron-LM), combined with
+  data parallelism across the groups (``parallel=[TensorParallel(plan), DataParallel()]``).
 - :class:`ZeRO`: stage 1 shards the optimizer state, stage 2 also reduce-scatters the
   gradients, stage 3 also shards the parameters (gathered per wrap unit, just before use in
   forward and again in backward). ``shard_size`` < world size gives hybrid sharding.
@@ -22,6 +24,7 @@ from .mesh import Topology, check_launched, init_distributed, rank, world_size
 from .powersgd import PowerSGD
 from .strategy import Replicated, Strategy
 from .tensor_parallel import TensorParallel
+from .tp_clip import clip_grad_norm_
 from .tp_ops import vocab_parallel_cross_entropy
 from .tp_setup import TensorParallelSetup
 from .zero import ZeRO
@@ -32,6 +35,7 @@ __all__ = [
     "TensorParallel",
     "Topology",
     "ZeRO",
+    "clip_grad_norm_",
     "init_distributed",
     "rank",
     "resolve_strategy",

@@ -75,6 +75,23 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self)
 
 
+class FullHeads(nn.Module):
+    """Attention-like code that bakes the full head count into a reshape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.q, self.attn.o = nn.Linear(D, D), nn.Linear(D, D)
+        self.attn.forward = self.heads
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.attn.o(self.attn.q(x).view(b, t, 4, D // 4).flatten(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x).square().mean()
+
+
 def gpt(dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     return GPT(dropout)
@@ -136,10 +153,13 @@ def loss_of(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tor
     return model(input_ids=ids, labels=ids).loss
 
 
-def build(name: str, front: str, parallel: object, backend: str = "eager") -> tuple:
-    """(step, model, optimizer): ``step(batch)`` trains one step and returns the loss."""
+def build(
+    name: str, front: str, parallel: object, backend: str = "eager", dropout: float = 0.0
+) -> tuple:
+    """(step, model, optimizer[, compile_step's step]): ``step(*batch)`` trains one step
+    and returns the loss."""
     make, plan = MODELS[name]
-    model = make()
+    model = make(dropout) if dropout else make()
     opt = optimizer(name, model)
     parallel = [TensorParallel(plan(model), size=parallel), DataParallel()]
     if front == "jit":
@@ -198,9 +218,60 @@ def main() -> None:
                 "split_state_numel": sum(state),
                 "stats": compiled[0].stats() if compiled else None,
             }
+    if len(sys.argv) > 3:
+        results.update(extras(sys.argv[3], tp))
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
+
+
+def extras(folder: str, tp: int) -> dict:
+    """The loss over split logits against ``F.cross_entropy``, checkpoints across layouts,
+    dropout, and one Inductor run (on one tensor-parallel group)."""
+    results: dict = {}
+    # Vocabulary-parallel cross-entropy against the whole logits, values and gradients.
+    torch.manual_seed(2)
+    logits = torch.randn(12, V, requires_grad=True)
+    target = torch.randint(0, V, (12,))
+    target[3] = -100
+    mine = logits.detach().chunk(tp, -1)[dist.get_rank() % tp].requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD)
+    loss.backward()
+    F.cross_entropy(logits, target).backward()
+    grads = [torch.empty_like(mine.grad) for _ in range(tp)]
+    dist.all_gather(grads, mine.grad)
+    results["vocab_ce"] = (float(loss), float(F.cross_entropy(logits, target)))
+    results["vocab_ce_grads"] = (torch.cat(grads, -1), logits.grad)
+    # A checkpoint of one process resumed here, and one of here written for one process.
+    batch = batches()
+    for source in ("one", "tp"):
+        step, model, opt, compiled = build("mlp", "compile_step", tp)
+        if source == "one":
+            functacc.load(compiled, f"{folder}/one")
+        else:
+            for b in batch[:2]:
+                step(*b)
+            functacc.save(compiled, f"{folder}/tp")
+        loss = float(step(*batch[2]))
+        results["resumed", source] = (loss, model._functacc_tensor_parallel.full_state_dict(model))
+    # Dropout on the replicated activations: the masks of one process with the same seed.
+    for front in ("compile_step", "jit"):
+        step, model, *_ = build("gpt", front, tp, dropout=0.1)
+        torch.manual_seed(3)
+        results["dropout", front] = [float(step(*b)) for b in batch]
+    # A reshape to the full head count fails with a note naming the module.
+    model = FullHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = TensorParallel({"attn.q": "colwise", "attn.o": "rowwise"})
+    step = functacc.compile_step(model, None, opt, backend="eager", parallel=plan)
+    try:
+        step(torch.randn(2, T, D))
+    except Exception as e:
+        results["full_heads"] = "\n".join([str(e), *getattr(e, "__notes__", [])])
+    step, model, *_ = build("mlp", "jit", tp, backend="inductor")
+    results["inductor"] = [float(step(*b)) for b in batch]
+    results["inductor_params"] = model._functacc_tensor_parallel.full_state_dict(model)
+    return results
 
 
 if __name__ == "__main__":
