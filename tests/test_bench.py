@@ -64,3 +64,30 @@ def test_the_pool_keeps_the_mlp_from_memorising_its_batch() -> None:
         fixed_loss, pooled_loss = fixed.step(), pooled.step()
     assert float(fixed_loss) < 1e-2
     assert float(pooled_loss) > 1.0
+
+
+@pytest.mark.distributed
+@pytest.mark.inductor
+def test_bench_tensor_parallel_against_data_parallel_on_two_ranks() -> None:
+    import subprocess
+    import sys
+
+    argv = ["--model", "mlp", "--nproc", "2", "--tp", "2", "--steps", "1", "--rounds", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "functacc", "bench", *argv, "--warmup", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and "samples/s" not in line
+    }
+    assert list(rows) == ["functacc tp2", "functacc dp", "torch DDP", "torch.compile DDP"]
+    # Per step, data parallel sends the gradients of all 8 x 256 x 257 + 2570 parameters,
+    # tensor parallel activations (sums of the 256-wide layers' outputs and inputs' gradients).
+    sent = {name: int(row[-1].replace(",", "")) for name, row in rows.items()}
+    assert sent["functacc dp"] == sent["torch DDP"] == 4 * (8 * 256 * 257 + 2570)
+    assert 0 < sent["functacc tp2"] < sent["functacc dp"] / 4

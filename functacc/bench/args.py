@@ -133,4 +133,12 @@ def parser() -> argparse.ArgumentParser:
         default="dp",
         help="with --nproc > 1: functacc's strategy; compared with torch DDP (dp) or FSDP2",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="with --nproc > 1: also functacc tensor parallel over groups of this many ranks "
+        "(data parallel across them), against functacc and torch DDP data parallel on the "
+        "same global batch (--model mlp, transformer, gpt2, gpt2-small)",
+    )
     return p

@@ -1,4 +1,4 @@
-"""``python -m functacc bench --nproc N --parallel {dp,zero1,zero2,zero3}``.
+"""``python -m functacc bench --nproc N --parallel {dp,zero1,zero2,zero3} [--tp T]``.
 
 Launches N ranks with torchrun; each rank trains the same workload with functacc's strategy
 and with PyTorch's own engine for the same job — ``DistributedDataParallel`` for data
@@ -6,7 +6,9 @@ parallelism, FSDP2 ``fully_shard`` for sharding, each eager and under ``torch.co
 interleaved round by round. FSDP2 shards the same units as functacc's ZeRO-3 (the modules of
 the workload's wrap classes, the rest as the root unit). Rank 0 prints global samples/s,
 the ratio to each PyTorch engine, the largest per-rank peak memory and the bytes each rank
-communicates per step.
+communicates per step. With ``--tp T``, functacc's tensor parallelism over groups of T
+ranks (data parallel across them; each group trains on T ranks' batches at once, so the
+global batch is the same) is measured first, beside functacc's and DDP's data parallelism.
 """
 
 from __future__ import annotations
@@ -115,6 +117,43 @@ def _functacc(workload: Any, parallel: str, wrap: set[str]) -> _Competitor:
         return float(sum(step.stats()["payload_bytes"].values()))
 
     return _Competitor(f"functacc {parallel}", run, sent)
+
+
+# What --tp splits: the MLP's layers in pairs, the Transformer's feed-forward layers, GPT-2's
+# MLPs, embedding and output layer (its attention's fused projection keeps a baked width).
+TP_PLANS = {
+    "mlp": {str(i): "colwise" if i % 4 == 0 else "rowwise" for i in range(0, 16, 2)},
+    "transformer": {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"},
+    "gpt2": {
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+        "wte": "vocab",
+        "lm_head": "colwise_rep",
+    },
+}
+TP_PLANS["gpt2-small"] = TP_PLANS["gpt2"]
+
+
+def _tensor_parallel(workload: Any, name: str, size: int) -> _Competitor:
+    import functacc
+
+    if name not in TP_PLANS:
+        raise SystemExit(f"--tp takes --model {', '.join(TP_PLANS)}; got --model {name}")
+    model = copy.deepcopy(workload.model)
+    opt = workload.make_opt(model)
+    parallel = [functacc.parallel.TensorParallel(TP_PLANS[name], size=size)]
+    parallel.append(functacc.parallel.DataParallel())
+    step = functacc.compile_step(model, workload.loss_fn, opt, parallel=parallel)
+    batches = workload.cycle()
+
+    def run() -> Tensor:  # the group takes as many batches at once as it has ranks
+        parts = [next(batches) for _ in range(size)]
+        return step(*(torch.cat(t) for t in zip(*parts, strict=True)))
+
+    def sent() -> float:
+        return float(sum(step.stats()["payload_bytes"].values()))
+
+    return _Competitor(f"functacc tp{size}", run, sent)
 
 
 def _ddp(workload: Any, compiled: bool) -> _Competitor:
@@ -226,6 +265,8 @@ WRAP = {
     "resnet18": {"BasicBlock"},
     "resnet50": {"Bottleneck"},
     "transformer": {"TransformerEncoderLayer"},
+    "gpt2": {"GPT2Block"},
+    "gpt2-small": {"GPT2Block"},
 }
 
 
@@ -252,6 +293,8 @@ def worker(argv: Sequence[str] | None = None) -> int:
             factories.append(lambda c=compiled: _ddp(workload, c))
         else:
             factories.append(lambda c=compiled: _fsdp2(workload, wrap, reshard, c))
+    if args.tp:  # first, its ratios against the same two engines
+        factories.insert(0, lambda: _tensor_parallel(workload, args.model, args.tp))
     competitors, first = [], []
     for make in factories:
         dist.barrier()
@@ -284,9 +327,10 @@ def worker(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         print(f"{workload.description}, per-rank batch; {world} ranks (gloo); {machine()}")
         print(f"{args.rounds} rounds x {args.steps} steps, interleaved; median round throughput")
-        eager, compiled = (statistics.median(r) for r in rates[1:3])
+        # The ratios are to PyTorch's engine, eager and under torch.compile (the last two).
+        eager, compiled = (statistics.median(r) for r in rates[-2:])
         print(
-            f"| | samples/s (all ranks) | vs {competitors[1].name} | vs {competitors[2].name} "
+            f"| | samples/s (all ranks) | vs {competitors[-2].name} | vs {competitors[-1].name} "
             "| first step (s) | peak memory per rank (MiB) | payload bytes per rank per step |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|")

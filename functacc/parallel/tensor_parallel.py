@@ -218,10 +218,12 @@ class TensorParallelLayout:
 
 def _split_dims(name: str, module: nn.Module, style: str, size: int) -> dict[str, int]:
     """The parameter -> dimension split for ``module`` in ``style``, checked."""
-    if isinstance(module, nn.Linear) and style in ("colwise", "colwise_gather_output"):
-        dims = {"weight": 0, "bias": 0} if module.bias is not None else {"weight": 0}
-    elif isinstance(module, nn.Linear) and style == "rowwise":
-        dims = {"weight": 1}
+    # Hugging Face's Conv1D (GPT-2) is a linear layer with its weight transposed.
+    out_dim = 1 if _is_conv1d(module) else 0
+    if _is_linear(module) and style in ("colwise", "colwise_gather_output"):
+        dims = {"weight": out_dim, "bias": 0} if module.bias is not None else {"weight": out_dim}
+    elif _is_linear(module) and style == "rowwise":
+        dims = {"weight": 1 - out_dim}
     elif isinstance(module, nn.Embedding) and style in ("vocab", "rowwise"):
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(
@@ -232,6 +234,7 @@ def _split_dims(name: str, module: nn.Module, style: str, size: int) -> dict[str
         dims = {"weight": 0}
     else:
         kinds = {"colwise": "nn.Linear", "colwise_gather_output": "nn.Linear"}
+        kinds = {k: f"{v} (or Hugging Face's Conv1D)" for k, v in kinds.items()}
         raise TypeError(
             f"TensorParallel: {style!r} splits {kinds.get(style, 'nn.Linear or nn.Embedding')}"
             f"; the plan gives it to {name!r}, a {type(module).__module__}."
@@ -248,24 +251,37 @@ def _split_dims(name: str, module: nn.Module, style: str, size: int) -> dict[str
     return dims
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _weight(module: nn.Module) -> Tensor:
+    """The weight as ``F.linear`` takes it (out, in)."""
+    return module.weight.t() if _is_conv1d(module) else module.weight
+
+
 def _install(module: nn.Module, style: str, layout: TensorParallelLayout) -> None:
     """Give ``module`` the forward of its style (an instance attribute: the class and its
     other instances are untouched)."""
     if style == "colwise":
 
         def forward(self: nn.Linear, x: Tensor) -> Tensor:
-            return F.linear(copy_to(x, layout.group), self.weight, self.bias)
+            return F.linear(copy_to(x, layout.group), _weight(self), self.bias)
 
     elif style == "colwise_gather_output":
 
         def forward(self: nn.Linear, x: Tensor) -> Tensor:
-            y = F.linear(copy_to(x, layout.group), self.weight, self.bias)
+            y = F.linear(copy_to(x, layout.group), _weight(self), self.bias)
             return gather_from(y, -1, layout.group)
 
     elif style == "rowwise":
 
         def forward(self: nn.Linear, x: Tensor) -> Tensor:
-            y = reduce_from(F.linear(x, self.weight), layout.group)
+            y = reduce_from(F.linear(x, _weight(self)), layout.group)
             return y if self.bias is None else y + self.bias
 
     else:  # a vocabulary split of an embedding

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functacc
+from functacc.bench.distributed import TP_PLANS
 from functacc.parallel import DataParallel, TensorParallel, vocab_parallel_cross_entropy
 
 STEPS = 4
@@ -121,6 +122,17 @@ def llama_plan(model: nn.Module) -> dict[str, str]:
     return {**model.config.base_model_tp_plan, "embed_tokens": "rowwise", "lm_head": "colwise_rep"}
 
 
+def hf_gpt2() -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=V, n_positions=T, n_embd=D, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
 def batches() -> list[tuple[torch.Tensor, ...]]:
     torch.manual_seed(1)
     return [
@@ -141,6 +153,8 @@ MODELS = {
     "mlp": (mlp, lambda m: MLP_PLAN),
     "gpt": (gpt, lambda m: GPT_PLAN),
     "llama": (llama, llama_plan),
+    # Hugging Face's Conv1D layers: the bench's plan (its fused attention stays whole).
+    "hf_gpt2": (hf_gpt2, lambda m: TP_PLANS["gpt2"]),
 }
 
 
@@ -150,7 +164,7 @@ def loss_of(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tor
         return F.cross_entropy(model(x), y)
     if name == "gpt":
         return model(ids, ids.roll(-1, 1))
-    return model(input_ids=ids, labels=ids).loss
+    return model(input_ids=ids, labels=ids).loss  # the Hugging Face models
 
 
 def build(
