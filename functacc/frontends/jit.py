@@ -285,25 +285,43 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
 
 
 def _across_tensor_parallel(parallel: Any, capture: Capture, setup: Any) -> Any:
-    """Data parallel over the replicas of the tensor-parallel groups (the modules are split
-    and synced already), and clipping that sees the split parameters' slices."""
+    """Data parallel or ZeRO-1/2 over the replicas of the tensor-parallel groups (the
+    modules are split and synced already), and clipping that sees the split parameters'
+    slices."""
+    from ..core.own_step import OwnStepLink
     from ..parallel import DataParallel, ZeRO
-    from ..parallel.jit_grads import AveragedGradients
+    from ..parallel.jit_grads import AveragedGradients, ShardedGradients
     from ..parallel.strategy import Replicated
     from ..parallel.tp_clip import TensorParallelGradients
+    from ..parallel.zero_jit import ShardedOptimizer
 
-    if isinstance(parallel, ZeRO):
-        raise ValueError(
-            "TensorParallel combines with DataParallel so far, not ZeRO: use "
-            "parallel=[TensorParallel(...), DataParallel()]"
-        )
-    parallel = parallel or DataParallel()
+    zero = parallel if isinstance(parallel, ZeRO) else None
+    if zero is not None:
+        ShardedOptimizer.check(zero)
+    parallel = DataParallel(bucket_mb=zero.bucket_mb) if zero else (parallel or DataParallel())
     inner = None
     if setup.replicas > 1:
-        topology = setup.topology()
-        inner = AveragedGradients(
-            Replicated(topology, bucket_mb=parallel.bucket_mb, compression=parallel.compression)
+        replicated = Replicated(
+            setup.topology(), bucket_mb=parallel.bucket_mb, compression=parallel.compression
         )
+        inner = AveragedGradients(replicated)
+        if zero is not None:
+            if any(isinstance(linked, OwnStepLink) for linked in capture.optimizers):
+                raise ValueError(
+                    "ZeRO beside TensorParallel shards torch.optim.SGD, Adam and AdamW in a "
+                    "jitted step; an optimizer traced through its own step() takes "
+                    "[TensorParallel(...), DataParallel()]"
+                )
+            holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+            topology = setup.topology(sharded=True)
+            shards = [
+                ShardedOptimizer(zero, holder, linked.link.groups, topology)
+                for linked in capture.optimizers
+            ]
+            for linked, sharded in zip(capture.optimizers, shards, strict=True):
+                linked.shard(sharded)
+            if zero.stage == 2:
+                inner = ShardedGradients(replicated, shards)
     split = {
         f"{label}.{n}": layout.group
         for label, layout in zip(capture.labels, setup.layouts, strict=True)

@@ -54,7 +54,7 @@ def resolve_strategy(
     all ranks when the world size is > 1, nothing otherwise. With ``tensor_parallel`` (the
     model split already), data parallel across its groups."""
     if tensor_parallel is not None:
-        return _across_tensor_parallel(parallel, tensor_parallel)
+        return _across_tensor_parallel(parallel, tensor_parallel, model, groups)
     if parallel is not None and not isinstance(parallel, (DataParallel, ZeRO)):
         raise TypeError(
             "parallel must be None, functacc.parallel.DataParallel(...) or "
@@ -68,13 +68,20 @@ def resolve_strategy(
     return parallel.build(model, groups)
 
 
-def _across_tensor_parallel(parallel: Any, setup: TensorParallelSetup) -> Strategy:
-    if isinstance(parallel, ZeRO):
-        raise ValueError(
-            "TensorParallel combines with DataParallel so far, not ZeRO: use "
-            "parallel=[TensorParallel(...), DataParallel()]"
+def _across_tensor_parallel(
+    parallel: Any, setup: TensorParallelSetup, model: nn.Module, groups: Any
+) -> Strategy:
+    name = f"tensor parallel (size {setup.layouts[0].size})"
+    if isinstance(parallel, ZeRO) and setup.replicas > 1:
+        strategy = setup.zero(parallel, model, groups)
+        strategy.name = f"{name} x {strategy.name} ({setup.replicas})"
+        return strategy
+    if not isinstance(parallel, (DataParallel, ZeRO, type(None))):
+        raise TypeError(
+            "beside TensorParallel, parallel takes DataParallel or ZeRO; got "
+            f"{type(parallel).__name__}"
         )
-    parallel = parallel or DataParallel()
+    parallel = parallel if isinstance(parallel, DataParallel) else DataParallel()
     if setup.replicas == 1:
         strategy = Strategy()
     else:
@@ -82,7 +89,5 @@ def _across_tensor_parallel(parallel: Any, setup: TensorParallelSetup) -> Strate
             setup.topology(), bucket_mb=parallel.bucket_mb, compression=parallel.compression
         )
     strategy.tensor_parallel = setup.layouts[0]
-    strategy.name = f"tensor parallel (size {setup.layouts[0].size})" + (
-        f" x data parallel ({setup.replicas})" if setup.replicas > 1 else ""
-    )
+    strategy.name = name + (f" x data parallel ({setup.replicas})" if setup.replicas > 1 else "")
     return strategy

@@ -223,7 +223,7 @@ class Topology:
     groups are held weakly (:class:`GroupRef`).
     """
 
-    __slots__ = ("_replicate", "_shard", "shard_size", "world")
+    __slots__ = ("_data", "_replicate", "_shard", "shard_size", "world")
 
     def __init__(
         self,
@@ -231,11 +231,21 @@ class Topology:
         shard_size: int,
         shard_group: dist.ProcessGroup | None,  # None when shard_size == 1
         replicate_group: dist.ProcessGroup | None,  # None when there is one replica
+        data_group: dist.ProcessGroup | None = None,
     ):
         self.world = world
         self.shard_size = shard_size
         self._shard = GroupRef(shard_group) if shard_group is not None else None
         self._replicate = GroupRef(replicate_group) if replicate_group is not None else None
+        # All ``world`` ranks of this data-parallel axis: every rank, unless tensor
+        # parallelism makes the axis one rank of each tensor-parallel group.
+        if data_group is None and world > 1:
+            data_group = dist.group.WORLD
+        self._data = GroupRef(data_group) if data_group is not None else None
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        return self._data() if self._data is not None else None
 
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
@@ -254,7 +264,8 @@ class Topology:
 
     @property
     def shard_rank(self) -> int:
-        return rank() % self.shard_size
+        group = self.shard_group
+        return dist.get_rank(group) if group is not None else 0
 
     @classmethod
     def build(cls, shard_size: int | None, *, device_type: str = "cpu") -> Topology:

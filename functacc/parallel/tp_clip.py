@@ -70,8 +70,7 @@ def _clip(
         mine = torch.stack([torch.linalg.vector_norm(p.grad, 2.0).square() for p in split])
         total = total + reduce_from(mine.sum(), group)
     norm = total.sqrt()
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, scale)
+    torch.nn.utils.clip_grads_with_norm_(whole + split, max_norm, norm)  # torch's scaling
     return norm
 
 

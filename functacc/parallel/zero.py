@@ -38,6 +38,7 @@ from .comm import all_gather, all_reduce, average_written, reduce_scatter
 from .flat import FlatUnit, Segment
 from .mesh import Topology
 from .strategy import Strategy
+from .tp_ops import reduce_from
 from .zero_gather import Gatherer
 from .zero_state import ShardedOptimizerState
 
@@ -73,9 +74,17 @@ class ZeRO:
         if isinstance(self.wrap_layer_cls, str):
             object.__setattr__(self, "wrap_layer_cls", {self.wrap_layer_cls})
 
-    def build(self, model: nn.Module, groups: Sequence[Sequence[str]] | None) -> Sharded:
-        device_type = next((p.device.type for p in model.parameters()), "cpu")
-        topology = Topology.build(self.shard_size, device_type=device_type)
+    def build(
+        self,
+        model: nn.Module,
+        groups: Sequence[Sequence[str]] | None,
+        topology: Topology | None = None,
+    ) -> Sharded:
+        """The strategy over all ranks, or over ``topology`` (tensor parallelism's
+        data-parallel axis)."""
+        if topology is None:
+            device_type = next((p.device.type for p in model.parameters()), "cpu")
+            topology = Topology.build(self.shard_size, device_type=device_type)
         return Sharded(self, topology, model, groups)
 
 
@@ -294,7 +303,7 @@ class Sharded(ShardedOptimizerState, Strategy):
                     / world
                 )
                 if self.stage == 1:
-                    chunk = unit.my_chunk(all_reduce(flat, dist.group.WORLD), topo.shard_rank)
+                    chunk = unit.my_chunk(all_reduce(flat, topo.data_group), topo.shard_rank)
                 else:
                     chunk = reduce_scatter(flat, topo.shard_group)
             if self.stage == 3:
@@ -310,14 +319,24 @@ class Sharded(ShardedOptimizerState, Strategy):
 
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
         return average_written(
-            buffers, dist.group.WORLD, world=self.topology.world, bucket_bytes=self.bucket_bytes
+            buffers,
+            self.topology.data_group,
+            world=self.topology.world,
+            bucket_bytes=self.bucket_bytes,
         )
 
     def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
-        squares = torch.stack([g.pow(2).sum() for g in grads.values()]).sum()
+        split = self.tensor_parallel.dims if self.tensor_parallel is not None else {}
+        parts = [[g for n, g in grads.items() if (n in split) == s] for s in (False, True)]
+        squares = [
+            torch.stack([g.pow(2).sum() for g in part]).sum() if part else torch.zeros(())
+            for part in parts
+        ]
         if self.topology.shard_group is not None:
-            squares = all_reduce(squares, self.topology.shard_group)
-        return squares.sqrt()
+            squares = [all_reduce(s, self.topology.shard_group) for s in squares]
+        if split:  # the slices of tensor parallelism's group: summed over it too
+            squares[1] = reduce_from(squares[1], self.tensor_parallel.group)
+        return (squares[0] + squares[1]).sqrt()
 
     def any_rank(self, flag: Tensor) -> Tensor:
         if self.topology.shard_group is None:

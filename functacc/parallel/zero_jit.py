@@ -41,9 +41,15 @@ class ShardedOptimizer:
         torch.Size([12])
     """
 
-    def __init__(self, config: ZeRO, holder: nn.Module, groups: Sequence[Sequence[str]]):
+    def __init__(
+        self,
+        config: ZeRO,
+        holder: nn.Module,
+        groups: Sequence[Sequence[str]],
+        topology: Any = None,
+    ):
         self.check(config)
-        self.sharded: Sharded = config.build(holder, [list(g) for g in groups])
+        self.sharded: Sharded = config.build(holder, [list(g) for g in groups], topology)
         self.gradients: Any = None  # ZeRO-2: the step's jit_grads.ShardedGradients
 
     @staticmethod

@@ -60,6 +60,12 @@ class Layout:
         # gathered over its group, and loaded through a whole temporary (name, temp, live).
         self.split = getattr(self.strategy, "tensor_parallel", None)
         self.split_fixups: list[tuple[str, Tensor, Tensor]] = []
+        if self.split is not None and self.sharded:
+            raise CheckpointError(
+                "checkpoints of a step with TensorParallel and ZeRO together are not "
+                "supported yet; save with [TensorParallel(...), DataParallel()], or gather "
+                "the model with model._functacc_tensor_parallel.full_state_dict(model)"
+            )
         state = step.state
         self._params(state.params)
         for name, buf in state.buffers.items():

@@ -168,14 +168,19 @@ def loss_of(name: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tor
 
 
 def build(
-    name: str, front: str, parallel: object, backend: str = "eager", dropout: float = 0.0
+    name: str,
+    front: str,
+    parallel: object,
+    backend: str = "eager",
+    dropout: float = 0.0,
+    across: object = None,
 ) -> tuple:
     """(step, model, optimizer[, compile_step's step]): ``step(*batch)`` trains one step
-    and returns the loss."""
+    and returns the loss; ``across`` is the strategy across the tensor-parallel groups."""
     make, plan = MODELS[name]
     model = make(dropout) if dropout else make()
     opt = optimizer(name, model)
-    parallel = [TensorParallel(plan(model), size=parallel), DataParallel()]
+    parallel = [TensorParallel(plan(model), size=parallel), across or DataParallel()]
     if front == "jit":
 
         def body(*batch: torch.Tensor) -> torch.Tensor:
@@ -207,31 +212,46 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     replicas, replica = world // tp, rank // tp
     results: dict = {}
-    for name in MODELS:
-        for front in ("compile_step", "jit"):
-            step, model, opt, *compiled = build(name, front, tp)
-            losses = []
-            for x, y, ids in batches():
-                mine = [t.chunk(replicas)[replica] for t in (x, y, ids)]
-                losses.append(float(step(*mine)))
-            mean = torch.tensor(losses)  # the replicas' losses averaged: the whole batch's
-            dist.all_reduce(mean)
-            losses = (mean / world).tolist()
-            layout = model._functacc_tensor_parallel
-            split = sum(p.numel() for n, p in model.named_parameters() if n in layout.dims)
-            state = [
-                t.numel() for p, s in opt.state.items() for t in s.values()
-                if torch.is_tensor(t) and t.dim() > 0 and p.dim() > 0
-                and any(p is q for n, q in model.named_parameters() if n in layout.dims)
-            ]  # fmt: skip
-            results[name, front] = {
+    # Across groups (4 ranks on a 2-core machine, slow): not the Conv1D model again, and ZeRO:
+    # compile_step's stages 1 and 3, jit's 2.
+    names = list(MODELS) if replicas == 1 else ["mlp", "gpt", "llama"]
+    runs = [(name, front, None) for name in names for front in ("compile_step", "jit")]
+    if replicas > 1:
+        runs += [("mlp", "compile_step", 1), ("gpt", "compile_step", 3), ("mlp", "jit", 2)]
+    for name, front, stage in runs:
+        across = functacc.parallel.ZeRO(stage) if stage else None
+        step, model, opt, *compiled = build(name, front, tp, across=across)
+        losses = []
+        for x, y, ids in batches():
+            mine = [t.chunk(replicas)[replica] for t in (x, y, ids)]
+            losses.append(float(step(*mine)))
+        mean = torch.tensor(losses)  # the replicas' losses averaged: the whole batch's
+        dist.all_reduce(mean)
+        losses = (mean / world).tolist()
+        layout = model._functacc_tensor_parallel
+        split = sum(p.numel() for n, p in model.named_parameters() if n in layout.dims)
+        state = [
+            t.numel() for p, s in opt.state.items() for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0 and p.dim() > 0
+            and any(p is q for n, q in model.named_parameters() if n in layout.dims)
+        ]  # fmt: skip
+        if stage:
+            results[name, front, stage] = {
                 "losses": losses,
-                "params": layout.full_state_dict(model),
-                "split_names": sorted(layout.dims),
-                "split_numel": split,
-                "split_state_numel": sum(state),
-                "stats": compiled[0].stats() if compiled else None,
+                "params": layout.full_state_dict(model)
+                if stage != 3
+                else layout.full_state_dict(compiled[0].sync_model()),
+                "strategy": compiled[0].stats()["strategy"] if compiled else None,
             }
+            continue
+        results[name, front] = {
+            "losses": losses,
+            "params": layout.full_state_dict(model),
+            "split_names": sorted(layout.dims),
+            "split_numel": split,
+            "split_state_numel": sum(state),
+            "stats": compiled[0].stats() if compiled else None,
+        }
     if len(sys.argv) > 3:
         results.update(extras(sys.argv[3], tp))
     if rank == 0:
