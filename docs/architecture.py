@@ -47,6 +47,7 @@ STAGES: dict[str, list[str]] = {
         "core/functional",
         "core/watches",
         "core/diagnostics",
+        "core/foreach_versions",
     ],
     "signatures + cache": [
         "core/signature",

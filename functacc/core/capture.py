@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..errors import argument_error
 from .diagnostics import describe_tensor
+from .foreach_versions import ForeachVersions
 from .functional import check_dense_gradients, swap_attributes
 from .model_watch import HookWatch, ModelWatch, StructureWatch
 from .optimizers import TracedOptimizer, link_optimizer, trace_optimizer
@@ -277,6 +278,7 @@ class Capture:
                 stack.enter_context(traced)
             if self.strategy is not None:
                 stack.enter_context(self.strategy.reducing_backward(leaves))
+            stack.enter_context(ForeachVersions())  # as eager counts foreach writes
             yield exit_
             self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)
         with torch.no_grad():
