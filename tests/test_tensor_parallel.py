@@ -98,8 +98,9 @@ class mlp_step:
         return float(self.compiled(x, y))
 
 
-# TP=2 on 2 ranks: every model; TP=2 x DP=2 on 4 ranks: all but the Conv1D one (slow there).
-RUNS = [(2, name) for name in tp_worker.MODELS] + [(4, n) for n in ("mlp", "gpt", "llama")]
+# TP=2 on 2 ranks: every model; TP=2 x DP=2 on 4 ranks (slow on 2 cores): the MLP and the
+# GPT-style stack.
+RUNS = [(2, name) for name in tp_worker.MODELS] + [(4, n) for n in ("mlp", "gpt")]
 
 
 @pytest.mark.distributed
@@ -296,7 +297,7 @@ def test_one_process_with_a_plan_trains_as_without() -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("name", "front", "stage"),
-    [("mlp", "compile_step", 1), ("gpt", "compile_step", 3), ("mlp", "jit", 2)],
+    [("mlp", "compile_step", 1), ("mlp", "compile_step", 3), ("mlp", "jit", 2)],
 )
 def test_zero_across_tensor_parallel_groups(
     four_ranks: dict, name: str, front: str, stage: int
