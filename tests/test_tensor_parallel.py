@@ -261,6 +261,7 @@ def test_splits_that_cannot_work_are_clear_errors() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 4)).sum().backward()
     opt.step()
+    tp_of_root = TensorParallel({"": "colwise"})
     with pytest.raises(ValueError, match="the SGD has state already"):
         functacc.jit(
             lambda: None,
@@ -268,6 +269,11 @@ def test_splits_that_cannot_work_are_clear_errors() -> None:
             optimizers=[opt],
             parallel=TensorParallel({"": "colwise"}),
         )
+    import timm.optim
+
+    lamb = timm.optim.Lamb(model.parameters())
+    with pytest.raises(ValueError, match="Lamb scales each parameter's update by a norm"):
+        functacc.jit(lambda: None, modules=[model], optimizers=[lamb], parallel=tp_of_root)
     with pytest.raises(ValueError, match=r"TensorParallel\(size=2\) needs a world size"):
         functacc.compile_step(
             model,

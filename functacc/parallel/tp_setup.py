@@ -24,6 +24,14 @@ from .tensor_parallel import TensorParallel, TensorParallelLayout
 __all__ = ["TensorParallelSetup", "split_parallel"]
 
 
+# Optimizers whose update reads a norm or factors of a whole parameter (known by class name:
+# torch's, timm's, lion-pytorch's and others'); elementwise ones work on slices as on wholes.
+WHOLE_TENSOR_OPTIMIZERS = frozenset(
+    {"Lamb", "LAMB", "Lars", "LARS", "Adafactor", "AdafactorBigVision", "NvNovoGrad",
+     "NovoGrad", "Shampoo", "Muon", "Came"}
+)  # fmt: skip
+
+
 def split_parallel(parallel: Any) -> tuple[TensorParallel | None, Any]:
     """``(tensor parallel, the other strategy)`` of a front door's ``parallel=``: one
     object, or a list of a :class:`TensorParallel` and at most one other.
@@ -65,6 +73,13 @@ class TensorParallelSetup:
     ) -> TensorParallelSetup:
         """Split ``modules`` in place (a collective call: every rank makes it)."""
         for opt in optimizers:
+            if type(opt).__name__ in WHOLE_TENSOR_OPTIMIZERS:
+                raise ValueError(
+                    f"TensorParallel: {type(opt).__name__} scales each parameter's update by "
+                    "a norm of the whole tensor, which a rank holding a slice would compute "
+                    "from its slice alone (a different update per rank). Use an elementwise "
+                    "optimizer (SGD, Adam, AdamW, RMSprop, Lion, ...) with TensorParallel"
+                )
             if opt.state:
                 raise ValueError(
                     f"TensorParallel: the {type(opt).__name__} has state already (it has "
