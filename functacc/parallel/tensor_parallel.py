@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from .mesh import GroupRef
 from .tp_ops import copy_to, gather_from, reduce_from
 
-__all__ = ["TensorParallel", "TensorParallelLayout"]
+__all__ = ["TensorParallel", "TensorParallelLayout", "split_norm"]
 
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 STYLES = ("colwise", "colwise_gather_output", "rowwise", "vocab", "replicate")
@@ -206,14 +206,22 @@ class TensorParallelLayout:
 
     def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
         """The 2-norm of the whole gradient from each rank's slices (as
-        :func:`functacc.optim.global_norm` of the whole one): the split parameters' squared
-        norms summed over the group, the others' counted once."""
-        split = [torch.linalg.vector_norm(g, 2.0) for n, g in grads.items() if n in self.dims]
-        whole = [torch.linalg.vector_norm(g, 2.0) for n, g in grads.items() if n not in self.dims]
-        squares = torch.stack(whole).square().sum() if whole else torch.zeros(())
-        if split:
-            squares = squares + reduce_from(torch.stack(split).square().sum(), self.group)
-        return squares.sqrt()
+        :func:`functacc.optim.global_norm` of the whole one)."""
+        whole = [g for n, g in grads.items() if n not in self.dims]
+        return split_norm(whole, [g for n, g in grads.items() if n in self.dims], self.group)
+
+
+def split_norm(whole: list[Tensor], split: list[Tensor], group: Any) -> Tensor:
+    """The 2-norm of tensors of which ``whole`` are the same on every rank of ``group`` and
+    ``split`` are this rank's slices: the slices' squared norms summed over the group, the
+    others' counted once."""
+    first = (whole + split)[0] if whole + split else torch.zeros(())
+    squares = [torch.linalg.vector_norm(t, 2.0).square() for t in whole]
+    total = torch.stack(squares).sum() if squares else first.new_zeros(())
+    if split:
+        mine = torch.stack([torch.linalg.vector_norm(t, 2.0).square() for t in split])
+        total = total + reduce_from(mine.sum(), group)
+    return total.sqrt()
 
 
 def _split_dims(name: str, module: nn.Module, style: str, size: int) -> dict[str, int]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .tp_ops import reduce_from
+from .tensor_parallel import split_norm
 
 __all__ = ["TensorParallelGradients", "clip_grad_norm_"]
 
@@ -61,15 +61,9 @@ def _clip(
 ) -> Tensor:
     if float(norm_type) != 2.0:
         raise ValueError(f"clipping a tensor-parallel model takes norm_type=2.0; got {norm_type!r}")
-    grads = [p.grad for p in whole + split]
-    if not grads:
+    if not whole + split:
         return torch.zeros(())
-    squares = [torch.linalg.vector_norm(p.grad, 2.0).square() for p in whole]
-    total = torch.stack(squares).sum() if squares else grads[0].new_zeros(())
-    if split:
-        mine = torch.stack([torch.linalg.vector_norm(p.grad, 2.0).square() for p in split])
-        total = total + reduce_from(mine.sum(), group)
-    norm = total.sqrt()
+    norm = split_norm([p.grad for p in whole], [p.grad for p in split], group)
     torch.nn.utils.clip_grads_with_norm_(whole + split, max_norm, norm)  # torch's scaling
     return norm
 
