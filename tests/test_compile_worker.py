@@ -41,7 +41,7 @@ def test_the_step_gets_the_update_from_the_worker(tmp_path, monkeypatch) -> None
     monkeypatch.setattr(compile_worker, "MIN_NODES", 0)  # this small graph too
     monkeypatch.setattr(compile_worker, "_started", set())
     started = []
-    real_start, real_finish = compile_worker.start_worker, compile_worker.UpdateWorker.finish
+    real_start, real_finish = compile_worker.start_worker, compile_worker.CompileWorker.finish
 
     def start(*args):
         started.append(real_start(*args))
@@ -49,7 +49,7 @@ def test_the_step_gets_the_update_from_the_worker(tmp_path, monkeypatch) -> None
 
     monkeypatch.setattr(compile_worker, "start_worker", start)
     # Wait for the worker whatever its progress: the hit must not depend on timing here.
-    monkeypatch.setattr(compile_worker.UpdateWorker, "finish", lambda w: real_finish(w, wait=True))
+    monkeypatch.setattr(compile_worker.CompileWorker, "finish", lambda w: real_finish(w, wait=True))
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "with"))
     counters.clear()
@@ -82,7 +82,7 @@ def test_a_failing_worker_reports_and_is_cleaned_up(caplog, monkeypatch) -> None
     folder = worker._folder
     with caplog.at_level(logging.DEBUG, logger="functacc"):
         assert worker.finish(wait=True) is False
-    assert "update compile worker exited with 1" in caplog.text
+    assert "compile worker exited with 1" in caplog.text
     assert "Expected positional argument for parameter y" in caplog.text  # its error
     assert not folder.exists()
 

@@ -3,8 +3,10 @@
 ``compile.py`` picks the backend for a graph (``"eager"`` runs it as traced, ``"inductor"``
 compiles it) and ``split.py`` cuts a step at the optimizer update so that Inductor compiles
 the update once for every batch shape, with ``compile_worker.py`` compiling it in a second
-process meanwhile; ``inductor/`` holds the Inductor-only code (its settings, the CPU passes
-on the graph and on the generated code, the direct call of the result). At run time,
+process meanwhile (with ``background_compile=True``, ``background.py`` runs the first
+steps as traced while a worker compiles the whole step); ``inductor/`` holds the
+Inductor-only code (its settings, the CPU passes on the graph and on the generated code,
+the direct call of the result). At run time,
 ``cudagraph.py`` captures and replays a CUDA step, ``host_memory.py`` keeps the host memory
 a CPU step frees.
 """
@@ -13,6 +15,7 @@ from .compile import (
     Backend,
     Compiled,
     check_backend,
+    check_background,
     check_generators,
     check_inductor_options,
     compile_graph,
@@ -26,6 +29,7 @@ __all__ = [
     "Compiled",
     "CudaGraphRunner",
     "check_backend",
+    "check_background",
     "check_cuda_graphs",
     "check_generators",
     "check_inductor_options",

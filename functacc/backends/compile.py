@@ -7,6 +7,7 @@ a worker process where that helps (``compile_worker.py``).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -17,12 +18,14 @@ from torch.fx import GraphModule, Node
 
 from ..errors import TraceError
 from . import compile_worker
+from .background import BackgroundCompiled
 from .inductor import compile_inductor
 
 __all__ = [
     "Backend",
     "Compiled",
     "check_backend",
+    "check_background",
     "check_generators",
     "check_inductor_options",
     "compile_graph",
@@ -44,6 +47,19 @@ def check_backend(backend: str) -> None:
         raise ValueError(
             f"backend must be one of {BACKENDS}; got {backend!r}. Use 'inductor' for speed and "
             "'eager' to run the traced graph as is (debugging, fast tests)."
+        )
+
+
+def check_background(background: Any, backend: str) -> None:
+    """Validate ``background_compile`` up front: a bool, and only for Inductor (the eager
+    backend has nothing to compile)."""
+    if not isinstance(background, bool):
+        raise TypeError(f"background_compile must be True or False; got {background!r}")
+    if background and backend != "inductor":
+        raise ValueError(
+            f"background_compile=True was given with backend={backend!r}; it compiles with "
+            "Inductor while the first steps run the traced graph, so it needs "
+            "backend='inductor' (the eager backend runs the traced graph always)"
         )
 
 
@@ -110,6 +126,7 @@ def compile_graph(
     *,
     fakes: Sequence[Tensor] | None = None,
     options: dict[str, Any] | None = None,
+    background: bool = False,
 ) -> Compiled:
     """Compile ``gm`` with ``backend``; the result takes one list of tensors.
 
@@ -119,6 +136,9 @@ def compile_graph(
     with the same graph skip code generation. ``fakes``: the symbolic fake inputs a
     dynamic-shape graph was traced with (Inductor then compiles size-generic kernels).
     ``options``: ``torch._inductor.config`` settings that override functacc's defaults.
+    ``background``: Inductor compiles in a worker process while the graph runs as traced
+    (:mod:`functacc.backends.background`), for static graphs on CPU where a worker can
+    start; elsewhere it compiles here.
     """
     from ..parallel.schedule import issue_collectives_early
     from ..transforms.remat_passes import order_recomputation
@@ -132,42 +152,76 @@ def compile_graph(
     # Collectives are traced after the whole backward; start each gradient reduction as soon
     # as its gradients exist, so it overlaps the rest of backward (on every rank alike).
     issue_collectives_early(gm)
-    if backend == "inductor":
-        # Dropout's masks kept for backward in 1 byte per element instead of 4, drawn in
-        # eager's order also where dropout's input is strided (inductor/masks.py). Not for
-        # the eager backend: it lays buffers out by the trace's strides, where eager's
-        # empty_like follows the real input's (the two differ where a meta kernel is wrong),
-        # and the eager backend keeps the float mask alive anyway.
-        draw_masks_as_bytes(gm)
-        order_recomputation(gm)  # Inductor would pull recomputations into forward
-    split = split_at_optimizer(gm) if backend == "inductor" else None
-    remove_marker(gm)
     if backend == "eager":
+        remove_marker(gm)
         views_that_may_copy(gm)
         return lambda args: gm(*args)
-    if split is not None:
+    background = background and fakes is None and compile_worker.can_help(example_inputs)
+    # The graph as traced, for the steps before the background compile is ready (the passes
+    # below rewrite gm for Inductor).
+    traced = _as_traced(gm) if background else None
+    # Dropout's masks kept for backward in 1 byte per element instead of 4, drawn in
+    # eager's order also where dropout's input is strided (inductor/masks.py). Not for
+    # the eager backend: it lays buffers out by the trace's strides, where eager's
+    # empty_like follows the real input's (the two differ where a meta kernel is wrong),
+    # and the eager backend keeps the float mask alive anyway.
+    draw_masks_as_bytes(gm)
+    order_recomputation(gm)  # Inductor would pull recomputations into forward
+    split = split_at_optimizer(gm)
+    remove_marker(gm)
+    if split is None:
+        graphs = [(gm, example_inputs)]
+
+        def compile_here() -> Compiled:
+            return compile_inductor(gm, example_inputs, fakes, options)
+
+    else:
         update_examples = [
             *split.update_examples,
             *split.slots,
             *(example_inputs[i] for i in split.update_inputs),
         ]
-        # A worker process compiles the update into Inductor's cache meanwhile.
-        worker = compile_worker.start_worker(split.update, update_examples, options or {})
-        try:
-            slots = split.slots
-            if fakes is not None and slots:
-                fake_mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
-                fakes = [*fakes, *(fake_mode.from_tensor(s, static_shapes=True) for s in slots)]
-            gradients = compile_inductor(split.gradients, [*example_inputs, *slots], fakes, options)
-        except BaseException:
+        gradient_examples = [*example_inputs, *split.slots]
+        graphs = [(split.gradients, gradient_examples), (split.update, update_examples)]
+
+        def compile_here() -> Compiled:
+            # A worker process compiles the update into Inductor's cache meanwhile.
+            worker = compile_worker.start_worker(split.update, update_examples, options or {})
+            try:
+                gradient_fakes = fakes
+                if fakes is not None and split.slots:
+                    mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
+                    slots = (mode.from_tensor(s, static_shapes=True) for s in split.slots)
+                    gradient_fakes = [*fakes, *slots]
+                gradients = compile_inductor(
+                    split.gradients, gradient_examples, gradient_fakes, options
+                )
+            except BaseException:
+                if worker is not None:
+                    worker.stop()
+                raise
             if worker is not None:
-                worker.stop()
-            raise
-        if worker is not None:
-            worker.finish()
-        update = compile_inductor(split.update, update_examples, None, options)
-        return split.runner(gradients, update)
-    return compile_inductor(gm, example_inputs, fakes, options)
+                worker.finish()
+            update = compile_inductor(split.update, update_examples, None, options)
+            return split.runner(gradients, update)
+
+    worker = compile_worker.spawn(graphs, options or {}) if traced is not None else None
+    if worker is None:
+        return compile_here()
+    return BackgroundCompiled(lambda args: traced(*args), compile_here, worker)
+
+
+def _as_traced(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` that runs as the eager backend runs it (``gm`` itself unchanged)."""
+    from .split import remove_marker
+
+    graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    traced = GraphModule(gm, graph)
+    remove_marker(traced)
+    views_that_may_copy(traced)
+    return traced
 
 
 def views_that_may_copy(gm: GraphModule) -> int:

@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return shapes.main(args, "python -m functacc bench " + " ".join(argv))
     if args.cold:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="functacc-bench-")
+        competitors.FunctaccBackground.cold = True
     warm_inductor(args.device)
     if args.model in STEP_WORKLOADS:
         return _step_bodies(args, argv)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
+import tempfile
 import time
 from typing import Protocol
 
@@ -15,6 +17,8 @@ from ..frontends.compile_step import compile_step
 from .models import Workload
 
 __all__ = ["COMPETITORS", "Competitor", "make"]
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 class Competitor(Protocol):
@@ -144,6 +148,30 @@ class Functacc:
         return best
 
 
+class FunctaccBackground(Functacc):
+    """``compile_step(..., background_compile=True)``: the first steps run the traced graph
+    while a worker process compiles; the runner waits for the compiled code (``ready``)
+    before the timed rounds. With ``--cold`` it compiles into an empty cache of its own, so
+    that no other competitor's compile (run before or after it) shares its work."""
+
+    name = "functacc:background"
+    cold = False  # set by the command line's --cold
+
+    def __init__(self, w: Workload):
+        self._cache_dir = os.environ.get(CACHE_ENV)
+        if self.cold:
+            os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="functacc-bench-background-")
+        super().__init__(w, background_compile=True)
+
+    def ready(self) -> None:
+        """Wait until the compiled step is in use (then put the cache folder back)."""
+        try:
+            self.compiled.wait_for_compile()
+        finally:
+            if self._cache_dir is not None:
+                os.environ[CACHE_ENV] = self._cache_dir
+
+
 class FunctaccJit(Eager):
     """``functacc.jit`` of the same eager step body (zero_grad, forward, loss, backward,
     opt.step()): the general front door, to compare with ``compile_step``."""
@@ -189,7 +217,15 @@ class Accelerate(Eager):
 
 COMPETITORS = {
     c.name: c
-    for c in (Eager, TorchCompile, TorchCompileReduceOverhead, Functacc, FunctaccJit, Accelerate)
+    for c in (
+        Eager,
+        TorchCompile,
+        TorchCompileReduceOverhead,
+        Functacc,
+        FunctaccBackground,
+        FunctaccJit,
+        Accelerate,
+    )
 }
 
 

@@ -47,9 +47,12 @@ def table(
         compiled = " + ".join(f"{t:.1f}+{c:.1f}" for t, c in r.compile_s) if r.compile_s else "-"
         host = f"{r.host_overhead_us:.0f}" if r.host_overhead_us is not None else "-"
         faults = f"{r.page_faults_per_step:.0f}" if r.page_faults_per_step is not None else "-"
+        first = f"{r.first_step_s:.1f}"
+        if r.ready_s is not None:
+            first += f" (compiled at {r.ready_s:.1f})"
         lines.append(
             f"| {r.name} | {r.samples_per_s:.1f} | {' | '.join(ratios)} | {peak} | "
-            f"{r.first_step_s:.1f} | {compiled} | {host} | {faults} | "
+            f"{first} | {compiled} | {host} | {faults} | "
             f"{r.peak_memory_bytes / 2**20:.1f} |"
         )
     return "\n".join(lines)

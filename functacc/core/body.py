@@ -78,6 +78,7 @@ class StepBody:
         what: str,
         cuda_graphs: bool | None = None,
         remat: Any = None,
+        background: bool = False,
     ):
         self.fn = fn
         # What the body recomputes in backward (transforms.remat_passes.Recompute) or None.
@@ -92,6 +93,7 @@ class StepBody:
             inductor_options=inductor_options,
             dynamic=dynamic,
             max_traces=max_traces,
+            background=background,
         )
         self.cache = self.engine.cache
         # What the body reads and writes in Python: guarded, fed or replayed.

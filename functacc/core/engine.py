@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 
 from ..backends import Backend, Compiled, check_generators, compile_graph
+from ..backends.background import BackgroundCompiled
 from . import tracer
 from .cache import ProgramCache, SizeGuard, TraceRecord
 from .diagnostics import run_error
@@ -95,8 +96,11 @@ class Engine:
         inductor_options: dict[str, Any] | None = None,
         dynamic: bool | None = None,
         max_traces: int | None = 32,
+        background: bool = False,
     ):
         self.backend = backend
+        self.background = background  # Inductor compiles in a worker meanwhile (background.py)
+        self._pending: list[BackgroundCompiled] = []
         self.holder = holder  # the modules the step runs, for error messages and checks
         self.inductor_options = inductor_options or {}
         self.cache = ProgramCache(what, dynamic=dynamic, max_traces=max_traces)
@@ -109,6 +113,14 @@ class Engine:
     @property
     def num_traces(self) -> int:
         return self.cache.num_traces
+
+    def wait_for_compile(self) -> float:
+        """Finish the compiles running in the background (``background=True``): wait for
+        them and use the compiled code from the next call on; returns the seconds waited."""
+        waited = 0.0
+        while self._pending:  # one that fails to compile leaves the others pending
+            waited += self._pending.pop(0).finish()
+        return waited
 
     # -- 1. lookup ------------------------------------------------------------------------
     def lookup(self, key: Hashable, family: Hashable, tensors: Sequence[Tensor]) -> Any | None:
@@ -182,8 +194,15 @@ class Engine:
             fakes = None if fakes is None else [fakes[i] for i in used]
         check_generators(traced.graph, self.backend, self.holder)
         run = compile_graph(
-            traced.graph, example, self.backend, fakes=fakes, options=self.inductor_options
+            traced.graph,
+            example,
+            self.backend,
+            fakes=fakes,
+            options=self.inductor_options,
+            background=self.background,
         )
+        if isinstance(run, BackgroundCompiled):
+            self._pending.append(run)
         if fingerprint is not None and traced.fakes is None:
             self._by_fingerprint[fingerprint] = run
         return run

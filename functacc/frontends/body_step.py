@@ -55,6 +55,7 @@ class BodyStep:
         backend: Backend,
         inductor_options: dict[str, Any] | None,
         grad_accum_steps: int,
+        background_compile: bool = False,
         max_grad_norm: float | None,
         parallel: Any,
         cuda_graphs: bool | None,
@@ -86,6 +87,7 @@ class BodyStep:
             optimizers=[opt],
             backend=backend,
             inductor_options=inductor_options,
+            background_compile=background_compile,
             dynamic=dynamic,
             max_traces=max_traces,
             parallel=parallel,
@@ -131,6 +133,12 @@ class BodyStep:
     def num_traces(self) -> int:
         """Graphs traced and compiled so far."""
         return self._jitted.num_traces
+
+    def wait_for_compile(self) -> float:
+        """With ``background_compile=True``: wait for the compiles still running in the
+        background, and run the compiled code from the next call on (a fixed step for the
+        swap, where a run must repeat bit for bit); returns the seconds waited."""
+        return self._jitted.wait_for_compile()
 
     @property
     def traces(self) -> list[TraceRecord]:

@@ -25,6 +25,7 @@ def compile_step(
     *,
     backend: Backend = "inductor",
     inductor_options: dict[str, Any] | None = None,
+    background_compile: bool = False,
     grad_accum_steps: int = 1,
     max_grad_norm: float | None = None,
     parallel: Any = None,
@@ -57,6 +58,12 @@ def compile_step(
             they override functacc's defaults (on CPU, a ``post_grad_custom_post_pass``
             of yours replaces functacc's: :mod:`functacc.bias_add` and
             :mod:`functacc.input_checks`).
+        background_compile: compile with Inductor in a worker process while the first
+            steps run the traced graph op by op (about eager speed); the compiled code takes
+            over at the first step after it is ready, and ``step.wait_for_compile()`` waits
+            for it. The first step then costs a trace, not a compile (docs/benchmarks.md,
+            "Time to the first step"). For static graphs on CPU; elsewhere the graph
+            compiles before its first step, as without it.
         grad_accum_steps: split each batch into this many micro-batches inside the graph,
             sum their gradients (of ``loss / k``), update once.
         max_grad_norm: clip the global gradient norm, as ``clip_grad_norm_``.
@@ -114,6 +121,7 @@ def compile_step(
         opt,
         backend=backend,
         inductor_options=inductor_options,
+        background_compile=background_compile,
         grad_accum_steps=grad_accum_steps,
         max_grad_norm=max_grad_norm,
         parallel=parallel,

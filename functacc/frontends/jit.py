@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backends import Backend, check_backend, check_cuda_graphs, check_inductor_options
+from ..backends import (
+    Backend,
+    check_backend,
+    check_background,
+    check_cuda_graphs,
+    check_inductor_options,
+)
 from ..core.body import StepBody
 from ..core.cache import TraceRecord
 from ..core.capture import Capture
@@ -72,6 +78,12 @@ class Jitted:
         """Every compiled trace: why it happened, which sizes it made symbolic, its cost."""
         return list(self._engine.cache.records)
 
+    def wait_for_compile(self) -> float:
+        """With ``background_compile=True``: wait for the compiles still running in the
+        background, and run the compiled code from the next call on (a fixed step for the
+        swap, where a run must repeat bit for bit); returns the seconds waited."""
+        return self._engine.engine.wait_for_compile()
+
     @property
     def graphs(self) -> list[torch.fx.GraphModule]:
         """The traced graphs, oldest first (for inspection)."""
@@ -86,6 +98,7 @@ def jit(
     donate: Collection[int] = (),
     backend: Backend = "inductor",
     inductor_options: dict[str, Any] | None = None,
+    background_compile: bool = False,
     dynamic: bool | None = None,
     max_traces: int | None = 32,
     parallel: Any = None,
@@ -112,6 +125,10 @@ def jit(
         backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph run op by
             op: bit for bit as eager PyTorch, dropout included).
         inductor_options: ``torch._inductor.config`` settings for this step's compiles.
+        background_compile: Inductor compiles each new graph in a worker process while
+            the calls run the graph as traced (at about eager speed); the compiled code
+            takes over at the first call after it is ready (docs/benchmarks.md, "Time to the
+            first step"). For static graphs on CPU; elsewhere the graph compiles first.
         dynamic: symbolic sizes: ``None`` (automatic: after a size changes), ``True`` (from
             the first call) or ``False`` (one graph per shape).
         max_traces: the most graphs to compile before :class:`functacc.RetraceError`.
@@ -159,6 +176,7 @@ def jit(
         raise TypeError(f"jit() takes a callable step body; got {type(fn).__name__}")
     check_backend(backend)
     options = check_inductor_options(inductor_options, backend)
+    check_background(background_compile, backend)
     modules = list(modules)
     optimizers = list(optimizers)
     for i, m in enumerate(modules):
@@ -194,6 +212,7 @@ def jit(
         capture,
         backend=backend,
         inductor_options=options,
+        background=background_compile,
         dynamic=dynamic,
         max_traces=max_traces,
         donate=donated,

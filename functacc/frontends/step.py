@@ -24,6 +24,7 @@ from .._env import env_flag
 from ..backends import (
     Backend,
     check_backend,
+    check_background,
     check_cuda_graphs,
     check_inductor_options,
     keep_freed_memory,
@@ -75,6 +76,7 @@ class Step:
         *,
         backend: Backend = "inductor",
         inductor_options: dict[str, Any] | None = None,
+        background_compile: bool = False,
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         parallel: Any = None,
@@ -95,6 +97,7 @@ class Step:
                 f"when the model returns its own loss; got {type(loss_fn).__name__}"
             )
         check_backend(backend)
+        check_background(background_compile, backend)
         keep_host_memory = env_flag(HOST_MEMORY_ENV, True)  # a bad value fails before any work
         if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1; got {grad_accum_steps!r}")
@@ -119,6 +122,7 @@ class Step:
             inductor_options=self.inductor_options,
             dynamic=dynamic,
             max_traces=max_traces,
+            background=background_compile,
         )
         self._cache = self._engine.cache
         self._calls = 0
@@ -183,6 +187,12 @@ class Step:
     def num_traces(self) -> int:
         """How many times the step has been traced (once per new input signature)."""
         return self._cache.num_traces
+
+    def wait_for_compile(self) -> float:
+        """With ``background_compile=True``: wait for the compiles still running in the
+        background, and run the compiled code from the next call on (a fixed step for the
+        swap, where a run must repeat bit for bit); returns the seconds waited."""
+        return self._engine.wait_for_compile()
 
     @property
     def traces(self) -> list[TraceRecord]:
