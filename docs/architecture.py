@@ -61,6 +61,8 @@ STAGES: dict[str, list[str]] = {
         "backends/__init__",
         "backends/compile",
         "backends/compile_worker",
+        "backends/graph_transport",
+        "backends/background",
         "backends/rnn",
         "backends/inductor/*",
     ],

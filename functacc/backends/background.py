@@ -40,18 +40,19 @@ class BackgroundCompiled:
 
     Called as a :data:`~functacc.backends.compile.Compiled` (one list of tensors).
     ``first``: the graph as traced; ``compile_here``: compiles the graph in this process
-    (a cache hit once the worker has finished); ``worker``: the process compiling it.
+    (cache hits once the workers have finished); ``workers``: the processes compiling it
+    (one per graph of the step: a large update compiles beside forward and backward).
     """
 
     def __init__(
         self,
         first: Callable[[list[Tensor]], Any],
         compile_here: Callable[[], Callable[[list[Tensor]], Any]],
-        worker: CompileWorker,
+        workers: list[CompileWorker],
     ):
         self._run = first
         self._compile_here = compile_here
-        self._worker: CompileWorker | None = worker
+        self._workers = workers
         self._started = time.perf_counter()
         self.steps_before = 0  # steps run as traced, before the compiled code
         self.ready_after_s: float | None = None  # from the worker's start to the swap
@@ -59,11 +60,11 @@ class BackgroundCompiled:
     @property
     def pending(self) -> bool:
         """Whether the compiled code is not yet in use."""
-        return self._worker is not None
+        return bool(self._workers)
 
     def __call__(self, args: list[Tensor]) -> Any:
-        if self._worker is not None:
-            if self._worker.done:  # one waitpid: microseconds
+        if self._workers:
+            if all(w.done for w in self._workers):  # a waitpid each: microseconds
                 self.finish()
             else:
                 self.steps_before += 1
@@ -72,12 +73,12 @@ class BackgroundCompiled:
     def finish(self) -> float:
         """Wait for the worker, then load the compiled code (or compile it here, if the
         worker failed) and use it for every later call; returns the seconds this took."""
-        worker, self._worker = self._worker, None
-        if worker is None:
+        workers, self._workers = self._workers, []
+        if not workers:
             return 0.0
         start = time.perf_counter()
-        if not worker.finish(wait=True):
-            log.debug("background compile failed in the worker: compiling in this process")
+        if not all([w.finish(wait=True) for w in workers]):
+            log.debug("background compile failed in a worker: compiling in this process")
         try:
             self._run = self._compile_here()
         except BaseException:
@@ -97,6 +98,6 @@ class BackgroundCompiled:
 
     def stop(self) -> None:
         """Stop the worker and go on with the graph as traced (this process is ending)."""
-        worker, self._worker = self._worker, None
-        if worker is not None:
+        workers, self._workers = self._workers, []
+        for worker in workers:
             worker.stop()

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..backends import Backend, CudaGraphRunner, check_cuda_graphs
 from ..errors import TraceError
-from .body_trace import TracedBody, ValueGuard, held_by, known_generators
+from .body_trace import TracedBody, ValueGuard, known_generators, outside_tensor_error
 from .capture import Capture, Exit
 from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, poison
@@ -348,34 +348,8 @@ class StepBody:
         return check_cuda_graphs(self.cuda_graphs, device, collectives)
 
     def _trace_error(self, exc: Exception, described: str) -> Exception:
-        if "convert all Tensors to FakeTensors" in str(exc) and "grad_fn=" in str(exc):
-            return TraceError(
-                "the step read a tensor computed before the call, with autograd history "
-                f"(a grad_fn){held_by(self.python.roots)}: functacc.jit traces the step "
-                "alone, so its backward() cannot reach the work done outside it, where "
-                "eager's backward() runs through it. Passing the tensor as an argument "
-                "would not help (arguments come in detached).\n"
-                f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
-                "Fix: compute it inside the step: keep what the forward needs (observations, "
-                "actions, inputs) and call the model in the step body, e.g. an actor-critic "
-                "update that stacks the episode's states and recomputes the log-"
-                "probabilities there; or leave this update eager."
-            )
-        if "convert all Tensors to FakeTensors" in str(exc):
-            return TraceError(
-                "the step read a tensor that is none of its inputs: not an argument of the "
-                f"call, not a parameter, buffer or tensor attribute of the modules "
-                f"({', '.join(self.capture.labels) or 'none given'}), not optimizer state. "
-                "functacc.jit would have to bake it into the graph as a constant, where eager "
-                "reads it afresh on every call.\n"
-                f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
-                "Fix: pass the tensor as an argument of the call, or give the module that "
-                "holds it in modules=(...) (a teacher model, an EMA copy), or give its "
-                "optimizer in optimizers=(...). A parameter list taken before the call "
-                "(params = list(model.parameters())) holds the real tensors: read them "
-                "through the module inside the step instead."
-            )
-        return translate(exc, self.engine.holder, described)
+        error = outside_tensor_error(exc, self.python.roots, self.capture.labels)
+        return error or translate(exc, self.engine.holder, described)
 
 
 def _kinds_key(kinds: list[Any]) -> tuple:

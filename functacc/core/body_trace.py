@@ -22,13 +22,21 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from ..errors import TraceError
 from .capture import Exit
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .python_reach import Location, Root, plain_objects
 from .python_trace import Recorder
 
-__all__ = ["TracedBody", "ValueGuard", "held_by", "known_generators", "mask_checks_on_values"]
+__all__ = [
+    "TracedBody",
+    "ValueGuard",
+    "held_by",
+    "known_generators",
+    "mask_checks_on_values",
+    "outside_tensor_error",
+]
 
 
 _NUMBER_KINDS = {torch.SymFloat: (float, torch.float64), torch.SymInt: (int, torch.int64)}
@@ -259,3 +267,36 @@ def known_generators(
         for v in obj.values() if isinstance(obj, dict) else obj:
             note(v)
     return found
+
+
+def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> TraceError | None:
+    """The error for a body that read a tensor from outside its inputs (``exc``: what
+    the trace raised), or ``None`` where ``exc`` is another error."""
+    if "convert all Tensors to FakeTensors" in str(exc) and "grad_fn=" in str(exc):
+        return TraceError(
+            "the step read a tensor computed before the call, with autograd history "
+            f"(a grad_fn){held_by(roots)}: functacc.jit traces the step "
+            "alone, so its backward() cannot reach the work done outside it, where "
+            "eager's backward() runs through it. Passing the tensor as an argument "
+            "would not help (arguments come in detached).\n"
+            f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
+            "Fix: compute it inside the step: keep what the forward needs (observations, "
+            "actions, inputs) and call the model in the step body, e.g. an actor-critic "
+            "update that stacks the episode's states and recomputes the log-"
+            "probabilities there; or leave this update eager."
+        )
+    if "convert all Tensors to FakeTensors" in str(exc):
+        return TraceError(
+            "the step read a tensor that is none of its inputs: not an argument of the "
+            f"call, not a parameter, buffer or tensor attribute of the modules "
+            f"({', '.join(labels) or 'none given'}), not optimizer state. "
+            "functacc.jit would have to bake it into the graph as a constant, where eager "
+            "reads it afresh on every call.\n"
+            f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
+            "Fix: pass the tensor as an argument of the call, or give the module that "
+            "holds it in modules=(...) (a teacher model, an EMA copy), or give its "
+            "optimizer in optimizers=(...). A parameter list taken before the call "
+            "(params = list(model.parameters())) holds the real tensors: read them "
+            "through the module inside the step instead."
+        )
+    return None

@@ -44,7 +44,7 @@ from ..transforms.precision import resolve_precision
 from ..transforms.remat import RematPolicy, validate_remat
 from .step_fn import LossFn, StepFunction, TrainState
 from .step_programs import StepProgram, StepPrograms
-from .step_signature import StepSignature, describe_batch
+from .step_signature import StepSignature, as_call, describe_batch
 from .step_state import LiveState
 
 __all__ = ["Step", "TrainState"]
@@ -189,9 +189,8 @@ class Step:
         return self._cache.num_traces
 
     def wait_for_compile(self) -> float:
-        """With ``background_compile=True``: wait for the compiles still running in the
-        background, and run the compiled code from the next call on (a fixed step for the
-        swap, where a run must repeat bit for bit); returns the seconds waited."""
+        """Wait for the background compiles (``background_compile=True``): the compiled
+        code runs from the next call on; returns the seconds waited."""
         return self._engine.wait_for_compile()
 
     @property
@@ -261,7 +260,7 @@ class Step:
         before = self._cache.num_traces
         bar = tqdm(list(batches), desc="functacc warm-up", unit="batch", disable=not progress)
         for batch in bar:
-            args, kwargs = self._as_call(batch)
+            args, kwargs = as_call(batch, with_targets=self.loss_fn is not None)
             self._stateful_program(args, kwargs)
             if self._cache.num_traces > before:
                 last = self._cache.records[-1]
@@ -384,21 +383,6 @@ class Step:
                 f"{len(args)} positional and {len(kwargs)} keyword arguments. Pack several "
                 "model inputs into a tuple or dict: step((x1, x2), targets)."
             )
-
-    def _as_call(self, batch: Any) -> tuple[tuple, dict]:
-        """``(args, kwargs)`` for a batch as a training loop passes it to the step."""
-        if self.loss_fn is not None:
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise TypeError(
-                    "with a loss_fn each warm-up batch is (inputs, targets), as the step is "
-                    f"called; got {type(batch).__name__}"
-                )
-            return tuple(batch), {}
-        if isinstance(batch, dict):
-            return (), dict(batch)
-        if isinstance(batch, (tuple, list)):
-            return tuple(batch), {}
-        return (batch,), {}
 
 
 def _nbytes(tree: Any) -> int:
