@@ -7,7 +7,6 @@ a worker process where that helps (``compile_worker.py``).
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -193,8 +192,9 @@ def compile_graph(
                     mode = next(f.fake_mode for f in fakes if hasattr(f, "fake_mode"))
                     slots = (mode.from_tensor(s, static_shapes=True) for s in split.slots)
                     gradient_fakes = [*fakes, *slots]
+                # The split's graphs are made for this compile alone: no copy of them.
                 gradients = compile_inductor(
-                    split.gradients, gradient_examples, gradient_fakes, options
+                    split.gradients, gradient_examples, gradient_fakes, options, copy=False
                 )
             except BaseException:
                 if worker is not None:
@@ -202,7 +202,7 @@ def compile_graph(
                 raise
             if worker is not None:
                 worker.finish()
-            update = compile_inductor(split.update, update_examples, None, options)
+            update = compile_inductor(split.update, update_examples, None, options, copy=False)
             return split.runner(gradients, update)
 
     workers = _background_workers(graphs, options or {}) if traced is not None else []
@@ -232,12 +232,9 @@ def _background_workers(
 
 def _as_traced(gm: GraphModule) -> GraphModule:
     """A copy of ``gm`` that runs as the eager backend runs it (``gm`` itself unchanged)."""
-    from .split import remove_marker
+    from .split import copy_graph, remove_marker
 
-    graph = torch.fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    graph.output(graph.graph_copy(gm.graph, {}))
-    traced = GraphModule(gm, graph)
+    traced = GraphModule(gm, copy_graph(gm.graph))
     remove_marker(traced)
     views_that_may_copy(traced)
     return traced

@@ -8,7 +8,6 @@ graph, and the update compile worker, ``compile_worker.py``, calls it in its own
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch.fx import GraphModule
 
 from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING, warn_where_inductor_differs
 from ...errors import TraceError
+from ..split import copy_graph
 from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
 from .call import direct_call
@@ -53,13 +53,16 @@ def compile_inductor(
     example_inputs: Sequence[Tensor],
     fakes: Sequence[Tensor] | None,
     user_options: dict[str, Any] | None = None,
+    *,
+    copy: bool = True,
 ) -> Callable[[list[Tensor]], Sequence[Tensor]]:
     """Compile ``gm`` with Inductor and functacc's settings (on CPU: :class:`CpuPasses` and
     the settings below; ``user_options`` override them); returns a
     :data:`~functacc.backends.compile.Compiled` (called with one list of tensors).
 
     ``fakes``: the symbolic fake inputs a dynamic-shape graph was traced with, or ``None``
-    for a graph specialised to ``example_inputs``' shapes."""
+    for a graph specialised to ``example_inputs``' shapes. ``copy=False`` lets the compile
+    rewrite ``gm`` (no copy first)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
@@ -100,8 +103,12 @@ def compile_inductor(
     options["emulate_precision_casts"] = True
     options.update(user_options or {})
     # compile_fx may rewrite the graph it is given (pytorch#138980): compile a copy, so the
-    # traced graph stays valid for inspection.
-    graph = copy.deepcopy(gm)
+    # traced graph stays valid for inspection. ``copy=False``: a graph made for this compile
+    # alone (the split's), compiled as it is.
+    graph = gm
+    if copy:
+        graph = GraphModule(gm, copy_graph(gm.graph))
+        graph.meta.update(gm.meta)
     if fakes is None:
         # A fake mode with a ShapeEnv: without one Inductor's FX graph cache and
         # AOTAutograd's cache bypass the graph ("No shape env"), and every process
@@ -229,8 +236,11 @@ def _views_to_reshapes(gm: GraphModule) -> None:
         for arg, value in zip(schema.arguments, node.args, strict=False):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 aliased_writes.update(chain(value))
+    changed = False
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
         # Kept: a view written through, or a view of a tensor that something writes to.
         if not any(n in aliased_writes for n in chain(node)):
             node.target = torch.ops.aten.reshape.default
-    gm.recompile()
+            changed = True
+    if changed:  # regenerating the code costs 0.1-0.3 s on a large step: not for nothing
+        gm.recompile()

@@ -79,6 +79,7 @@ def lerp_weights_as_tensors(gm: GraphModule) -> None:
     with a 0-dim tensor weight: Inductor's decomposition of the first branches on the
     weight's value (``weight >= 0.5``), which a number computed at run time does not have
     while compiling; that of the second selects with ``where``."""
+    changed = False
     for node in list(gm.graph.nodes):
         if node.target is not torch.ops.aten.lerp.Scalar:
             continue
@@ -95,7 +96,9 @@ def lerp_weights_as_tensors(gm: GraphModule) -> None:
                 tensor.meta["val"] = torch.scalar_tensor(0.0, dtype=dtype, device=val.device)
         node.target = torch.ops.aten.lerp.Tensor
         node.args = (start, end, tensor)
-    gm.recompile()
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def _fake_mode(fakes: Sequence[Any]) -> Any:
