@@ -121,3 +121,19 @@ def test_background_compile_is_checked_up_front() -> None:
     step = build("jit", model, opt, backend="eager")
     step(*batches(1)[0])
     assert step.wait_for_compile() == 0.0
+
+
+def test_a_step_with_collectives_is_not_compiled_in_the_background() -> None:
+    # Each rank's worker would finish at another step, and ranks must run the same code at
+    # every step: a graph with collectives compiles before its first call.
+    from functacc.backends.compile import _collectives
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(
+        graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    )
+    assert _collectives(torch.fx.GraphModule({}, graph))
+    plain = torch.fx.Graph()
+    plain.output(plain.call_function(torch.ops.aten.relu.default, (plain.placeholder("x"),)))
+    assert not _collectives(torch.fx.GraphModule({}, plain))

@@ -40,6 +40,34 @@ def test_bench_competitors_train_the_same_model_and_report_consistent_ratios(tmp
     assert ratio == pytest.approx(functacc["samples_per_s"] / eager["samples_per_s"], abs=0.006)
 
 
+@pytest.mark.inductor
+def test_bench_background_competitor_compiles_cold_into_its_own_cache(
+    tmp_path, capsys, monkeypatch
+):
+    import os
+
+    from functacc.bench import competitors
+
+    # --cold points this process at fresh caches; put them back after the test.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(competitors.FunctaccBackground, "cold", False)
+    path = tmp_path / "mlp.json"
+    argv = ["--model", "mlp", "--competitors", "eager,functacc:background", "--cold"]
+    argv += ["--steps", "2", "--rounds", "1", "--warmup", "0", "--no-progress"]
+    assert main([*argv, "--json", str(path)]) == 0
+    eager, background = json.loads(path.read_text())["results"]
+    assert background["name"] == "functacc:background"
+    # The runner waited for the workers' compile before the timed rounds, and reports when.
+    assert 0 < background["first_step_s"] < background["ready_s"]
+    assert eager["ready_s"] is None
+    assert math.isclose(eager["final_loss"], background["final_loss"], rel_tol=1e-4)
+    row = next(line for line in capsys.readouterr().out.splitlines() if "background |" in line)
+    assert f"(compiled at {background['ready_s']:.1f})" in row
+    # The bench's cold cache is back in place, not the background competitor's own.
+    assert "functacc-bench-" in os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert "background" not in os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def test_workloads_cycle_through_a_pool_of_distinct_batches() -> None:
     w = build("mlp")
     assert len(w.batches) == POOL

@@ -136,8 +136,8 @@ def compile_graph(
     dynamic-shape graph was traced with (Inductor then compiles size-generic kernels).
     ``options``: ``torch._inductor.config`` settings that override functacc's defaults.
     ``background``: Inductor compiles in a worker process while the graph runs as traced
-    (:mod:`functacc.backends.background`), for static graphs on CPU where a worker can
-    start; elsewhere it compiles here.
+    (:mod:`functacc.backends.background`), for static graphs on CPU without collectives
+    where a worker can start; elsewhere it compiles here.
     """
     from ..parallel.schedule import issue_collectives_early
     from ..transforms.remat_passes import order_recomputation
@@ -155,7 +155,12 @@ def compile_graph(
         remove_marker(gm)
         views_that_may_copy(gm)
         return lambda args: gm(*args)
-    background = background and fakes is None and compile_worker.can_help(example_inputs)
+    background = (
+        background
+        and fakes is None
+        and not _collectives(gm)
+        and compile_worker.can_help(example_inputs)
+    )
     # The graph as traced, for the steps before the background compile is ready (the passes
     # below rewrite gm for Inductor).
     traced = _as_traced(gm) if background else None
@@ -228,6 +233,14 @@ def _background_workers(
                 worker.stop()
         return []
     return workers
+
+
+def _collectives(gm: GraphModule) -> bool:
+    """Whether the graph talks to other ranks: their steps must run the same code, and each
+    rank's compile would be ready at another step."""
+    return any(
+        getattr(node.target, "namespace", "") == "_c10d_functional" for node in gm.graph.nodes
+    )
 
 
 def _as_traced(gm: GraphModule) -> GraphModule:

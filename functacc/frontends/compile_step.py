@@ -62,8 +62,8 @@ def compile_step(
             steps run the traced graph op by op (about eager speed); the compiled code takes
             over at the first step after it is ready, and ``step.wait_for_compile()`` waits
             for it. The first step then costs a trace, not a compile (docs/benchmarks.md,
-            "Time to the first step"). For static graphs on CPU; elsewhere the graph
-            compiles before its first step, as without it.
+            "Time to the first step"). For static graphs on CPU in one process (ranks would
+            swap at different steps); elsewhere the graph compiles before its first step.
         grad_accum_steps: split each batch into this many micro-batches inside the graph,
             sum their gradients (of ``loss / k``), update once.
         max_grad_norm: clip the global gradient norm, as ``clip_grad_norm_``.

@@ -128,7 +128,7 @@ def jit(
         background_compile: Inductor compiles each new graph in a worker process while
             the calls run the graph as traced (at about eager speed); the compiled code
             takes over at the first call after it is ready (docs/benchmarks.md, "Time to the
-            first step"). For static graphs on CPU; elsewhere the graph compiles first.
+            first step"). For static graphs on CPU, one process; elsewhere the graph compiles first.
         dynamic: symbolic sizes: ``None`` (automatic: after a size changes), ``True`` (from
             the first call) or ``False`` (one graph per shape).
         max_traces: the most graphs to compile before :class:`functacc.RetraceError`.
