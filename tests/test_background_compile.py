@@ -100,15 +100,22 @@ def test_a_failing_worker_costs_time_not_correctness(tmp_path, monkeypatch) -> N
     )
     data = batches(4)
     model, opt = mlp()
-    step = build("compile_step", model, opt, background_compile=True)
+    step = build("compile_step", model, opt, background_compile=True, dynamic=False)
+    # Two shapes warmed up: the second graph compiles here, before its first call, while
+    # the first one's workers run (one background compile at a time).
+    g = torch.Generator().manual_seed(2)
+    other = (torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g))
+    step.warmup([data[0], other], progress=False)
+    assert step.num_traces == 2 and len(step._engine._pending) == 1
     counters.clear()
+    # The workers fail within seconds, maybe before the first step: whenever the swap comes,
+    # this process compiles the graphs itself and the steps are Inductor's.
     losses = train(step, data, swap_at=2)
-    # This process compiled the graphs itself.
     assert counters["aot_autograd"]["autograd_cache_miss"] >= 1, dict(counters["aot_autograd"])
     eager_model, eager_opt = mlp()
     eager = train(build("compile_step", eager_model, eager_opt, backend="eager"), data)
-    assert_close(losses[:2], eager[:2], **EXACT, what="losses before the swap")
-    assert_close(losses[2:], eager[2:], **FUSED, what="losses after the swap")
+    assert_close(losses, eager, **FUSED, what="losses")
+    assert_close(model.state_dict(), eager_model.state_dict(), **FUSED, what="parameters")
 
 
 def test_background_compile_is_checked_up_front() -> None:

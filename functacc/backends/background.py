@@ -30,9 +30,24 @@ from torch import Tensor
 
 from .compile_worker import CompileWorker
 
-__all__ = ["BackgroundCompiled"]
+__all__ = ["BackgroundCompiled", "busy"]
 
 log = logging.getLogger("functacc")
+
+
+# Background compiles not yet in use, in this process. One at a time: each worker imports
+# torch and holds a compile's memory (a GB or more on a large step), and a warm-up over many
+# bucket shapes would start a pair per shape; a graph traced while one is running compiles
+# before its first call instead.
+_pending: set[BackgroundCompiled] = set()
+
+
+def busy() -> bool:
+    """Whether a background compile is running in this process."""
+    for run in list(_pending):
+        if not run.running:  # finished, not yet swapped in: no longer holds a worker
+            _pending.discard(run)
+    return bool(_pending)
 
 
 class BackgroundCompiled:
@@ -53,6 +68,7 @@ class BackgroundCompiled:
         self._run = first
         self._compile_here = compile_here
         self._workers = workers
+        _pending.add(self)
         self._started = time.perf_counter()
         self.steps_before = 0  # steps run as traced, before the compiled code
         self.ready_after_s: float | None = None  # from the worker's start to the swap
@@ -61,6 +77,11 @@ class BackgroundCompiled:
     def pending(self) -> bool:
         """Whether the compiled code is not yet in use."""
         return bool(self._workers)
+
+    @property
+    def running(self) -> bool:
+        """Whether a worker is still compiling."""
+        return any(not w.done for w in self._workers)
 
     def __call__(self, args: list[Tensor]) -> Any:
         if self._workers:
@@ -74,6 +95,7 @@ class BackgroundCompiled:
         """Wait for the worker, then load the compiled code (or compile it here, if the
         worker failed) and use it for every later call; returns the seconds this took."""
         workers, self._workers = self._workers, []
+        _pending.discard(self)
         if not workers:
             return 0.0
         start = time.perf_counter()
@@ -99,5 +121,6 @@ class BackgroundCompiled:
     def stop(self) -> None:
         """Stop the worker and go on with the graph as traced (this process is ending)."""
         workers, self._workers = self._workers, []
+        _pending.discard(self)
         for worker in workers:
             worker.stop()

@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 from ..errors import TraceError
 from . import compile_worker
 from .background import BackgroundCompiled
+from .background import busy as background_busy
 from .inductor import compile_inductor
 
 __all__ = [
@@ -159,6 +160,7 @@ def compile_graph(
         background
         and fakes is None
         and not _collectives(gm)
+        and not background_busy()
         and compile_worker.can_help(example_inputs)
     )
     # The graph as traced, for the steps before the background compile is ready (the passes
