@@ -247,7 +247,8 @@ def _collectives(gm: GraphModule) -> bool:
 
 def _as_traced(gm: GraphModule) -> GraphModule:
     """A copy of ``gm`` that runs as the eager backend runs it (``gm`` itself unchanged)."""
-    from .split import copy_graph, remove_marker
+    from .graph_transport import copy_graph
+    from .split import remove_marker
 
     traced = GraphModule(gm, copy_graph(gm.graph))
     remove_marker(traced)

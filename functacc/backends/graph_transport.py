@@ -1,4 +1,5 @@
-"""Send a traced graph to another process exactly: its nodes, not its Python code.
+"""Copy a traced graph exactly: to another process as its nodes (not its Python code),
+or within this one (:func:`copy_graph`).
 
 Pickling a ``GraphModule`` sends its generated code, and unpickling re-traces that code
 symbolically. That is not the same graph: an op with no traced input (``empty``, ``full``)
@@ -12,20 +13,22 @@ Example:
     >>> import pickle, torch
     >>> from torch.fx.experimental.proxy_tensor import make_fx
     >>> gm = make_fx(lambda x: x * torch.empty(3).bernoulli_(0.5))(torch.ones(3))
-    >>> copy = unpack(pickle.loads(pickle.dumps(pack(gm))))
-    >>> copy.code == gm.code
+    >>> same = unpack(pickle.loads(pickle.dumps(pack(gm))))
+    >>> same.code == gm.code
     True
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_aggregate
 
-__all__ = ["PackedGraph", "pack", "unpack"]
+__all__ = ["PackedGraph", "copy_graph", "pack", "unpack"]
 
 
 @dataclass(frozen=True)
@@ -61,16 +64,17 @@ def pack(gm: GraphModule) -> PackedGraph:
             return _Ref(value.name)
         if isinstance(value, torch._ops.OpOverload):
             return _Op(value.namespace, value._opname, value._overloadname)
-        if isinstance(value, (list, tuple)):
-            return type(value)(plain(v) for v in value)
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        if isinstance(value, slice):
-            return slice(plain(value.start), plain(value.stop), plain(value.step))
         return value
 
     nodes = [
-        (n.op, n.name, plain(n.target), plain(n.args), plain(n.kwargs)) for n in gm.graph.nodes
+        (
+            n.op,
+            n.name,
+            plain(n.target),
+            map_aggregate(n.args, plain),
+            map_aggregate(n.kwargs, plain),
+        )
+        for n in gm.graph.nodes
     ]
     attributes = {n.target: _attribute(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     return PackedGraph(nodes, attributes, (gm._tracer_cls, gm.graph._tracer_cls))
@@ -84,19 +88,11 @@ def unpack(packed: PackedGraph) -> GraphModule:
     def live(value: Any) -> Any:
         if isinstance(value, _Ref):
             return made[value.name]
-        if isinstance(value, _Op):
-            return value.resolve()
-        if isinstance(value, (list, tuple)):
-            return type(value)(live(v) for v in value)
-        if isinstance(value, dict):
-            return {k: live(v) for k, v in value.items()}
-        if isinstance(value, slice):
-            return slice(live(value.start), live(value.stop), live(value.step))
-        return value
+        return value.resolve() if isinstance(value, _Op) else value
 
     for op, name, target, args, kwargs in packed.nodes:
-        node = graph.create_node(op, live(target), live(args), live(kwargs), name=name)
-        made[name] = node
+        args, kwargs = map_aggregate(args, live), map_aggregate(kwargs, live)
+        made[name] = graph.create_node(op, live(target), args, kwargs, name=name)
     gm = GraphModule(packed.attributes, graph)
     gm._tracer_cls, gm.graph._tracer_cls = packed.tracer_cls
     return gm
@@ -107,3 +103,13 @@ def _attribute(gm: GraphModule, target: str) -> Any:
     for part in target.split("."):
         value = getattr(value, part)
     return value
+
+
+def copy_graph(graph: Graph) -> Graph:
+    """A copy of ``graph``: new nodes, each with a copy of its ``meta`` dict (the values in
+    it shared). ``copy.deepcopy`` of a module also copied every fake tensor and regenerated
+    the code: about 0.3 s of a large step's warm start."""
+    copied = Graph(tracer_cls=graph._tracer_cls, tracer_extras=graph._tracer_extras)
+    copied._codegen = copy.deepcopy(graph._codegen)
+    copied.output(copied.graph_copy(graph, {}))
+    return copied

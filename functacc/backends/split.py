@@ -14,7 +14,6 @@ the optimizer will read them); :func:`split_at_optimizer` cuts the graph there.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -108,16 +107,6 @@ class Split:
             return [parts[where][i] for where, i in self.outputs]
 
         return run
-
-
-def copy_graph(graph: Graph) -> Graph:
-    """A copy of ``graph``: new nodes, each with a copy of its ``meta`` dict (the values in
-    it shared). ``copy.deepcopy`` of a module also copied every fake tensor and regenerated
-    the code: about 0.3 s of a large step's warm start."""
-    copied = Graph(tracer_cls=graph._tracer_cls, tracer_extras=graph._tracer_extras)
-    copied._codegen = copy.deepcopy(graph._codegen)
-    copied.output(copied.graph_copy(graph, {}))
-    return copied
 
 
 def _live(nodes: list[Node]) -> set[Node]:

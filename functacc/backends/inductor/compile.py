@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 
 from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING, warn_where_inductor_differs
 from ...errors import TraceError
-from ..split import copy_graph
+from ..graph_transport import copy_graph
 from . import independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
 from .call import direct_call
