@@ -463,6 +463,7 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
     got = torch.load(out, weights_only=False)
     for name, (objects, make_step) in jit_worker.SCENARIOS.items():
         first, second, opt = objects(seed=0)
+        opts = opt if isinstance(opt, tuple) else (opt,)
         body = make_step(first, second, opt)
         for x, y in jit_worker.batches(2):
             body(x, y)
@@ -473,31 +474,48 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
                 assert_close(
                     run[label], module.state_dict(), rtol=1e-5, atol=2e-5, what=f"{what} {label}"
                 )
-            assert_close(
-                run["optimizer"]["state"],
-                opt.state_dict()["state"],
-                rtol=1e-5,
-                atol=2e-5,
-                what=f"{what} optimizer state",
-            )
-            assert run["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
+            for state_dict, o in zip(run["optimizer"], opts, strict=True):
+                assert_close(
+                    state_dict["state"],
+                    o.state_dict()["state"],
+                    rtol=1e-5,
+                    atol=2e-5,
+                    what=f"{what} optimizer state",
+                )
+                assert state_dict["param_groups"] == o.state_dict()["param_groups"]
             assert run["traces"] == 1
-            if layout != "zero2":
+            if layout in ("dp", "zero1"):
                 assert run["all_reduces"] >= 1  # the gradients' all-reduce is in the graph
-        dp, zero1, zero2 = (got[layout, name] for layout in ("dp", "zero1", "zero2"))
+        dp, zero1, zero2, zero3 = (got[layout, name] for layout in jit_worker.LAYOUTS)
         # ZeRO-1/2: each rank updated its half and all-gathered the parameters, and the torch
         # optimizer holds no full copy of the state between calls.
         assert zero1["all_gathers"] >= 1 and dp["all_gathers"] == 0
         assert zero1["torch_state_between_calls"] == zero2["torch_state_between_calls"] == 0
-        assert dp["torch_state_between_calls"] == len(opt.state)
-        # ZeRO-2: each backward reduce-scatters the student's gradients (no all-reduce is
+        assert zero3["torch_state_between_calls"] == 0
+        assert dp["torch_state_between_calls"] == sum(len(o.state) for o in opts)
+        # ZeRO-2/3: each backward reduce-scatters the student's gradients (no all-reduce is
         # left: the teacher and the EMA copy are frozen, and no buffer is written).
-        assert zero2["reduce_scatters"] >= 1 and zero2["all_reduces"] == 0
+        for zero in (zero2, zero3):
+            assert zero["reduce_scatters"] >= 1 and zero["all_reduces"] == 0
         assert dp["reduce_scatters"] == zero1["reduce_scatters"] == 0
         # The gradients do not outlive the call: None where eager leaves them.
         eager_grads = [p.grad is not None for p in first.parameters()]
         assert dp["grads_after_call"] == zero1["grads_after_call"] == eager_grads
-        assert not any(zero2["grads_after_call"])
+        assert not any(zero2["grads_after_call"]) and not any(zero3["grads_after_call"])
+        # ZeRO-3: between calls the optimized modules hold empty placeholders, and each
+        # step gathers them (so does data parallel's, whole), then reads its own chunk of
+        # the update (no gather of the new parameters where the body reads none).
+        whole = [tuple(p.shape) for p in first.parameters()]
+        assert dp["placeholders"] == zero2["placeholders"] == whole
+        assert zero3["placeholders"] == [(0,)] * len(whole)
+        assert zero3["all_gathers"] >= 1
+    # ZeRO-3 gathers each unit where the step starts reading it, and the new parameters only
+    # where the body reads them after the update: the distillation and edge bodies as many
+    # as ZeRO-2 (which gathers the new ones), WGAN-GP's one more, since its generator step
+    # runs the critic that its critic step just updated.
+    for name in ("distill", "edges"):
+        assert got["zero3", name]["all_gathers"] == got["zero2", name]["all_gathers"], name
+    assert got["zero3", "wgan_gp"]["all_gathers"] == got["zero2", "wgan_gp"]["all_gathers"] + 1
     # Distillation never reads .grad whole: ZeRO-2 gathers the parameters only, as ZeRO-1.
     # SAM reads the first backward's gradients, clipping reads (and scales) the gradients:
     # one more gather each, for that read.
@@ -516,7 +534,7 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
     body = jit_worker.distill_step(student, teacher, opt)
     for x, y in jit_worker.batches(2):
         body(x, y)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         resume, what = got["resume", stage], f"ZeRO-{stage}"
         # Inductor's kernels and the ranks' sums reorder float32 arithmetic.
         assert_close(resume["student"], student.state_dict(), rtol=1e-4, atol=1e-5, what=what)

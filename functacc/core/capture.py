@@ -107,6 +107,9 @@ class Capture:
         # Under torchrun: what backward() does with gradients over the ranks
         # (functacc.parallel.jit_grads: averaged whole, or reduce-scattered for ZeRO-2).
         self.strategy: Any = None
+        # ZeRO-3: the optimizers' parameters kept as chunks between calls
+        # (functacc.parallel.zero3_jit.ShardedParameters); the modules hold placeholders.
+        self.rest: Any = None
         # ZeRO-2: parameters whose gradient the last call dropped where eager would have
         # left it in .grad; the next trace checks that the body does not read it.
         self.dropped: set[str] = set()
@@ -129,10 +132,15 @@ class Capture:
         """The state's names and tensors now, and what else the graph depends on (train
         mode, trainable parameters, module attributes, optimizer structure). The names come
         back as the same tuple object while they are unchanged (the hot path of a call)."""
+        rest = self.rest
+        if rest is not None:
+            rest.release()  # the first call after sync_modules(): shard the modules again
         if self._fixed is None:
+            whole = {n: p for n, p in self.params.items() if rest is None or n not in rest.names}
+            chunks = rest.chunks if rest is not None else {}
             self._fixed = (
-                [*(f"param {n}" for n in self.params), *(f"buffer {n}" for n in self.buffers)],
-                [*self.params.values(), *self.buffers.values()],
+                [*(f"param {n}" for n in whole), *chunks, *(f"buffer {n}" for n in self.buffers)],
+                [*whole.values(), *chunks.values(), *self.buffers.values()],
                 {n: f"grad {n}" for n in self.params},
             )
         fixed_names, fixed_tensors, grad_names = self._fixed
@@ -158,7 +166,7 @@ class Capture:
                 # parameter stands in for it (same shape and dtype; the trace replaces it
                 # and makes sure the graph never reads it).
                 names.append(grad_names[n])
-                tensors.append(p)
+                tensors.append(self._stand_in(n))
         watched = self.watch.key()
         if watched is not self._watched or any(w.replaced for w in self.structures):
             self._check_tables()
@@ -201,8 +209,15 @@ class Capture:
         return [
             i
             for i, (n, t) in enumerate(zip(names, tensors, strict=True))
-            if n.startswith("grad ") and t is self.params.get(n.removeprefix("grad "))
+            if n.startswith("grad ") and t is self._stand_in(n.removeprefix("grad "))
         ]
+
+    def _stand_in(self, name: str) -> Tensor | None:
+        """What stands for ``name``'s dropped gradient: the parameter (its shape), or under
+        ZeRO-3, where the module holds a placeholder, a tensor of the whole shape."""
+        if self.rest is not None and name in self.rest.names:
+            return self.rest.like(name)
+        return self.params.get(name)
 
     def _check_tables(self) -> None:
         """A parameter, buffer or submodule replaced or added after the step was built
@@ -230,8 +245,9 @@ class Capture:
         each ``opt.step()`` and given the optimizers' hyperparameter inputs."""
         by_name = dict(zip(names, inputs, strict=True))
         leaves: dict[str, Tensor] = {}
+        gathered = self.rest.gather(by_name) if self.rest is not None else {}
         for n, p in self.params.items():
-            leaf = by_name[f"param {n}"]
+            leaf = gathered[n] if n in gathered else by_name[f"param {n}"]
             if p.requires_grad:
                 leaf.requires_grad_(True)
                 # The parameter's gradient hooks run on the traced tensor that stands for
@@ -337,6 +353,8 @@ class Capture:
         for traced in traced_opts:
             traced.write_back()
             exit_.stepped.append(frozenset(traced.stepped))
+        if self.rest is not None:
+            self.rest.leave(leaves)
         for n, leaf in leaves.items():
             grad = leaf.grad
             given = by_name.get(f"grad {n}")

@@ -242,12 +242,14 @@ class TracedOptimizer:
             else:  # ZeRO: this rank's segments, then every rank's all-gathered
                 grad_segments = {n: g.detach() for n, g in shards.grad_segments(grads).items()}
                 segments, new_state = step_params(
-                    self.linked.transform, grad_segments, state, shards.segments(detached)
+                    self.linked.transform, grad_segments, state, shards.param_segments(detached)
                 )
                 new_params = shards.gather(segments, detached)
             self.state = _keep_hyperparameters(new_state, self.state)
             for n in grads:
                 params[n].copy_(new_params[n])
+            if shards is not None:
+                shards.written(params)
         self.stepped |= set(grads)
         if self.python is not None:
             self.python.stepped(self.linked.optimizer)

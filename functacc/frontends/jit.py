@@ -84,6 +84,15 @@ class Jitted:
         swap, where a run must repeat bit for bit); returns the seconds waited."""
         return self._engine.engine.wait_for_compile()
 
+    def sync_modules(self) -> None:
+        """Under ``parallel=ZeRO(3)``: put the whole trained parameters back into the
+        modules, which hold empty placeholders between calls (a collective call: every rank
+        makes it), for code outside the step (evaluation, ``state_dict()``). The next call
+        shards them again from what the modules then hold. Elsewhere: nothing to do."""
+        rest = self._engine.capture.rest
+        if rest is not None:
+            rest.gather_modules()
+
     @property
     def graphs(self) -> list[torch.fx.GraphModule]:
         """The traced graphs, oldest first (for inspection)."""
@@ -253,16 +262,15 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     from ..parallel.jit_grads import AveragedGradients, LocalGradients, ShardedGradients
     from ..parallel.mesh import world_size
     from ..parallel.owned_params import OwnedGradients, ParameterOwners
-    from ..parallel.strategy import check_same_model, sync_from_rank0
     from ..parallel.zero_jit import ShardedOptimizer
 
     if parallel is not None and not isinstance(parallel, (DataParallel, ZeRO)):
         raise TypeError(
             "parallel must be None, functacc.parallel.DataParallel(...) or "
-            f"functacc.parallel.ZeRO(1 or 2); got {type(parallel).__name__}"
+            f"functacc.parallel.ZeRO(1, 2 or 3); got {type(parallel).__name__}"
         )
-    if isinstance(parallel, ZeRO):
-        ShardedOptimizer.check(parallel)  # on one process too: the same program everywhere
+    if isinstance(parallel, ZeRO) and parallel.stage == 3:
+        return _zero3(parallel, capture)
     if world_size() == 1 or not capture.params:
         if isinstance(parallel, ZeRO) and parallel.stage == 2:
             # The gradients' lifetime is the same on one process as on several ranks.
@@ -275,11 +283,7 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
             "functacc.jit's data parallel takes compression=None or 'bf16' (PowerSGD keeps "
             "state across steps that jit does not capture yet)"
         )
-    # A collective call: every rank builds its step at the same point of its program.
-    check_same_model(capture.params, "parameter")
-    check_same_model(capture.buffers, "buffer")
-    sync_from_rank0({**capture.params, **capture.buffers})
-    replicated = parallel.build(capture.modules[0], None)
+    replicated = _replicated(parallel, capture)
     if zero is None:
         return AveragedGradients(replicated)
     holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
@@ -301,6 +305,43 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     if zero.stage == 2:
         return ShardedGradients(replicated, shards)
     return AveragedGradients(replicated)
+
+
+def _replicated(parallel: Any, capture: Capture) -> Any:
+    """Data parallelism over all ranks, from rank 0's weights (a collective call: every
+    rank builds its step at the same point of its program)."""
+    from ..parallel.strategy import check_same_model, sync_from_rank0
+
+    check_same_model(capture.params, "parameter")
+    check_same_model(capture.buffers, "buffer")
+    sync_from_rank0({**capture.params, **capture.buffers})
+    return parallel.build(capture.modules[0], None)
+
+
+def _zero3(zero: Any, capture: Capture) -> Any:
+    """ZeRO-3: stage 2's gradients and optimizer state, and the optimizers' parameters kept
+    as this rank's chunks between calls (:mod:`functacc.parallel.zero3_jit`); on one
+    process too (the same program everywhere)."""
+    from ..parallel import DataParallel
+    from ..parallel.jit_grads import LocalGradients, ShardedGradients
+    from ..parallel.mesh import world_size
+    from ..parallel.zero3_jit import ShardedParameters, as_stage2, check_zero3_optimizers
+    from ..parallel.zero_jit import ShardedOptimizer
+
+    check_zero3_optimizers(capture.optimizers)
+    several = world_size() > 1
+    replicated = _replicated(DataParallel(bucket_mb=zero.bucket_mb), capture) if several else None
+    holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+    shards = [
+        ShardedOptimizer(as_stage2(zero), holder, linked.link.groups)
+        for linked in capture.optimizers
+    ]
+    for linked, sharded in zip(capture.optimizers, shards, strict=True):
+        linked.shard(sharded)
+    capture.rest = ShardedParameters(shards, capture.params)
+    if several:
+        return ShardedGradients(replicated, shards)
+    return LocalGradients(capture.rest.names)
 
 
 def _across_tensor_parallel(parallel: Any, capture: Capture, setup: Any) -> Any:

@@ -51,16 +51,18 @@ class ShardedOptimizer:
         self.check(config)
         self.sharded: Sharded = config.build(holder, [list(g) for g in groups], topology)
         self.gradients: Any = None  # ZeRO-2: the step's jit_grads.ShardedGradients
+        self.rest: Any = None  # ZeRO-3: the step's zero3_jit.ShardedParameters
 
     @staticmethod
     def check(config: ZeRO) -> None:
-        """A clear error for the stage that jit does not take."""
+        """A clear error for the stage this layout does not take: ZeRO-3 keeps the
+        parameters' chunks in :class:`~.zero3_jit.ShardedParameters` and builds this class
+        with stage 2's layout; beside tensor parallelism, jit takes stages 1 and 2."""
         if config.stage == 3:
             raise ValueError(
-                "functacc.jit shards optimizer state (ZeRO stage 1) and gradients (stage 2); "
-                "got stage 3, which would leave each rank a shard of every parameter, where a "
-                "step body calls its modules whole. Use parallel=functacc.parallel.ZeRO(2), "
-                "or compile_step(..., parallel=ZeRO(3)) for a standard step."
+                "functacc.jit takes parallel=[TensorParallel(...), ZeRO(1 or 2)]; got ZeRO(3), "
+                "whose chunks of the parameters would cut across the tensor-parallel slices. "
+                "Use ZeRO(2) beside TensorParallel, or ZeRO(3) alone."
             )
 
     def grad_segments(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -78,6 +80,17 @@ class ShardedOptimizer:
             out[name] = tensor.reshape(-1)[seg.offset : seg.offset + seg.numel]
         return out
 
+    def param_segments(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's part of each parameter for the update: under ZeRO-3 read from the
+        chunk the step started from, while the body has not written the parameter."""
+        if self.rest is None:
+            return self.segments(params)
+        out = {}
+        for name, param in params.items():
+            seg = self.rest.segment(self.sharded, name, param)
+            out[name] = seg if seg is not None else self.segments({name: param})[name]
+        return out
+
     def shard_state(self, named_state: Any, transform: Any, params: Mapping[str, Tensor]) -> Any:
         """The optimizer's state for this rank's segments, from the full named state."""
         return self.sharded.shard_optimizer_state(named_state, transform, self.segments(params))
@@ -86,8 +99,20 @@ class ShardedOptimizer:
         self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
         """The new full parameters: every rank's updated segments, all-gathered (inside the
-        traced step: a collective of the graph)."""
+        traced step: a collective of the graph). Under ZeRO-3 this rank's chunk of each
+        updated unit is kept for the end of the step, which then needs no gathered tensor."""
+        if self.rest is not None:
+            old = self.param_segments(params)
+            for unit in self.sharded.units:
+                if any(n in updated for n in unit.names):
+                    pieces = [updated.get(n, old[n]) for n in unit.names]
+                    self.rest.updated(self.sharded, unit, self.sharded.chunk_of(unit, pieces))
         return self.sharded.new_params(updated, params)
+
+    def written(self, params: Mapping[str, Tensor]) -> None:
+        """The update was copied into ``params`` (the traced parameters)."""
+        if self.rest is not None:
+            self.rest.written(params)
 
     def show_whole(self, linked: Any, transform: Callable[[], Any]) -> None:
         """Make ``linked``'s ``torch.optim`` optimizer gather its state in ``state_dict()``
@@ -99,7 +124,10 @@ class ShardedOptimizer:
             current = ref()
             if current is None:
                 return None
-            return _Live(current.state, dict(current.link.params))
+            params = dict(current.link.params)
+            if self.rest is not None:  # ZeRO-3: the modules hold empty placeholders
+                params = self.rest.whole_params(params)
+            return _Live(current.state, params)
 
         self.sharded.link_optimizer(linked.link, live, transform)
 

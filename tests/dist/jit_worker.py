@@ -2,7 +2,8 @@
 
 Every rank trains the distillation, EMA+SAM, clipping and edge-case (tied weight, frozen
 layer, a parameter without gradient) step bodies on its half of each global batch with data
-parallel, then with ZeRO-1 and ZeRO-2; rank 0 saves the trained tensors and the optimizer's
+parallel, then with ZeRO-1, ZeRO-2 and ZeRO-3, and the WGAN-GP body (two optimizers,
+double backward) with each; rank 0 saves the trained tensors and the optimizer's
 state_dict(). The test trains the same bodies eagerly in one process on the full batches and
 compares. Per-sample models only (no training-mode BatchNorm, no dropout): a half batch then
 gives half of the full batch's gradient sum, so data parallel must reproduce the full-batch
@@ -157,7 +158,46 @@ def amp_step(encoder: nn.Module, head: nn.Module, opt) -> object:
     return body
 
 
+def wgan_objects(seed: int = 0) -> tuple:
+    torch.manual_seed(seed)
+    generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    critic = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    # The critic's SGD: Adam's first steps are lr * sign(gradient), so a critic gradient
+    # near zero (a LeakyReLU unit) would turn the ranks' summation order into a whole step.
+    opts = (
+        torch.optim.Adam(generator.parameters(), lr=1e-3, betas=(0.5, 0.9)),
+        torch.optim.SGD(critic.parameters(), lr=1e-2, momentum=0.9),
+    )
+    return generator, critic, opts
+
+
+def wgan_step(generator: nn.Module, critic: nn.Module, opts) -> object:
+    """WGAN-GP: two optimizers, a critic step with a gradient penalty (double backward),
+    then a generator step. The noise and the interpolation weights come from the batch, so
+    that each sample's draws are the same on its rank as in the full batch."""
+    opt_g, opt_d = opts
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z, eps = x[:, :8], torch.sigmoid(x[:, 8:9])
+        opt_d.zero_grad()
+        fake = generator(z).detach()
+        mixed = (eps * x + (1 - eps) * fake).requires_grad_(True)
+        (grad,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+        penalty = (grad.norm(dim=1) - 1).pow(2).mean()
+        loss_d = critic(fake).mean() - critic(x).mean() + 10 * penalty
+        loss_d.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        loss_g = -critic(generator(z)).mean()
+        loss_g.backward()
+        opt_g.step()
+        return torch.stack([loss_d.detach(), loss_g.detach()])
+
+    return body
+
+
 SCENARIOS = {
+    "wgan_gp": (wgan_objects, wgan_step),
     "amp": (clip_objects, amp_step),
     "distill": (distill_objects, distill_step),
     "ema_sam": (ema_objects, ema_step),
@@ -178,6 +218,7 @@ LAYOUTS = {
     "dp": functacc.parallel.DataParallel,
     "zero1": lambda: functacc.parallel.ZeRO(1),
     "zero2": lambda: functacc.parallel.ZeRO(2),
+    "zero3": lambda: functacc.parallel.ZeRO(3),
 }
 
 
@@ -192,7 +233,7 @@ def main(out: str) -> None:
             step = functacc.jit(
                 make_step(first, second, opt),
                 modules=[first, second],
-                optimizers=[opt],
+                optimizers=opt if isinstance(opt, tuple) else [opt],
                 backend="eager",
                 parallel=parallel(),
             )
@@ -203,7 +244,10 @@ def main(out: str) -> None:
             # The steady state's graph (a second signature may trace again, to the same
             # code: see "traces" below).
             nodes = [str(n.target) for n in step.graphs[-1].graph.nodes]
+            placeholders = [tuple(p.shape) for p in first.parameters()]
+            step.sync_modules()  # ZeRO-3: the modules hold placeholders between calls
             saved[layout, name] = {
+                "placeholders": placeholders,
                 "first": {k: v.clone() for k, v in first.state_dict().items()},
                 "second": {k: v.clone() for k, v in second.state_dict().items()},
                 "traces": step.num_traces,
@@ -211,16 +255,21 @@ def main(out: str) -> None:
                 "all_gathers": sum("all_gather" in t for t in nodes),
                 "reduce_scatters": sum("reduce_scatter" in t for t in nodes),
                 "grads_after_call": [p.grad is not None for p in first.parameters()],
-                "torch_state_between_calls": len(opt.state),
-                "optimizer": opt.state_dict(),  # ZeRO: gathered whole, on every rank
+                "torch_state_between_calls": sum(len(o.state) for o in _all(opt)),
+                # ZeRO: gathered whole, on every rank
+                "optimizer": [o.state_dict() for o in _all(opt)],
             }
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         saved["resume", stage] = resume_under_inductor(rank, world, stage)
     saved["accumulating"] = zero2_refuses_accumulating_over_calls(rank, world)
     if rank == 0:
         torch.save(saved, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _all(opt) -> tuple:
+    return opt if isinstance(opt, tuple) else (opt,)
 
 
 def zero2_refuses_accumulating_over_calls(rank: int, world: int) -> dict:
@@ -275,16 +324,20 @@ def resume_under_inductor(rank: int, world: int, stage: int) -> dict:
 
     student, teacher, opt, step = build(seed=rank)
     losses = [step(x, y) for x, y in data[:2]]
+    step.sync_modules()  # ZeRO-3: whole parameters for state_dict(); the next call shards
     checkpoint = (
         {k: v.clone() for k, v in student.state_dict().items()},
         copy.deepcopy(opt.state_dict()),
     )
     losses += [step(x, y) for x, y in data[2:]]
+    step.sync_modules()
     student2, teacher2, opt2, step2 = build(seed=rank + 10)
+    step2.sync_modules()  # ZeRO-3: load into whole parameters
     teacher2.load_state_dict(teacher.state_dict())
     student2.load_state_dict(checkpoint[0])
     opt2.load_state_dict(checkpoint[1])
     resumed = [step2(x, y) for x, y in data[2:]]
+    step2.sync_modules()
     return {
         "losses": torch.stack(losses),
         "student": {k: v.clone() for k, v in student.state_dict().items()},
