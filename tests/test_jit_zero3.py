@@ -1,0 +1,140 @@
+"""``functacc.jit(..., parallel=ZeRO(3))`` on one process, against the same body run eagerly.
+
+On one process ZeRO-3 runs the same program as on several ranks without the collectives:
+the optimizers' parameters live as chunks between calls (the modules hold empty
+placeholders), are gathered whole inside the step, and the update writes the chunks. So on
+the eager backend every step must equal eager PyTorch bit for bit: parameters, optimizer
+state, the EMA copy and a GradScaler's skipped step included. Two ranks against one process
+on the full batch: tests/dist/jit_worker.py (tests/test_jit.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+from test_jit_amp import batches as amp_batches
+from test_jit_amp import build as amp_build
+from torch import nn
+
+import functacc
+
+EXACT = {"rtol": 0, "atol": 0}
+
+
+def ema_objects() -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, ema, opt
+
+
+def ema_body(model: nn.Module, ema: nn.Module, opt: torch.optim.Optimizer):
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # reads .grad whole
+        opt.step()
+        with torch.no_grad():  # reads the parameters after the update
+            for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                e.lerp_(p, 0.1)
+        return torch.stack([loss.detach(), norm])
+
+    return body
+
+
+def data(n: int = 5) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def zero3_step(body, modules, optimizers, **options):
+    return functacc.jit(
+        body,
+        modules=modules,
+        optimizers=optimizers,
+        backend="eager",
+        parallel=functacc.parallel.ZeRO(3),
+        **options,
+    )
+
+
+def test_zero3_equals_eager_bit_for_bit_and_keeps_placeholders_between_calls() -> None:
+    model, ema, opt = ema_objects()
+    ref_model, ref_ema, ref_opt = ema_objects()
+    step = zero3_step(ema_body(model, ema, opt), [model, ema], [opt])
+    eager = ema_body(ref_model, ref_ema, ref_opt)
+    for x, y in data():
+        assert_close(step(x, y), eager(x, y), **EXACT, what="loss and norm")
+        # Between calls the optimized model holds placeholders, no .grad (as under ZeRO-2),
+        # and the EMA copy, which no optimizer updates, stays whole.
+        assert all(p.shape == (0,) and p.grad is None for p in model.parameters())
+        assert [p.shape for p in ema.parameters()] == [p.shape for p in ref_ema.parameters()]
+    assert opt.state == {}  # sharded into the step: state_dict() shows it whole
+    assert_close(opt.state_dict(), ref_opt.state_dict(), **EXACT, what="optimizer")
+    step.sync_modules()
+    assert_close(model.state_dict(), ref_model.state_dict(), **EXACT, what="model")
+    assert_close(ema.state_dict(), ref_ema.state_dict(), **EXACT, what="ema")
+    assert step.num_traces == 1
+
+
+def test_after_sync_modules_the_next_call_trains_what_the_modules_hold() -> None:
+    model, ema, opt = ema_objects()
+    ref_model, ref_ema, ref_opt = ema_objects()
+    step = zero3_step(ema_body(model, ema, opt), [model, ema], [opt])
+    eager = ema_body(ref_model, ref_ema, ref_opt)
+    (x, y), *rest = data()
+    step(x, y), eager(x, y)
+    step.sync_modules()
+    # Code outside the step changes the whole parameters (a checkpoint loaded, a layer
+    # reset): the next call shards them again and trains them, as eager would.
+    changed = {k: v * 0.5 for k, v in ref_model.state_dict().items()}
+    model.load_state_dict(changed)
+    ref_model.load_state_dict(changed)
+    for x, y in rest:
+        assert_close(step(x, y), eager(x, y), **EXACT, what="loss after the load")
+    assert all(p.shape == (0,) for p in model.parameters())
+    step.sync_modules()
+    step.sync_modules()  # twice: nothing more to gather
+    assert_close(model.state_dict(), ref_model.state_dict(), **EXACT, what="model")
+    assert step.num_traces == 1
+
+
+def test_zero3_with_a_grad_scaler_skips_the_overflowing_step_as_eager() -> None:
+    # The skipped step writes the parameters back with where(): the chunks are then cut
+    # from the whole parameters, not taken from the update.
+    model, opt, scaler, body = amp_build("AdamW", torch.bfloat16, clip=True)
+    ref_model, ref_opt, ref_scaler, ref_body = amp_build("AdamW", torch.bfloat16, clip=True)
+    step = zero3_step(body, [model], [opt])
+    for x, y in amp_batches():
+        assert_close(step(x, y), ref_body(x, y), **EXACT, what="loss")
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    step.sync_modules()
+    assert_close(model.state_dict(), ref_model.state_dict(), **EXACT, what="model")
+    assert_close(opt.state_dict(), ref_opt.state_dict(), **EXACT, what="optimizer")
+
+
+def test_a_failing_call_keeps_the_chunks_and_the_optimizer_state() -> None:
+    model, ema, opt = ema_objects()
+    step = zero3_step(ema_body(model, ema, opt), [model, ema], [opt])
+    (x, y), *_ = data()
+    step(x, y)
+    step.sync_modules()
+    before = copy.deepcopy((model.state_dict(), ema.state_dict(), opt.state_dict()))
+    with pytest.raises(RuntimeError):
+        step(x[:, :5], y)  # the wrong width: the trace fails in the first Linear
+    step.sync_modules()
+    after = (model.state_dict(), ema.state_dict(), opt.state_dict())
+    assert_close(after, before, **EXACT, what="state after the failed call")
+
+
+def test_zero3_refuses_an_optimizer_traced_through_its_own_step() -> None:
+    model, ema, _ = ema_objects()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match=r"ZeRO\(3\) with opt \(RMSprop\).*Use ZeRO\(1\) or ZeRO\(2\)"):
+        zero3_step(ema_body(model, ema, opt), [model, ema], [opt])
+    assert all(p.shape != (0,) for p in model.parameters())  # nothing was emptied
