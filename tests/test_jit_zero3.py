@@ -135,6 +135,8 @@ def test_a_failing_call_keeps_the_chunks_and_the_optimizer_state() -> None:
 def test_zero3_refuses_an_optimizer_traced_through_its_own_step() -> None:
     model, ema, _ = ema_objects()
     opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
-    with pytest.raises(ValueError, match=r"ZeRO\(3\) with opt \(RMSprop\).*Use ZeRO\(1\) or ZeRO\(2\)"):
+    with pytest.raises(
+        ValueError, match=r"ZeRO\(3\) with opt \(RMSprop\).*Use ZeRO\(1\) or ZeRO\(2\)"
+    ):
         zero3_step(ema_body(model, ema, opt), [model, ema], [opt])
     assert all(p.shape != (0,) for p in model.parameters())  # nothing was emptied

@@ -34,7 +34,13 @@ from .diagnostics import describe_tensor, translate
 from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
 from .grad_scaler import attach_grad_scalers
-from .graph_passes import drop_unread_ops, drop_unused_inputs, host_scalars, written_inputs
+from .graph_passes import (
+    drop_unread_ops,
+    drop_unused_inputs,
+    host_scalars,
+    sink_to_first_use,
+    written_inputs,
+)
 from .graph_passes import fingerprint as graph_fingerprint
 from .held_objects import library_objects, restore_objects
 from .python_effects import build
@@ -262,6 +268,8 @@ class StepBody:
         self.python.generator_resets(python, traced.graph, known)
         plan.key, plan.family = keys()  # with the guards this trace found
         drop_unread_ops(traced.graph)
+        if self.capture.rest is not None:  # ZeRO-3: each unit gathered where first read
+            sink_to_first_use(traced.graph, [i for i, n in enumerate(names) if n[:6] == "shard "])
         used = drop_unused_inputs(traced.graph)
         self._check_stand_ins([names[i] for i in stand_ins if i in used])
         n_fixed = len(state) + len(fed)

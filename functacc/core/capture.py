@@ -294,6 +294,8 @@ class Capture:
                 stack.enter_context(traced)
             if self.strategy is not None:
                 stack.enter_context(self.strategy.reducing_backward(leaves))
+            if self.rest is not None:  # ZeRO-3: backward gathers the parameters again
+                stack.enter_context(self.rest.regathering())
             stack.enter_context(ForeachVersions())  # as eager counts foreach writes
             yield exit_
             self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)

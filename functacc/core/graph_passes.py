@@ -9,13 +9,16 @@
 - :func:`direct_writes`: one copy per written input at the end, not two;
 - :func:`written_inputs`: which inputs the graph writes into (CUDA graphs copy those that
   are not baked into the capture back out);
-- :func:`fingerprint`: what makes two traced graphs the same program.
+- :func:`fingerprint`: what makes two traced graphs the same program;
+- :func:`sink_to_first_use`: ops computed from some inputs alone run where first read
+  (ZeRO-3's gathers).
 """
 
 from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +32,7 @@ __all__ = [
     "drop_unread_ops",
     "drop_unused_inputs",
     "fingerprint",
+    "sink_to_first_use",
     "written_inputs",
 ]
 
@@ -172,3 +176,35 @@ def host_scalars(gm: GraphModule) -> bool:
     """
     target = torch.ops.aten._local_scalar_dense.default
     return any(n.target is target for n in gm.graph.nodes)
+
+
+def sink_to_first_use(gm: GraphModule, sources: Sequence[int]) -> None:
+    """Move the ops computed from the inputs ``sources`` alone (placeholder positions) down
+    to just before their first reader. ZeRO-3's gathers of parameter chunks, their waits
+    and the views of the gathered parameters then run where the step starts using each
+    unit, and its whole parameters live from there on, not from the start of the step.
+    Every rank runs this pass on the same graph: the collectives keep one order."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    members = {placeholders[i] for i in sources}
+    chain = []
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if (
+            node.op == "call_function"
+            and node.all_input_nodes
+            and all(n in members for n in node.all_input_nodes)
+            and not (schema is not None and schema.is_mutable)
+        ):
+            members.add(node)
+            chain.append(node)
+    moved = False
+    for node in reversed(chain):  # readers first: each then moves below its own
+        if not node.users:
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first = min(node.users, key=order.__getitem__)
+        if order[first] > order[node] + 1:
+            first.prepend(node)
+            moved = True
+    if moved:
+        gm.recompile()

@@ -20,8 +20,9 @@ shards them again from what the modules then hold.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
     from .zero import Sharded, ZeRO
     from .zero_jit import ShardedOptimizer
 
-__all__ = ["ShardedParameters", "as_stage2"]
+__all__ = ["ShardedParameters", "as_stage2", "check_zero3_optimizers"]
+
+_REGATHER = object()  # marks a saved tensor that backward gathers again
 
 
 def as_stage2(config: ZeRO) -> ZeRO:
@@ -69,6 +72,7 @@ class ShardedParameters:
             owner.rest = self
             for unit in owner.sharded.units:
                 self.units.append((f"shard {i}:{unit.key}", owner.sharded, unit))
+        self.by_key = {key: (sharded, unit) for key, sharded, unit in self.units}
         self.key_of = {n: key for key, _, unit in self.units for n in unit.names}
         self.names = frozenset(self.key_of)
         self.chunks: dict[str, Tensor] = {}
@@ -79,6 +83,8 @@ class ShardedParameters:
         self._inputs: dict[str, Tensor] = {}
         self._initial: dict[str, int] = {}
         self._updated: dict[str, tuple[Tensor, list[int] | None]] = {}
+        self._leaf_names: dict[int, str] = {}
+        self._regathered: dict[str, Tensor] = {}
         self.release()
 
     # -- between calls -------------------------------------------------------------------
@@ -119,7 +125,7 @@ class ShardedParameters:
     def like(self, name: str) -> Tensor:
         """A tensor of ``name``'s whole shape and dtype that holds no memory (a stand-in)."""
         if name not in self._like:
-            _, _, unit = next(u for u in self.units if u[0] == self.key_of[name])
+            _, unit = self.by_key[self.key_of[name]]
             shape = unit.shapes[unit.names.index(name)]
             zero = torch.zeros((), dtype=unit.dtype, device=unit.device)
             self._like[name] = zero.expand(shape)
@@ -137,15 +143,48 @@ class ShardedParameters:
         """The whole parameters, from the chunk inputs in ``by_name``: one all-gather per
         unit; each parameter a tensor of its own for the body to use as a leaf."""
         self._inputs = {key: by_name[key] for key, _, _ in self.units}
-        self._updated = {}
+        self._updated, self._regathered = {}, {}
         leaves = {}
-        for key, sharded, unit in self.units:
-            chunk, group = self._inputs[key], sharded.topology.shard_group
-            full = chunk.clone() if group is None else all_gather(chunk, group)
-            for n, view in unit.unflatten(full).items():
+        for key, _, unit in self.units:
+            for n, view in unit.unflatten(self._gathered(key)).items():
                 leaves[n] = view.detach()
                 self._initial[n] = leaves[n]._version
+        self._leaf_names = {id(leaf): n for n, leaf in leaves.items()}
         return leaves
+
+    def _gathered(self, key: str) -> Tensor:
+        sharded, _ = self.by_key[key]
+        chunk, group = self._inputs[key], sharded.topology.shard_group
+        return chunk.clone() if group is None else all_gather(chunk, group)
+
+    @contextlib.contextmanager
+    def regathering(self) -> Iterator[None]:
+        """While tracing: autograd saves a whole parameter for backward as a note, and
+        backward gathers its unit again (once per unit), so that the gathered parameters
+        need not live from forward to backward. Only while the parameter holds what its
+        chunk does (not after an update or an in-place write), and only for a first-order
+        backward: one with ``create_graph=True`` differentiates through the saved tensor."""
+
+        def pack(t: Tensor) -> Any:
+            base = t if t._base is None else t._base
+            name = self._leaf_names.get(id(base))
+            if name is None or base._version != self._initial[name]:
+                return t
+            return (_REGATHER, name, t.size(), t.stride(), t.storage_offset(), t)
+
+        def unpack(packed: Any) -> Tensor:
+            if not (isinstance(packed, tuple) and packed and packed[0] is _REGATHER):
+                return packed
+            _, name, size, stride, offset, saved = packed
+            if torch.is_grad_enabled():  # create_graph=True: the saved tensor's history
+                return saved
+            key = self.key_of[name]
+            if key not in self._regathered:
+                self._regathered[key] = self._gathered(key)
+            return self._regathered[key].as_strided(size, stride, offset)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
 
     def segment(self, sharded: Sharded, name: str, whole: Tensor) -> Tensor | None:
         """This rank's segment of ``name`` read from its chunk input while the body has not
@@ -164,7 +203,7 @@ class ShardedParameters:
         """The update was written into the whole parameters: their versions now."""
         for key, (chunk, versions) in list(self._updated.items()):
             if versions is None:
-                unit = next(u for k, _, u in self.units if k == key)
+                _, unit = self.by_key[key]
                 self._updated[key] = (chunk, [leaves[n]._version for n in unit.names])
 
     def leave(self, leaves: Mapping[str, Tensor]) -> None:

@@ -262,6 +262,7 @@ def main(out: str) -> None:
     for stage in (1, 2, 3):
         saved["resume", stage] = resume_under_inductor(rank, world, stage)
     saved["accumulating"] = zero2_refuses_accumulating_over_calls(rank, world)
+    saved["zero3_order"] = zero3_order(rank, world)
     if rank == 0:
         torch.save(saved, out)
     dist.barrier()
@@ -270,6 +271,25 @@ def main(out: str) -> None:
 
 def _all(opt) -> tuple:
     return opt if isinstance(opt, tuple) else (opt,)
+
+
+def zero3_order(rank: int, world: int) -> str:
+    """The distillation step under ZeRO-3 with each Linear a unit: its collectives and
+    matrix products in graph order, as letters (G: all-gather, M: matmul, R:
+    reduce-scatter)."""
+    student, teacher, opt = distill_objects(seed=0)
+    step = functacc.jit(
+        distill_step(student, teacher, opt),
+        modules=[student, teacher],
+        optimizers=[opt],
+        backend="eager",
+        parallel=functacc.parallel.ZeRO(3, wrap_layer_cls={"Linear"}),
+    )
+    x, y = batches(world)[0]
+    step(x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B])
+    letters = {"all_gather": "G", "mm": "M", "reduce_scatter": "R"}
+    targets = [str(node.target) for node in step.graphs[-1].graph.nodes]
+    return "".join(next((v for k, v in letters.items() if k in t), "") for t in targets)
 
 
 def zero2_refuses_accumulating_over_calls(rank: int, world: int) -> dict:
