@@ -154,6 +154,10 @@ def jit(
             may still read them whole (they are gathered for it), but they do not outlive
             the call: their ``.grad`` is ``None`` afterwards, and a body that reads the
             ``.grad`` a previous call left (accumulating over calls) is an error.
+            ``ZeRO(3)``: also the optimizers' parameters, kept as this rank's chunks
+            between calls (the modules hold empty placeholders; :meth:`Jitted.sync_modules`
+            puts them back whole) and gathered inside the step where first read and again
+            in backward (:mod:`functacc.parallel.zero3_jit`).
 
         cuda_graphs: capture each compiled step as a CUDA graph and replay it (the batch
             is copied into static buffers, the outputs out). ``None``: on where the step's
