@@ -140,3 +140,50 @@ def test_zero3_refuses_an_optimizer_traced_through_its_own_step() -> None:
     ):
         zero3_step(ema_body(model, ema, opt), [model, ema], [opt])
     assert all(p.shape != (0,) for p in model.parameters())  # nothing was emptied
+
+
+@pytest.mark.distributed
+def test_hybrid_zero3_on_four_ranks_equals_one_process_on_the_full_batch(tmp_path) -> None:
+    # ZeRO(3, shard_size=2): chunks over pairs of ranks, the chunk gradients all-reduced
+    # across the two pairs (tests/dist/jit_hybrid_worker.py).
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here / "dist"))
+    import jit_worker
+
+    out = tmp_path / "hybrid.pt"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(here.parent), str(here / "dist")]),
+        OMP_NUM_THREADS="1",
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    proc = subprocess.run(
+        [*cmd, str(here / "dist" / "jit_hybrid_worker.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    got = torch.load(out, weights_only=False)
+    for name in ("wgan_gp", "distill"):
+        objects, make_step = jit_worker.SCENARIOS[name]
+        first, second, opt = objects(seed=0)
+        opts = opt if isinstance(opt, tuple) else (opt,)
+        body = make_step(first, second, opt)
+        for x, y in jit_worker.batches(4):
+            body(x, y)
+        run = got[name]
+        # Sums over ranks in another order than over one batch: 4 steps.
+        for label, module in (("first", first), ("second", second)):
+            assert_close(run[label], module.state_dict(), rtol=1e-5, atol=2e-5, what=label)
+        for state_dict, o in zip(run["optimizer"], opts, strict=True):
+            assert_close(
+                state_dict["state"], o.state_dict()["state"], rtol=1e-5, atol=2e-5, what=name
+            )
+        assert run["all_reduces"] >= 1, name  # the replicas' all-reduce is in the graph
