@@ -223,3 +223,29 @@ def exact_cuda() -> Iterator[None]:
         yield
     finally:
         matmul.allow_tf32, cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = saved
+
+
+def run_torchrun_worker(worker: str, out: Any, nproc: int = 2) -> Any:
+    """Run ``tests/dist/<worker>.py OUT`` under torchrun (one node, ``nproc`` gloo ranks,
+    one thread each) and load what its rank 0 saved in ``out``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(here.parent), str(here / "dist")]),
+        OMP_NUM_THREADS="1",
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [*cmd, f"--nproc_per_node={nproc}", str(here / "dist" / f"{worker}.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return torch.load(out, weights_only=False)

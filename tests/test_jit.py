@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, run_torchrun_worker
 from torch import Tensor, nn
 
 import functacc
@@ -443,25 +443,10 @@ def test_public_api_and_logging(caplog: pytest.LogCaptureFixture) -> None:
 # -- data parallel under torchrun ----------------------------------------------------------
 @pytest.mark.distributed
 def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> None:
-    import os
-    import subprocess
-
     sys.path.insert(0, str(Path(__file__).parent / "dist"))
     import jit_worker
 
-    out = tmp_path / "jit.pt"
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(Path(jit_worker.__file__)), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    got = torch.load(out, weights_only=False)
+    got = run_torchrun_worker("jit_worker", tmp_path / "jit.pt")
     for name, (objects, make_step) in jit_worker.SCENARIOS.items():
         first, second, opt = objects(seed=0)
         opts = opt if isinstance(opt, tuple) else (opt,)

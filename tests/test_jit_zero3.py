@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, run_torchrun_worker
 from test_jit_amp import batches as amp_batches
 from test_jit_amp import build as amp_build
 from torch import nn
@@ -146,31 +146,13 @@ def test_zero3_refuses_an_optimizer_traced_through_its_own_step() -> None:
 def test_hybrid_zero3_on_four_ranks_equals_one_process_on_the_full_batch(tmp_path) -> None:
     # ZeRO(3, shard_size=2): chunks over pairs of ranks, the chunk gradients all-reduced
     # across the two pairs (tests/dist/jit_hybrid_worker.py).
-    import os
-    import subprocess
     import sys
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here / "dist"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
     import jit_worker
 
-    out = tmp_path / "hybrid.pt"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(here.parent), str(here / "dist")]),
-        OMP_NUM_THREADS="1",
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    proc = subprocess.run(
-        [*cmd, str(here / "dist" / "jit_hybrid_worker.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    got = torch.load(out, weights_only=False)
+    got = run_torchrun_worker("jit_hybrid_worker", tmp_path / "hybrid.pt", nproc=4)
     for name in ("wgan_gp", "distill"):
         objects, make_step = jit_worker.SCENARIOS[name]
         first, second, opt = objects(seed=0)

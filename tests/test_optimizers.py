@@ -17,8 +17,6 @@ update moves them by percents.
 from __future__ import annotations
 
 import io
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, run_torchrun_worker
 from test_jit import assert_same, tensors_of
 from torch import nn
 
@@ -243,19 +241,7 @@ def test_data_parallel_and_zero_equal_one_process_on_the_full_batch(tmp_path: Pa
     sys.path.insert(0, str(Path(__file__).parent / "dist"))
     import optim_worker
 
-    out = tmp_path / "optim.pt"
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, optim_worker.__file__, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    got = torch.load(out, weights_only=False)
+    got = run_torchrun_worker("optim_worker", tmp_path / "optim.pt")
     for name in optim_worker.OPTIMIZERS:
         model, opt = optim_worker.objects(name)
         body = optim_worker.make_step(model, opt)

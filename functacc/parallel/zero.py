@@ -224,14 +224,18 @@ class Sharded(ShardedOptimizerState, Strategy):
             return dict(params)
         out = {n: p for n, p in params.items() if n not in {u.key for u in self.units}}
         for unit in self.units:
-            shard = params[unit.key].detach()
-            flat = shard.new_empty(unit.chunk * unit.shard_size)
-            if self.topology.shard_group is None:
-                flat.copy_(shard)
-            else:
-                dist.all_gather_into_tensor(flat, shard.contiguous(), self.topology.shard_group)
-            out.update(unit.unflatten(flat))
+            out.update(unit.unflatten(self.whole_flat(unit, params[unit.key].detach())))
         return out
+
+    def whole_flat(self, unit: FlatUnit, chunk: Tensor) -> Tensor:
+        """Every rank's chunk of ``unit`` (this rank's: ``chunk``) gathered into the unit's
+        flat vector, eagerly (a collective call: every rank of the shard group makes it)."""
+        flat = chunk.new_empty(unit.chunk * unit.shard_size)
+        if self.topology.shard_group is None:
+            flat.copy_(chunk)
+        else:
+            dist.all_gather_into_tensor(flat, chunk.contiguous(), self.topology.shard_group)
+        return flat
 
     def optimizer_groups(self, groups: list[list[str]]) -> list[list[str]]:
         return [[n for n in g if n in self.sharded_names] for g in groups]

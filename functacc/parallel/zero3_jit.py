@@ -26,7 +26,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .comm import all_gather
@@ -112,12 +111,7 @@ class ShardedParameters:
             return
         with torch.no_grad():
             for key, sharded, unit in self.units:
-                chunk, group = self.chunks[key], sharded.topology.shard_group
-                flat = chunk.new_empty(unit.chunk * unit.shard_size)
-                if group is None:
-                    flat.copy_(chunk)
-                else:
-                    dist.all_gather_into_tensor(flat, chunk, group)
+                flat = sharded.whole_flat(unit, self.chunks[key])
                 for n, view in unit.unflatten(flat).items():
                     self.params[n].data = view
         self._full = True
@@ -219,7 +213,8 @@ class ShardedParameters:
                     flat = unit.flatten([leaves[n].detach() for n in unit.names])
                     chunk = unit.my_chunk(flat, sharded.topology.shard_rank)
                 self._inputs[key].copy_(chunk)
-        self._inputs, self._updated = {}, {}
+        # Nothing of this trace outlives it.
+        self._inputs, self._updated, self._regathered, self._leaf_names = {}, {}, {}, {}
 
 
 def check_zero3_optimizers(optimizers: Sequence[Any]) -> None:

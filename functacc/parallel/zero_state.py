@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -79,11 +78,7 @@ class ShardedOptimizerState:
             chunk = torch.cat(
                 [segments[n].detach().reshape(-1) for n in unit.names] + [like.new_zeros(pad)]
             )
-            flat = chunk.new_empty(unit.chunk * unit.shard_size)
-            if self.topology.shard_group is None:
-                flat.copy_(chunk)
-            else:
-                dist.all_gather_into_tensor(flat, chunk, self.topology.shard_group)
+            flat = self.whole_flat(unit, chunk)
             full.update({n: t.clone() for n, t in unit.unflatten(flat).items() if n in vectors})
         return full
 
