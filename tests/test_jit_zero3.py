@@ -169,3 +169,80 @@ def test_hybrid_zero3_on_four_ranks_equals_one_process_on_the_full_batch(tmp_pat
                 state_dict["state"], o.state_dict()["state"], rtol=1e-5, atol=2e-5, what=name
             )
         assert run["all_reduces"] >= 1, name  # the replicas' all-reduce is in the graph
+
+
+# -- the edges: Python state, recurrent layers, varying shapes -----------------------------
+PYTHON_CASES = ["closure_scale", "scheduler_in_body", "seed_in_body", "counter", "item_returned"]
+
+
+@pytest.mark.parametrize("name", PYTHON_CASES)
+def test_python_state_under_zero3_matches_eager_bit_for_bit(name: str) -> None:
+    # tests/test_jit_python.py's bodies (dropout, SGD with momentum) under ZeRO(3): the
+    # returned values, the Python state and the RNG after every call, then the modules and
+    # the optimizer's gathered state, bit for bit as eager.
+    from test_jit_python import CASES
+
+    jitted, eager = CASES[name](), CASES[name]()
+    step = zero3_step(jitted.body, jitted.modules, jitted.optimizers)
+    for i, batch in enumerate(jitted.batches):
+        jitted.between(i)
+        torch.manual_seed(100 + i)
+        got = step(*batch)
+        rng = torch.get_rng_state()
+        eager.between(i)
+        torch.manual_seed(100 + i)
+        expected = eager.body(*batch)
+        assert torch.equal(rng, torch.get_rng_state()), f"call {i}: the RNG advanced differently"
+        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        got, expected = (torch.utils._pytree.tree_map(detach, v) for v in (got, expected))
+        assert_close(got, expected, **EXACT, what=f"call {i}: returned")
+        assert jitted.state() == eager.state(), f"call {i}: Python state"
+    step.sync_modules()
+    for module, ref in zip(jitted.modules, eager.modules, strict=True):
+        assert_close(module.state_dict(), ref.state_dict(), **EXACT, what="modules")
+    for opt, ref in zip(jitted.optimizers, eager.optimizers, strict=True):
+        assert_close(opt.state_dict(), ref.state_dict(), **EXACT, what="optimizer")
+    assert step.num_traces == jitted.traces, [t.reason for t in step.traces]
+
+
+class Tagger(nn.Module):
+    """An LSTM over a sequence and a linear head, tied to nothing: a recurrent unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 12, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+def test_an_lstm_over_varying_lengths_under_zero3_matches_eager() -> None:
+    # Sequences of 5, 7, 5, 9 steps: the step traces again for the new lengths (or takes
+    # them symbolically) and stays equal to eager's LSTM, bit for bit on the eager backend.
+    def build():
+        torch.manual_seed(0)
+        model = Tagger()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def make(model, opt):
+        def body(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return body
+
+    (model, opt), (ref_model, ref_opt) = build(), build()
+    step = zero3_step(make(model, opt), [model], [opt])
+    eager = make(ref_model, ref_opt)
+    g = torch.Generator().manual_seed(3)
+    for length in (5, 7, 5, 9):
+        x, y = torch.randn(4, length, 6, generator=g), torch.randint(0, 3, (4, length), generator=g)
+        assert_close(step(x, y), eager(x, y), **EXACT, what=f"length {length}")
+    assert all(p.shape == (0,) for p in model.parameters())
+    step.sync_modules()
+    assert_close(model.state_dict(), ref_model.state_dict(), **EXACT, what="model")
+    assert_close(opt.state_dict(), ref_opt.state_dict(), **EXACT, what="optimizer")
