@@ -507,6 +507,23 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
     # just before its product, the last one again in backward (the first layer's input
     # needs no gradient, so its weight is not saved), then the gradients reduce-scattered.
     assert re.fullmatch(r"MMGMGMGM+R+", got["zero3_order"]), got["zero3_order"]
+    # PowerSGD: the jitted standard body equals compile_step's PowerSGD step (the same
+    # compression, tested there against the uncompressed loss and its bytes), traces once
+    # more when the 2 warm-up calls end, and trains otherwise than uncompressed.
+    psgd = got["powersgd"]
+    assert psgd["jit"]["traces"] == 2 and psgd["jit_plain"]["traces"] == 1
+    for key in ("model", "losses"):
+        assert_close(
+            psgd["jit"][key],
+            psgd["compile_step"][key],
+            rtol=1e-5,
+            atol=1e-6,
+            what=f"PowerSGD {key}",
+        )
+    assert_close(
+        psgd["jit"]["losses"][:3], psgd["jit_plain"]["losses"][:3], rtol=0, atol=0, what="warm-up"
+    )
+    assert not torch.allclose(psgd["jit"]["losses"][3:], psgd["jit_plain"]["losses"][3:], rtol=1e-3)
     # Adding to the .grad a previous call left is an error under ZeRO-2 that changes nothing.
     refused = got["accumulating"]
     assert "reads the gradient that its previous call left on 'model.0.weight'" in (

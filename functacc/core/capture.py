@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..errors import argument_error
 from .diagnostics import describe_tensor
 from .foreach_versions import ForeachVersions
-from .functional import check_dense_gradients, swap_attributes
+from .functional import check_dense_gradients, swap_attributes, write_back_attributes
 from .model_watch import HookWatch, ModelWatch, StructureWatch
 from .optimizers import TracedOptimizer, link_optimizer, trace_optimizer
 
@@ -138,9 +138,11 @@ class Capture:
         if self._fixed is None:
             whole = {n: p for n, p in self.params.items() if rest is None or n not in rest.names}
             chunks = rest.chunks if rest is not None else {}
+            carried = getattr(self.strategy, "carried", {})  # PowerSGD's factors and errors
             self._fixed = (
-                [*(f"param {n}" for n in whole), *chunks, *(f"buffer {n}" for n in self.buffers)],
-                [*whole.values(), *chunks.values(), *self.buffers.values()],
+                [*(f"param {n}" for n in whole), *chunks, *(f"buffer {n}" for n in self.buffers)]
+                + [f"comm {k}" for k in carried],
+                [*whole.values(), *chunks.values(), *self.buffers.values(), *carried.values()],
                 {n: f"grad {n}" for n in self.params},
             )
         fixed_names, fixed_tensors, grad_names = self._fixed
@@ -182,7 +184,7 @@ class Capture:
             names.extend(labelled[1])
             tensors.extend(leaves)
         hooks = tuple(h.key() for h in self.hooks)
-        key = (watched, hooks, tuple(structure))
+        key = (watched, hooks, tuple(structure), getattr(self.strategy, "signature", tuple)())
         if key != self._context:
             self._context = key
         named = tuple(names)
@@ -293,23 +295,14 @@ class Capture:
             for traced in traced_opts:
                 stack.enter_context(traced)
             if self.strategy is not None:
-                stack.enter_context(self.strategy.reducing_backward(leaves))
+                carried = {k: by_name[f"comm {k}"] for k in getattr(self.strategy, "carried", {})}
+                stack.enter_context(self.strategy.reducing_backward(leaves, carried))
             if self.rest is not None:  # ZeRO-3: backward gathers the parameters again
                 stack.enter_context(self.rest.regathering())
             stack.enter_context(ForeachVersions())  # as eager counts foreach writes
             yield exit_
             self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)
-        with torch.no_grad():
-            for i, value in reassigned.items():
-                old = attribute_inputs[i]
-                if value.shape != old.shape or value.dtype != old.dtype:
-                    raise argument_error(
-                        f"the step assigned {describe_tensor(value)} to the tensor attribute "
-                        f"{self.attributes[i][0]!r}, which holds {describe_tensor(old)}; the "
-                        "jitted step writes it back after every call, which needs the same "
-                        "shape and dtype. Register it as a buffer of that shape."
-                    )
-                old.copy_(value.detach())
+        write_back_attributes(self.attributes, attribute_inputs, reassigned)
 
     def _leave(
         self,
@@ -357,6 +350,9 @@ class Capture:
             exit_.stepped.append(frozenset(traced.stepped))
         if self.rest is not None:
             self.rest.leave(leaves)
+        with torch.no_grad():  # the communication's state for the next call
+            for k, value in getattr(self.strategy, "carried_out", dict)().items():
+                by_name[f"comm {k}"].copy_(value)
         for n, leaf in leaves.items():
             grad = leaf.grad
             given = by_name.get(f"grad {n}")
@@ -375,6 +371,7 @@ class Capture:
         """After a successful call: ``.grad``, ``requires_grad`` and the optimizers' state
         as eager leaves them."""
         fresh = iter(new_grads)
+        getattr(self.strategy, "called", lambda: None)()  # PowerSGD counts warm-up calls
         for n, p in self.params.items():
             status = exit_.grads[n]
             if status == "new":

@@ -6,10 +6,12 @@ import contextlib
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ..errors import attribute_change_error
+from ..errors import argument_error, attribute_change_error
+from .diagnostics import describe_tensor
 
 __all__ = [
     "ApplyFn",
@@ -20,6 +22,7 @@ __all__ = [
     "swap_attributes",
     "tensor_attributes",
     "unwrap",
+    "write_back_attributes",
 ]
 
 ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]
@@ -155,6 +158,25 @@ def swap_attributes(
             vars(module)[attr] = value
         if others and not failed:
             raise attribute_change_error(others)
+
+
+def write_back_attributes(
+    attributes: Sequence[Attribute], inputs: Sequence[Tensor], reassigned: Mapping[int, Tensor]
+) -> None:
+    """After a traced body: the values it assigned to tensor attributes (what
+    :func:`swap_attributes` yielded) written into the attributes' inputs, which keep their
+    shape and dtype from call to call."""
+    with torch.no_grad():
+        for i, value in reassigned.items():
+            old = inputs[i]
+            if value.shape != old.shape or value.dtype != old.dtype:
+                raise argument_error(
+                    f"the step assigned {describe_tensor(value)} to the tensor attribute "
+                    f"{attributes[i][0]!r}, which holds {describe_tensor(old)}; the jitted "
+                    "step writes it back after every call, which needs the same shape and "
+                    "dtype. Register it as a buffer of that shape."
+                )
+            old.copy_(value.detach())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

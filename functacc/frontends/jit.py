@@ -262,8 +262,13 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
     process): averaged whole (data parallel, ZeRO-1) or reduce-scattered (ZeRO-2); under
     ZeRO each optimizer's state is sharded too."""
     from ..core.own_step import OwnStepLink
-    from ..parallel import DataParallel, ZeRO
-    from ..parallel.jit_grads import AveragedGradients, LocalGradients, ShardedGradients
+    from ..parallel import DataParallel, PowerSGD, ZeRO
+    from ..parallel.jit_grads import (
+        AveragedGradients,
+        CompressedGradients,
+        LocalGradients,
+        ShardedGradients,
+    )
     from ..parallel.mesh import world_size
     from ..parallel.owned_params import OwnedGradients, ParameterOwners
     from ..parallel.zero_jit import ShardedOptimizer
@@ -282,12 +287,9 @@ def _strategy(parallel: Any, capture: Capture) -> Any:
         return None
     zero = parallel if isinstance(parallel, ZeRO) else None
     parallel = DataParallel(bucket_mb=zero.bucket_mb) if zero else (parallel or DataParallel())
-    if parallel.compression not in (None, "bf16"):
-        raise ValueError(
-            "functacc.jit's data parallel takes compression=None or 'bf16' (PowerSGD keeps "
-            "state across steps that jit does not capture yet)"
-        )
     replicated = _replicated(parallel, capture)
+    if isinstance(parallel.compression, PowerSGD):
+        return CompressedGradients(replicated, capture.params)
     if zero is None:
         return AveragedGradients(replicated)
     holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
@@ -363,6 +365,8 @@ def _across_tensor_parallel(parallel: Any, capture: Capture, setup: Any) -> Any:
     if zero is not None:
         ShardedOptimizer.check(zero)
     parallel = DataParallel(bucket_mb=zero.bucket_mb) if zero else (parallel or DataParallel())
+    if parallel.compression not in (None, "bf16"):
+        raise ValueError("functacc.jit takes PowerSGD without TensorParallel; use 'bf16' there")
     inner = None
     if setup.replicas > 1:
         replicated = Replicated(

@@ -26,9 +26,10 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["AveragedGradients", "LocalGradients", "ShardedGradients"]
+__all__ = ["AveragedGradients", "CompressedGradients", "LocalGradients", "ShardedGradients"]
 
 
 class AveragedGradients:
@@ -56,11 +57,15 @@ class AveragedGradients:
         return {n: _add(old, reduced.get(n)) for n, old in before.items()}
 
     @contextlib.contextmanager
-    def reducing_backward(self, leaves: Mapping[str, Tensor]) -> Iterator[None]:
+    def reducing_backward(
+        self, leaves: Mapping[str, Tensor], carried: Mapping[str, Tensor] | None = None
+    ) -> Iterator[None]:
         """While tracing: every ``backward()`` hands what it produces for ``leaves`` (the
-        traced parameters, by name) to :meth:`after_backward` before anything can read it."""
+        traced parameters, by name) to :meth:`after_backward` before anything can read it.
+        ``carried``: the traced inputs of :attr:`carried` (the communication's own state)."""
         original = torch.autograd.backward
         self.reset()
+        self.carry(carried or {})
 
         def backward(*args: Any, **kwargs: Any) -> None:
             trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
@@ -85,6 +90,59 @@ class AveragedGradients:
 
     def reset(self) -> None:
         """A new trace starts."""
+
+    def carry(self, traced: Mapping[str, Tensor]) -> None:
+        """A new trace starts with ``traced`` standing for :attr:`carried` (none here)."""
+
+
+class CompressedGradients(AveragedGradients):
+    """Data parallelism with PowerSGD (:class:`~.powersgd.PowerSGD`): each ``backward()``
+    sends the gradients it adds as low-rank factors, warm-started from the last factors,
+    and keeps what they miss as error feedback for the next ``backward()``. Factors and
+    errors are :attr:`carried` from call to call as inputs the graph writes; the first
+    ``warmup_steps`` calls all-reduce the gradients whole (then the step traces again).
+
+    Example:
+        >>> import torch, functacc
+        >>> from functacc.parallel.strategy import Replicated
+        >>> from functacc.parallel.mesh import Topology
+        >>> psgd = functacc.parallel.PowerSGD(rank=2)
+        >>> dp = Replicated(Topology(1, 1, None, None), bucket_mb=25, compression=psgd)
+        >>> policy = CompressedGradients(dp, {"w": torch.nn.Parameter(torch.ones(16, 16))})
+        >>> sorted(policy.carried)
+        ["['compression']['error']['w']", "['compression']['q']['w']"]
+    """
+
+    def __init__(self, replicated: Any, params: Mapping[str, Tensor]):
+        super().__init__(replicated)
+        flat, self._spec = pytree.tree_flatten_with_path(replicated.init_extra(params))
+        self.carried: dict[str, Tensor] = {pytree.keystr(path): t for path, t in flat}
+        self.calls = 0  # successful calls: the warm-up counts them
+        self._traced: Any = None
+        self._signature: tuple = ()
+
+    def signature(self) -> tuple:
+        """What of the communication changes the graph now (warm-up or compressing)."""
+        return self.replicated.signature(self.calls)
+
+    def called(self) -> None:
+        self.calls += 1
+
+    def carry(self, traced: Mapping[str, Tensor]) -> None:
+        self._traced = pytree.tree_unflatten([traced[k] for k in self.carried], self._spec)
+        self._signature = self.signature()
+
+    def after_backward(
+        self, before: Mapping[str, Tensor | None], fresh: Mapping[str, Tensor]
+    ) -> dict[str, Tensor | None]:
+        reduced, self._traced = self.replicated.reduce_gradients(
+            dict(fresh), self._traced, self._signature
+        )
+        return {n: _add(old, reduced.get(n)) for n, old in before.items()}
+
+    def carried_out(self) -> dict[str, Tensor]:
+        """At the end of the trace: the factors and errors for the next call."""
+        return dict(zip(self.carried, pytree.tree_leaves(self._traced), strict=True))
 
 
 class ShardedGradients(AveragedGradients):

@@ -127,7 +127,9 @@ class OwnedGradients:
     def sync_buffers(self, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
         return self.averaged.sync_buffers(buffers)
 
-    def reducing_backward(self, leaves: Mapping[str, Tensor]) -> Any:
+    def reducing_backward(
+        self, leaves: Mapping[str, Tensor], carried: Mapping[str, Tensor] | None = None
+    ) -> Any:
         return type(self.averaged).reducing_backward(self, leaves)
 
     def reset(self) -> None:

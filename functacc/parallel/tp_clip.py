@@ -82,7 +82,9 @@ class TensorParallelGradients:
         return self.inner.sync_buffers(buffers) if self.inner is not None else buffers
 
     @contextlib.contextmanager
-    def reducing_backward(self, leaves: Mapping[str, Tensor]) -> Iterator[None]:
+    def reducing_backward(
+        self, leaves: Mapping[str, Tensor], carried: Mapping[str, Tensor] | None = None
+    ) -> Iterator[None]:
         split_ids = {id(leaves[n]): g for n, g in self.split.items() if n in leaves}
         group = next(iter(self.split.values()), None)
 

@@ -263,6 +263,7 @@ def main(out: str) -> None:
         saved["resume", stage] = resume_under_inductor(rank, world, stage)
     saved["accumulating"] = zero2_refuses_accumulating_over_calls(rank, world)
     saved["zero3_order"] = zero3_order(rank, world)
+    saved["powersgd"] = powersgd_against_compile_step(rank, world)
     if rank == 0:
         torch.save(saved, out)
     dist.barrier()
@@ -271,6 +272,45 @@ def main(out: str) -> None:
 
 def _all(opt) -> tuple:
     return opt if isinstance(opt, tuple) else (opt,)
+
+
+def powersgd_against_compile_step(rank: int, world: int) -> dict:
+    """The standard step under data parallel with PowerSGD (rank 4, 2 warm-up steps), as a
+    jit body and through compile_step, and as a jit body uncompressed: the trained models
+    and the losses."""
+    from functacc.parallel import DataParallel, PowerSGD
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    data = [(x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B]) for x, y in batches(world, seed=2) * 2]
+    out = {}
+    for name, compression in (("jit", PowerSGD(rank=4, warmup_steps=2)), ("jit_plain", None)):
+        model, opt = build()
+
+        def body(x: torch.Tensor, y: torch.Tensor, model=model, opt=opt) -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = functacc.jit(
+            body, modules=[model], optimizers=[opt], backend="eager",
+            parallel=DataParallel(compression=compression),
+        )  # fmt: skip
+        losses = torch.stack([step(x, y) for x, y in data])
+        out[name] = {"model": model.state_dict(), "losses": losses, "traces": step.num_traces}
+    model, opt = build()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend="eager",
+        parallel=DataParallel(compression=PowerSGD(rank=4, warmup_steps=2)),
+    )  # fmt: skip
+    losses = torch.stack([step(x, y).detach() for x, y in data])
+    out["compile_step"] = {"model": model.state_dict(), "losses": losses}
+    return out
 
 
 def zero3_order(rank: int, world: int) -> str:
