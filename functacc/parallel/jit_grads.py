@@ -65,7 +65,8 @@ class AveragedGradients:
         ``carried``: the traced inputs of :attr:`carried` (the communication's own state)."""
         original = torch.autograd.backward
         self.reset()
-        self.carry(carried or {})
+        if carried:  # (OwnedGradients borrows this method: it carries nothing)
+            self.carry(carried)
 
         def backward(*args: Any, **kwargs: Any) -> None:
             trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
