@@ -159,10 +159,6 @@ def test_an_optimizer_that_cannot_be_traced_says_what_to_do() -> None:
     with pytest.raises(TypeError) as info:
         functacc.compile_step(model, nn.MSELoss(), torch.optim.LBFGS(model.parameters()))
     assert "LBFGS" in str(info.value) and "closure" in str(info.value)
-    with pytest.raises(ValueError, match="precision"):
-        functacc.compile_step(
-            model, nn.MSELoss(), torch.optim.RMSprop(model.parameters()), precision="bf16"
-        )
 
 
 def test_unsupported_optimizer_option() -> None:

@@ -273,3 +273,7 @@ def test_data_parallel_and_zero_equal_one_process_on_the_full_batch(tmp_path: Pa
         assert zero2["reduce_scatters"] >= 1 and zero2["all_reduces"] == 0
         assert dp["reduce_scatters"] == zero1["reduce_scatters"] == 0
         assert all(dp["grads_after_call"]) and not any(zero2["grads_after_call"])
+    for layout in optim_worker.LAYOUTS:  # compile_step's standard body is that same step
+        door, body = got[layout, "compile_step RMSprop"], got[layout, "RMSprop"]
+        assert_close(door["model"], body["model"], rtol=0, atol=0, what=layout)
+        assert str(door["optimizer"]) == str(body["optimizer"]), layout

@@ -31,6 +31,7 @@ from .python_reach import Root, plain_objects
 __all__ = [
     "attach_grad_scalers",
     "find_grad_scalers",
+    "hold_grad_scaler",
     "prepare_grad_scaler",
     "scalers_step_in_graph",
 ]
@@ -81,6 +82,15 @@ def attach_grad_scalers(capture: Any, roots: list[Root]) -> list[torch.amp.GradS
         for attr in prepare_grad_scaler(scaler, device):
             capture.attributes.append((f"grad_scaler{i}.{attr}", scaler, attr))
     return scalers
+
+
+def hold_grad_scaler(body: Any, name: str, scaler: torch.amp.GradScaler) -> None:
+    """Make ``scaler`` one the jitted ``body`` (a :class:`~functacc.core.body.StepBody`)
+    holds, as if its code read it by ``name``: for a body functacc writes itself
+    (``compile_step``'s), whose closure functacc's own code does not scan."""
+    root = Root(name, lambda: scaler, None)
+    body.python.roots.append(root)
+    body.scalers.extend(attach_grad_scalers(body.capture, [root]))
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from torch import Tensor, nn
 from ..backends import Backend
 from ..core.cache import TraceRecord
 from ..core.functional import unwrap
+from ..core.grad_scaler import hold_grad_scaler
+from ..transforms.precision import Precision, resolve_precision
 from .jit import jit
 from .step_fn import LossFn, model_loss, split_micro_batches
 
@@ -63,9 +66,10 @@ class BodyStep:
         max_traces: int | None,
         remat: Any = None,
         remat_policy: Any = "full",
+        precision: Any = None,
         **unsupported: Any,
     ):
-        given = {k: v for k, v in unsupported.items() if v not in (None, "full", 8)}
+        given = {k: v for k, v in unsupported.items() if v not in (None, 8)}
         if given:
             raise ValueError(
                 f"compile_step with {type(opt).__name__} (traced through its own step(), "
@@ -80,9 +84,12 @@ class BodyStep:
         self.optimizer = opt
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
+        self.precision = resolve_precision(precision)
+        self.scaler = _grad_scaler(self.precision, self.model)
         self._calls = 0
+        self._skipped: Tensor | None = None  # steps the scaler skipped, counted on the device
         self._jitted = jit(
-            self._body,
+            standard_body(self.model, loss_fn, opt, self.scaler, self),
             modules=[self.model],
             optimizers=[opt],
             backend=backend,
@@ -95,24 +102,10 @@ class BodyStep:
             remat=remat,
             remat_policy=remat_policy,
         )
-
-    def _body(self, *args: Any, **kwargs: Any) -> Tensor:
-        """The eager step that ``compile_step`` compiles, as eager PyTorch would write it."""
-        model, opt, k = self.model, self.optimizer, self.grad_accum_steps
-        opt.zero_grad(set_to_none=True)
-        losses = []
-        for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
-            if self.loss_fn is None:
-                loss = model_loss(_call(model, micro_args, micro_kwargs))
-            else:
-                inputs, targets = micro_args
-                loss = self.loss_fn(_call(model, (inputs,), {}), targets)
-            (loss / k if k > 1 else loss).backward()
-            losses.append(loss.detach())
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
-        opt.step()
-        return losses[0] if k == 1 else torch.stack(losses).mean()
+        # Messages and retrace reasons speak of the step compile_step builds.
+        self._jitted._engine.cache.what = "the training step"
+        if self.scaler is not None:
+            hold_grad_scaler(self._jitted._engine, "scaler", self.scaler)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         """One training step; returns the loss, a detached 0-dim tensor."""
@@ -121,9 +114,24 @@ class BodyStep:
                 "a step with a loss_fn is called as step(inputs, targets); got "
                 f"{len(args)} positional and {len(kwargs)} keyword arguments"
             )
-        loss = self._jitted(*args, **kwargs)
+        out = self._jitted(*args, **kwargs)
         self._calls += 1
+        if self.scaler is None:
+            return out
+        loss, skipped = out  # counted outside the graph: one small op, no host sync
+        self._skipped = skipped if self._skipped is None else self._skipped + skipped
         return loss
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current float16 loss scale (``None`` without loss scaling). Reading it waits
+        for the device."""
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because their float16 gradients overflowed."""
+        return int(self._skipped) if self._skipped is not None else 0
 
     @property
     def backend(self) -> Backend:
@@ -164,6 +172,62 @@ class BodyStep:
     def sync_model(self) -> nn.Module:
         """The model (it holds the trained parameters after every call)."""
         return self.model
+
+
+def standard_body(
+    model: nn.Module,
+    loss_fn: LossFn | None,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    options: Any,
+) -> Callable[..., Any]:
+    """The eager step that ``compile_step`` compiles, as eager PyTorch would write it (with
+    ``precision=``: the AMP recipe). Its closure names ``model`` and ``opt``, the names
+    messages use; ``options`` has ``grad_accum_steps``, ``max_grad_norm``, ``precision``."""
+    k, max_norm, precision = options.grad_accum_steps, options.max_grad_norm, options.precision
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
+            with precision.autocast(device_type) if precision else contextlib.nullcontext():
+                if loss_fn is None:
+                    loss = model_loss(_call(model, micro_args, micro_kwargs))
+                else:
+                    inputs, targets = micro_args
+                    loss = loss_fn(_call(model, (inputs,), {}), targets)
+            scaled = loss / k if k > 1 else loss
+            (scaler.scale(scaled) if scaler else scaled).backward()
+            losses.append(loss.detach())
+        if max_norm is not None:
+            if scaler:  # the recipe: clip the true gradients
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        if scaler is None:
+            opt.step()
+            return loss
+        scale = scaler._scale.clone()  # it backs off exactly when the step is skipped
+        scaler.step(opt)
+        scaler.update()
+        return loss, (scaler._scale < scale).to(torch.int64)
+
+    return train_step
+
+
+def _grad_scaler(precision: Precision | None, model: nn.Module) -> torch.amp.GradScaler | None:
+    """float16's dynamic loss scaling: a ``torch.amp.GradScaler`` of the same settings."""
+    if precision is None or not precision.loss_scaling:
+        return None
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    return torch.amp.GradScaler(
+        device,
+        init_scale=precision.init_scale,
+        growth_factor=precision.growth_factor,
+        backoff_factor=precision.backoff_factor,
+        growth_interval=precision.growth_interval,
+    )
 
 
 def _call(model: nn.Module, args: tuple, kwargs: dict) -> Any:

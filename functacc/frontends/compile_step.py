@@ -50,8 +50,9 @@ def compile_step(
             ``param_groups`` stay live), or a :class:`functacc.optim.GradientTransformation`.
             SGD, Adam and AdamW run functacc's pure twins and take every option below;
             others run their own ``step()``, traced (:mod:`functacc.frontends.body_step`),
-            with data parallel, ``grad_accum_steps`` and ``max_grad_norm`` (not yet ZeRO,
-            ``precision`` or ``remat``).
+            with data parallel, ZeRO(1) and ZeRO(2), ``grad_accum_steps``,
+            ``max_grad_norm``, ``remat`` and ``precision`` (eager's AMP recipe: autocast,
+            a ``GradScaler`` for fp16).
         backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph as is).
         inductor_options: ``torch._inductor.config`` settings for this step's compiles,
             as ``torch.compile(options=...)`` takes them, e.g. ``{"cpp_wrapper": True}``;

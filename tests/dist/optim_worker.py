@@ -102,6 +102,18 @@ def main(out: str) -> None:
                 "all_reduces": sum("all_reduce" in t for t in nodes),
                 "grads_after_call": [p.grad is not None for p in model.parameters()],
             }
+        # compile_step with an optimizer traced whole: the same body on jit's pipeline.
+        model, opt = objects("RMSprop", seed=rank)
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel()
+        )
+        for x, y in batches(world):
+            part = slice(rank * B, (rank + 1) * B)
+            step(x[part], y[part])
+        saved[layout, "compile_step RMSprop"] = {
+            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": opt.state_dict(),
+        }
     if rank == 0:
         torch.save(saved, out)
     dist.barrier()
