@@ -341,12 +341,14 @@ def test_max_traces_none_is_unlimited_and_bad_values_are_errors() -> None:
 
 
 # -- warm-up ---------------------------------------------------------------------------------
-def test_warmup_compiles_ahead_and_changes_nothing(capsys) -> None:
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.RMSprop])
+def test_warmup_compiles_ahead_and_changes_nothing(capsys, optimizer) -> None:
+    # AdamW: the pure step's pipeline; RMSprop (no twin): the standard body on jit's.
     torch.manual_seed(0)
     model = models.cnn_bn()  # BatchNorm statistics and dropout: state a run would touch
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = optimizer(model.parameters(), lr=1e-3)
+    ref_opt = optimizer(ref.parameters(), lr=1e-3)
     step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", dynamic=False)
     g = torch.Generator().manual_seed(0)
     buckets = [
@@ -372,11 +374,12 @@ def test_warmup_compiles_ahead_and_changes_nothing(capsys) -> None:
     assert_close(model.state_dict(), ref.state_dict(), **EXACT, what="model")
 
 
-def test_warmup_batches_take_the_call_forms() -> None:
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.RMSprop])
+def test_warmup_batches_take_the_call_forms(optimizer) -> None:
     torch.manual_seed(0)
     model = models.LossInside()
     step = functacc.compile_step(
-        model, None, torch.optim.SGD(model.parameters(), lr=0.1), backend="eager", dynamic=False
+        model, None, optimizer(model.parameters(), lr=0.1), backend="eager", dynamic=False
     )
     batch = {"input_ids": torch.randint(0, 50, (4, 6)), "labels": torch.randint(0, 5, (4,))}
     assert len(step.warmup([batch], progress=False)) == 1

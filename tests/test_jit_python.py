@@ -16,6 +16,7 @@ silently, before functacc followed Python state (47f8e2f).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -337,7 +338,9 @@ CASES = {
 }
 
 
-def run_both(name: str, backend: str, compare: Callable[[Any, Any, str], None]) -> Case:
+def run_both(
+    name: str, backend: str, compare: Callable[[Any, Any, str], None], warm: bool = False
+) -> Case:
     global SCALE, WEIGHT
     SCALE = WEIGHT = 1.0
     jitted_case, eager_case = CASES[name](), CASES[name]()
@@ -347,6 +350,13 @@ def run_both(name: str, backend: str, compare: Callable[[Any, Any, str], None]) 
         optimizers=jitted_case.optimizers,
         backend=backend,
     )
+    if warm:  # traced and compiled ahead: nothing runs, no Python state or RNG moves
+        rng, state = torch.get_rng_state(), copy.deepcopy(jitted_case.state())
+        tensors = tensors_of(jitted_case.modules, jitted_case.optimizers)
+        assert len(step.warmup(jitted_case.batches[:1], progress=False)) == 1
+        assert torch.equal(rng, torch.get_rng_state())
+        compare(jitted_case.state(), state, "Python state after warmup()")
+        assert_same(tensors_of(jitted_case.modules, jitted_case.optimizers), tensors)
     for i, batch in enumerate(jitted_case.batches):
         jitted_case.between(i)
         torch.manual_seed(100 + i)
@@ -363,7 +373,7 @@ def run_both(name: str, backend: str, compare: Callable[[Any, Any, str], None]) 
             tensors_of(eager_case.modules, eager_case.optimizers),
             f"call {i}: modules and optimizers",
         )
-    if jitted_case.traces is not None:
+    if jitted_case.traces is not None and not warm:
         assert step.num_traces == jitted_case.traces, [t.reason for t in step.traces]
     return jitted_case
 
@@ -404,6 +414,13 @@ def test_python_state_matches_eager_bit_for_bit(name: str) -> None:
         # test_errors.test_an_own_generator_on_a_torch_that_cannot_trace_it_is_a_clear_error
         pytest.skip(f"torch {torch.__version__}'s make_fx cannot trace a torch.Generator")
     run_both(name, "eager", exactly)
+
+
+@pytest.mark.parametrize(
+    "name", ["counter", "counter_branch", "scheduler_in_body", "list_append", "trainer_method"]
+)
+def test_warmup_runs_nothing_then_the_calls_match_eager(name: str) -> None:
+    run_both(name, "eager", exactly, warm=True)
 
 
 # Inductor compiles a torch.Generator into its code as a copy (backends.check_generators):

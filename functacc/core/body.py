@@ -121,6 +121,12 @@ class StepBody:
 
     # -- a call ------------------------------------------------------------------------
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        program, state, leaves, tensors = self.program(args, kwargs)
+        return self._run(program, state, leaves, tensors)
+
+    def program(self, args: tuple, kwargs: dict) -> tuple[BodyProgram, list, list, list]:
+        """The program for a call with ``args`` and ``kwargs`` (traced and compiled if new;
+        nothing runs), and the state, batch leaves and batch tensors it takes."""
         names, state, context = self.capture.read()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
@@ -171,6 +177,9 @@ class StepBody:
                 self._last = None
             else:
                 self._last = (parts, program)
+        return program, state, leaves, tensors
+
+    def _run(self, program: BodyProgram, state: list, leaves: list, tensors: list) -> Any:
         replay = self.python.before_run(program.python)
         if replay.changed:  # a scheduler stepped before the graph: its new hyperparameters
             self.capture.sync_hyperparameters()

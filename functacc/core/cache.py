@@ -19,7 +19,7 @@ naming what changed, and ``max_traces`` bounds them (:class:`functacc.RetraceErr
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from torch import Tensor
 from ..errors import RetraceError
 from .differences import describe_difference, size_changes
 
-__all__ = ["ProgramCache", "SizeGuard", "TraceRecord"]
+__all__ = ["ProgramCache", "SizeGuard", "TraceRecord", "as_call", "warm_up"]
 
 log = logging.getLogger("functacc")
 
@@ -275,3 +275,41 @@ def _fix(reason: str, static: bool = False) -> str:
         "optimizer structure, ambient autocast). Keep what changed constant between steps, "
         "or expect one trace per variant."
     )
+
+
+def warm_up(
+    cache: ProgramCache,
+    batches: Iterable[Any],
+    prepare: Callable[[Any], None],
+    *,
+    progress: bool,
+) -> list[TraceRecord]:
+    """Trace and compile a step for each batch (``prepare(batch)`` finds or builds its
+    program, running nothing); returns the new traces. ``progress`` shows a tqdm bar."""
+    from tqdm.auto import tqdm
+
+    before = cache.num_traces
+    bar = tqdm(list(batches), desc="functacc warm-up", unit="batch", disable=not progress)
+    for batch in bar:
+        prepare(batch)
+        if cache.num_traces > before:
+            last = cache.records[-1]
+            bar.set_postfix_str(f"trace #{last.number}: {last.trace_s + last.compile_s:.1f} s")
+    return cache.records[before:]
+
+
+def as_call(batch: Any, *, with_targets: bool) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for a batch as a training loop passes it to the step: ``(inputs,
+    targets)`` for a step with a loss function, else a dict, a tuple or one tensor."""
+    if with_targets:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(
+                "with a loss_fn each warm-up batch is (inputs, targets), as the step is "
+                f"called; got {type(batch).__name__}"
+            )
+        return tuple(batch), {}
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backends import Backend
-from ..core.cache import TraceRecord
+from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.functional import unwrap
 from ..core.grad_scaler import hold_grad_scaler
 from ..transforms.precision import Precision, resolve_precision
@@ -163,10 +163,14 @@ class BodyStep:
         return self._calls
 
     def warmup(self, batches: Iterable[Any], *, progress: bool = True) -> list[TraceRecord]:
-        raise NotImplementedError(
-            f"warmup() of a compile_step with {type(self.optimizer).__name__} is not there "
-            "yet (it would train on the batches): call the step on them, or use SGD, Adam "
-            "or AdamW."
+        """Trace and compile the step for each batch's signature before training, as
+        :meth:`functacc.frontends.step.Step.warmup`; nothing runs."""
+        with_targets = self.loss_fn is not None
+        return warm_up(
+            self._jitted._engine.cache,
+            batches,
+            lambda batch: self._jitted._engine.program(*as_call(batch, with_targets=with_targets)),
+            progress=progress,
         )
 
     def sync_model(self) -> nn.Module:

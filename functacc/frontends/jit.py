@@ -31,7 +31,7 @@ from ..backends import (
     check_inductor_options,
 )
 from ..core.body import StepBody
-from ..core.cache import TraceRecord
+from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.capture import Capture
 from ..parallel.jit_strategy import jit_strategy
 from ..parallel.tp_setup import TensorParallelSetup, split_parallel
@@ -84,6 +84,35 @@ class Jitted:
         background, and run the compiled code from the next call on (a fixed step for the
         swap, where a run must repeat bit for bit); returns the seconds waited."""
         return self._engine.engine.wait_for_compile()
+
+    def warmup(self, batches: Iterable[Any], *, progress: bool = True) -> list[TraceRecord]:
+        """Trace and compile the step for each batch's signature before training; nothing
+        runs (modules, optimizers, RNG and the body's Python state are unchanged).
+
+        Each batch is given as the step takes it: a tuple (``step(*batch)``), a dict
+        (``step(**batch)``) or one tensor. Returns the new traces; ``progress`` shows a
+        tqdm bar.
+
+        Example:
+            >>> import torch, functacc
+            >>> model = torch.nn.Linear(4, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> def train_step(x, y):
+            ...     opt.zero_grad()
+            ...     torch.nn.functional.mse_loss(model(x), y).backward()
+            ...     opt.step()
+            >>> step = functacc.jit(train_step, modules=[model], optimizers=[opt],
+            ...                     backend="eager", dynamic=False)
+            >>> shapes = [(torch.randn(n, 4), torch.randn(n, 1)) for n in (8, 16)]
+            >>> len(step.warmup(shapes, progress=False)), model.weight.grad is None
+            (2, True)
+        """
+        return warm_up(
+            self._engine.cache,
+            batches,
+            lambda batch: self._engine.program(*as_call(batch, with_targets=False)),
+            progress=progress,
+        )
 
     def sync_modules(self) -> None:
         """Under ``parallel=ZeRO(3)``: put the whole trained parameters back into the

@@ -30,7 +30,7 @@ from ..backends import (
     keep_freed_memory,
 )
 from ..backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
-from ..core.cache import TraceRecord
+from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.engine import Engine
 from ..core.functional import check_dense_gradients, tensor_attributes, unwrap
 from ..core.signature import TensorSpec
@@ -44,7 +44,7 @@ from ..transforms.precision import resolve_precision
 from ..transforms.remat import RematPolicy, validate_remat
 from .step_fn import LossFn, StepFunction, TrainState
 from .step_programs import StepProgram, StepPrograms
-from .step_signature import StepSignature, as_call, describe_batch
+from .step_signature import StepSignature, describe_batch
 from .step_state import LiveState
 
 __all__ = ["Step", "TrainState"]
@@ -255,17 +255,13 @@ class Step:
             >>> len(step.warmup(shapes, progress=False)), step.count
             (2, 0)
         """
-        from tqdm.auto import tqdm
-
-        before = self._cache.num_traces
-        bar = tqdm(list(batches), desc="functacc warm-up", unit="batch", disable=not progress)
-        for batch in bar:
-            args, kwargs = as_call(batch, with_targets=self.loss_fn is not None)
-            self._stateful_program(args, kwargs)
-            if self._cache.num_traces > before:
-                last = self._cache.records[-1]
-                bar.set_postfix_str(f"trace #{last.number}: {last.trace_s + last.compile_s:.1f} s")
-        return self._cache.records[before:]
+        with_targets = self.loss_fn is not None
+        return warm_up(
+            self._cache,
+            batches,
+            lambda batch: self._stateful_program(*as_call(batch, with_targets=with_targets)),
+            progress=progress,
+        )
 
     def init_state(self) -> TrainState:
         """A copy of the current training state (model, optimizer, step count) for

@@ -26,7 +26,7 @@ from ..core.model_watch import HookWatch, ModelWatch, StructureWatch
 from ..core.signature import AmbientWatch, BatchWatch, TensorSpec, hashable_constant
 from ..core.tracer import Traced
 
-__all__ = ["StepSignature", "as_call", "describe_batch"]
+__all__ = ["StepSignature", "describe_batch"]
 
 log = logging.getLogger("functacc")
 
@@ -217,20 +217,3 @@ def _same_code(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
         elif x is not y:
             return False
     return True
-
-
-def as_call(batch: Any, *, with_targets: bool) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` for a batch as a training loop passes it to the step: ``(inputs,
-    targets)`` for a step with a loss function, else a dict, a tuple or one tensor."""
-    if with_targets:
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise TypeError(
-                "with a loss_fn each warm-up batch is (inputs, targets), as the step is "
-                f"called; got {type(batch).__name__}"
-            )
-        return tuple(batch), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}
