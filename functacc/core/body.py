@@ -24,13 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..backends import Backend, CudaGraphRunner, check_cuda_graphs
 from ..errors import TraceError
 from .body_trace import TracedBody, ValueGuard, known_generators, outside_tensor_error
 from .capture import Capture, Exit
-from .diagnostics import describe_tensor, translate
+from .diagnostics import describe_tensor, message_root, translate
 from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
 from .grad_scaler import attach_grad_scalers
@@ -95,7 +95,7 @@ class StepBody:
         self.engine = Engine(
             what,
             backend=backend,
-            holder=_holder(capture),
+            holder=message_root(capture.modules, capture.labels),
             inductor_options=inductor_options,
             dynamic=dynamic,
             max_traces=max_traces,
@@ -374,14 +374,6 @@ def _kinds_key(kinds: list[Any]) -> tuple:
         k if isinstance(k, str) or k[0] == "donated" else ("constant", hashable_constant(k[1]))
         for k in kinds
     )
-
-
-def _holder(capture: Capture) -> nn.Module:
-    """The modules under one root, for error messages that name a module by its label."""
-    holder = nn.Module()
-    for label, module in zip(capture.labels, capture.modules, strict=True):
-        holder.add_module(label, module)
-    return holder
 
 
 def _is_t(x: Any) -> bool:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..errors import TraceError
 
-__all__ = ["describe_tensor", "run_error", "translate"]
+__all__ = ["describe_tensor", "message_root", "run_error", "translate"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
@@ -29,6 +29,17 @@ _STDLIB_DIR = os.path.dirname(os.__file__)
 def describe_tensor(t: Tensor) -> str:
     dtype = str(t.dtype).removeprefix("torch.")
     return f"{tuple(t.shape)} {dtype} on {t.device}"
+
+
+def message_root(modules: list[nn.Module], labels: list[str]) -> nn.Module:
+    """The modules under one root, for messages that name a module by its label (a single
+    module is its own root: its submodules are named as in ``named_modules()``)."""
+    if len(modules) == 1:
+        return modules[0]
+    root = nn.Module()
+    for label, module in zip(labels, modules, strict=True):
+        root.add_module(label, module)
+    return root
 
 
 def _is_data_dependent(exc: BaseException) -> bool:

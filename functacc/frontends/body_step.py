@@ -5,8 +5,10 @@
 own, ...) writes the standard step — ``opt.zero_grad()``, the forward and the loss per
 micro-batch, ``(loss / k).backward()``, ``clip_grad_norm_``, ``opt.step()`` — as an eager
 body and compiles it with :func:`functacc.jit`, which traces the optimizer's own ``step()``
-(:mod:`functacc.core.own_step`). After each call the model, its ``.grad`` and the optimizer
-hold what that eager step leaves there.
+(:mod:`functacc.core.own_step`). After each call the model and the optimizer hold what
+that eager step leaves there; ``.grad`` is ``None``, as with the twins: the body ends with
+``opt.zero_grad(set_to_none=True)``, so the gradients live only inside the graph (no copy
+out, and every call has the signature of the first).
 
 Example:
     >>> import torch, functacc
@@ -33,7 +35,7 @@ from ..core.functional import unwrap
 from ..core.grad_scaler import hold_grad_scaler
 from ..transforms.precision import Precision, resolve_precision
 from .jit import jit
-from .step_fn import LossFn, model_loss, split_micro_batches
+from .step_fn import LossFn, checked_loss, model_loss, no_gradient_error, split_micro_batches
 
 __all__ = ["BodyStep", "needs_body_step"]
 
@@ -197,10 +199,14 @@ def standard_body(
         for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
             with precision.autocast(device_type) if precision else contextlib.nullcontext():
                 if loss_fn is None:
-                    loss = model_loss(_call(model, micro_args, micro_kwargs))
+                    outputs = _call(model, micro_args, micro_kwargs)
+                    loss = checked_loss(model_loss(outputs), "the model's loss")
                 else:
                     inputs, targets = micro_args
-                    loss = loss_fn(_call(model, (inputs,), {}), targets)
+                    outputs = _call(model, (inputs,), {})
+                    loss = checked_loss(loss_fn(outputs, targets), "loss_fn(outputs, targets)")
+            if not loss.requires_grad:
+                raise no_gradient_error()
             scaled = loss / k if k > 1 else loss
             (scaler.scale(scaled) if scaler else scaled).backward()
             losses.append(loss.detach())
@@ -211,10 +217,12 @@ def standard_body(
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
         if scaler is None:
             opt.step()
+            opt.zero_grad(set_to_none=True)
             return loss
         scale = scaler._scale.clone()  # it backs off exactly when the step is skipped
         scaler.step(opt)
         scaler.update()
+        opt.zero_grad(set_to_none=True)
         return loss, (scaler._scale < scale).to(torch.int64)
 
     return train_step

@@ -98,16 +98,7 @@ class StepFunction:
                     if scaler:
                         scaled = scaled * scaler["scale"].to(scaled.dtype)
                     if not scaled.requires_grad:
-                        # Eager: loss.backward() fails ("element 0 of tensors does not
-                        # require grad and does not have a grad_fn"); training on would
-                        # silently change nothing.
-                        raise argument_error(
-                            "the loss does not depend on any trainable parameter, so there is "
-                            "nothing to differentiate (eager PyTorch's loss.backward() fails "
-                            "here too: 'element 0 of tensors does not require grad'). Is the "
-                            "model's output detached (.detach(), .item(), torch.no_grad() in "
-                            "forward), or are all parameters frozen (requires_grad=False)?"
-                        )
+                        raise no_gradient_error()
                     if leaves:
                         with no_checkpoint_draws():
                             micro_grads = torch.autograd.grad(
@@ -178,18 +169,32 @@ class StepFunction:
 
     def _loss(self, outputs: Any, args: tuple) -> Tensor:
         if self.loss_fn is not None:
-            loss = self.loss_fn(outputs, args[1])
-            what = "loss_fn(outputs, targets)"
-        else:
-            loss = model_loss(outputs)
-            what = "the model's loss"
-        if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            got = describe_tensor(loss) if isinstance(loss, Tensor) else type(loss).__name__
-            raise argument_error(
-                f"{what} must be a 0-dim floating-point tensor (the value to minimise); got "
-                f"{got}. Reduce it to a scalar, e.g. with reduction='mean' or loss.mean()."
-            )
-        return loss
+            return checked_loss(self.loss_fn(outputs, args[1]), "loss_fn(outputs, targets)")
+        return checked_loss(model_loss(outputs), "the model's loss")
+
+
+def checked_loss(loss: Any, what: str) -> Tensor:
+    """``loss`` if it is a 0-dim floating-point tensor, else a clear error."""
+    if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        got = describe_tensor(loss) if isinstance(loss, Tensor) else type(loss).__name__
+        raise argument_error(
+            f"{what} must be a 0-dim floating-point tensor (the value to minimise); got "
+            f"{got}. Reduce it to a scalar, e.g. with reduction='mean' or loss.mean()."
+        )
+    return loss
+
+
+def no_gradient_error() -> Exception:
+    """A loss that needs no gradient. Eager: ``loss.backward()`` fails ("element 0 of
+    tensors does not require grad and does not have a grad_fn"); training on would
+    silently change nothing."""
+    return argument_error(
+        "the loss does not depend on any trainable parameter, so there is nothing to "
+        "differentiate (eager PyTorch's loss.backward() fails here too: 'element 0 of "
+        "tensors does not require grad'). Is the model's output detached (.detach(), "
+        ".item(), torch.no_grad() in forward), or are all parameters frozen "
+        "(requires_grad=False)?"
+    )
 
 
 def gradient_hooks(originals: Mapping[str, Tensor], names: list[str]) -> dict[str, list]:
