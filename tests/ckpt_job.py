@@ -18,12 +18,19 @@ import models
 import functacc
 
 BACKEND = os.environ.get("BACKEND", "eager")
+# RMSprop (no twin): compile_step's standard body on jit's pipeline; PRECISION=fp16 adds a
+# GradScaler whose scale the checkpoint carries.
+OPTIMIZER = os.environ.get("OPTIMIZER", "AdamW")
+PRECISION = os.environ.get("PRECISION") or None
 
 
 def build():
     torch.manual_seed(0)
     model = models.cnn_bn()  # BatchNorm and dropout
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if OPTIMIZER == "AdamW":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(
         torch.randn(40, 3, 16, 16, generator=g), torch.randint(0, 5, (40,), generator=g)
@@ -31,7 +38,9 @@ def build():
     loader = functacc.DeviceLoader(
         torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), device="cpu"
     )
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend=BACKEND)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), opt, backend=BACKEND, precision=PRECISION
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return model, opt, loader, step, sched
 
@@ -73,7 +82,14 @@ def main() -> None:
     if mode == "first":
         functacc.save(step, os.path.join(directory, "ckpt"), loader=loader, states=states)
     torch.save(
-        {"losses": losses, "model": model.state_dict(), "opt": opt.state_dict()},
+        {
+            "losses": losses,
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "scale": step.loss_scale,
+            "skipped": step.skipped_steps,
+            "count": step.count,
+        },
         os.path.join(directory, f"{mode}.pt"),
     )
 

@@ -48,6 +48,25 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path, backend) -> None:
     assert_close(resumed["opt"], full["opt"], rtol=0, atol=0, what="optimizer")
 
 
+def test_resume_of_an_optimizer_traced_whole_with_fp16_is_bit_exact(tmp_path) -> None:
+    # compile_step with RMSprop runs on jit's pipeline; its checkpoint is the model's, the
+    # optimizer's own state_dict() and the GradScaler's: the same job, resumed in a new
+    # process, continues bit for bit (losses, model, optimizer, scale, step count).
+    options = {"OPTIMIZER": "RMSprop", "PRECISION": "fp16"}
+    for mode, steps in (("full", 8), ("first", 4), ("resume", 4)):
+        proc = job(mode, tmp_path, steps, **options)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    full, first, resumed = (
+        torch.load(tmp_path / f"{m}.pt", weights_only=True) for m in ("full", "first", "resume")
+    )
+    assert first["losses"] + resumed["losses"] == full["losses"]
+    assert_close(resumed["model"], full["model"], rtol=0, atol=0, what="model")
+    assert_close(resumed["opt"]["state"], full["opt"]["state"], rtol=0, atol=0, what="optimizer")
+    assert resumed["opt"]["param_groups"] == full["opt"]["param_groups"]
+    assert (resumed["scale"], resumed["count"]) == (full["scale"], 8) and full["scale"] > 0
+    assert resumed["skipped"] == full["skipped"]
+
+
 def test_kill_while_writing_leaves_the_previous_checkpoint(tmp_path) -> None:
     proc = job("kill_while_saving", tmp_path, 0)
     assert proc.returncode == -9  # SIGKILL in the middle of the second save
@@ -353,3 +372,16 @@ def test_resume_with_tensor_hyperparameters_keeps_them_tensors(tmp_path) -> None
     for x, y in batches[3:]:
         resumed(x, y)
     assert_close(resumed_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="model")
+
+
+def test_model_files_and_errors_of_steps_on_jits_pipeline(tmp_path) -> None:
+    model, step = small_step(opt_cls=torch.optim.RMSprop)
+    assert type(step).__name__ == "BodyStep"
+    functacc.save_model(step, tmp_path / "m.safetensors")
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    step(torch.randn(4, 16), torch.randint(0, 5, (4,)))
+    functacc.load_model(step, tmp_path / "m.safetensors")
+    assert_close(model.state_dict(), trained, rtol=0, atol=0, what="model")
+    jitted = functacc.jit(lambda: None, backend="eager")
+    with pytest.raises(TypeError, match="state_dict"):
+        functacc.save(jitted, tmp_path / "ckpt")

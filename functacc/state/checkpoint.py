@@ -28,10 +28,28 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..data import DeviceLoader
 from ..parallel.mesh import rank, world_size
+from .body_layout import BodyLayout
 from .layout import Layout, barrier, distributed, last_line
 from .safe_io import CheckpointError, SafeFileSystemReader, read_metadata
 
 __all__ = ["CheckpointError", "load", "save"]
+
+
+def layout_of(step: Any, loader: DeviceLoader | None) -> Layout:
+    """The checkpoint names of ``step``: the pure step's state, or (compile_step on jit's
+    pipeline) the model's, the optimizer's and the scaler's."""
+    from ..frontends.body_step import BodyStep
+    from ..frontends.step import Step
+
+    if isinstance(step, BodyStep):
+        return BodyLayout(step, loader)
+    if not isinstance(step, Step):
+        raise TypeError(
+            f"save() and load() take the step from functacc.compile_step; got "
+            f"{type(step).__name__}. For a functacc.jit step, save its modules' and "
+            "optimizers' state_dict() (the jitted step keeps them live)"
+        )
+    return Layout(step, loader)
 
 
 def _json_states(states: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -80,7 +98,7 @@ def save(
     """
     path = os.fspath(path)
     partial = path + ".partial"
-    layout = Layout(step, loader)
+    layout = layout_of(step, loader)
     extra_states = _json_states(states)
     if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -96,8 +114,9 @@ def save(
             f"the previous checkpoint at {path!r}, if any, is untouched"
         ) from exc
     if rank() == 0:
-        with open(os.path.join(partial, "states.json"), "w") as f:
-            json.dump(extra_states, f)
+        for name, document in {**layout.documents, "states.json": extra_states}.items():
+            with open(os.path.join(partial, name), "w") as f:
+                json.dump(document, f)
     barrier()
     if rank() == 0:
         _install(partial, path)
@@ -180,7 +199,7 @@ def load(
     """
     path = _readable(os.fspath(path))
     metadata = read_metadata(path)
-    layout = Layout(step, loader)
+    layout = layout_of(step, loader)
     targets = layout.load_targets(metadata, path)
     try:
         with warnings.catch_warnings():
@@ -222,8 +241,7 @@ def _restore_host_state(
         loader.load_state_dict(
             {k[len("loader.") :]: v for k, v in targets.items() if k.startswith("loader.")}
         )
-    step._calls = int(step.state.count)
-    step._state.after_load()
+    layout.finish_load(targets, path)
     if states:
         with open(os.path.join(path, "states.json")) as f:
             saved = json.load(f)

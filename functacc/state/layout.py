@@ -74,6 +74,11 @@ class Layout:
         self.entries["count"] = state.count
         for path, leaf in _tensor_leaves(state.extra or {}, "extra"):
             self._per_rank(path, leaf)
+        self.documents: dict[str, Any] = {}  # JSON files beside the tensors, by name
+        self._host_state(loader)
+
+    def _host_state(self, loader: DeviceLoader | None) -> None:
+        """Every rank's RNG states and the loader's position."""
         self._per_rank("rng.cpu", torch.get_rng_state())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -82,6 +87,11 @@ class Layout:
             # The position, and in one process the random states the epoch was drawn from.
             for key, value in loader.state_dict().items():
                 self.entries[f"loader.{key}"] = torch.as_tensor(value)
+
+    def finish_load(self, targets: Mapping[str, Any], path: str) -> None:
+        """After the tensors are in place: the step's own bookkeeping."""
+        self.step._calls = int(self.step.state.count)
+        self.step._state.after_load()
 
     # -- building ----------------------------------------------------------------------
     def _plain(self, key: str, t: Tensor) -> None:

@@ -17,10 +17,13 @@ __all__ = ["load_model", "save_model"]
 
 
 def _model_and_step(target: Any) -> tuple[torch.nn.Module, Any]:
+    from ..frontends.body_step import BodyStep
     from ..frontends.step import Step
 
     if isinstance(target, Step):
         return target.model, target
+    if isinstance(target, BodyStep):  # its model holds the whole parameters
+        return target.model, None
     if isinstance(target, torch.nn.Module):
         return target, None
     raise TypeError(f"expected a torch.nn.Module or a functacc.Step; got {type(target).__name__}")

@@ -1,0 +1,146 @@
+"""The checkpoint of ``compile_step`` on ``jit``'s pipeline (an optimizer traced whole).
+
+Such a step keeps no pure state of its own: the model holds the parameters and buffers,
+the ``torch.optim`` optimizer its state, a ``GradScaler`` the loss scale. So the checkpoint
+is theirs, in torch's own forms: the model's tensors under the same names as
+:class:`~functacc.state.layout.Layout` gives them (``params.*``, ``buffers.*``: a model file
+reads the same either way), the tensors of ``opt.state_dict()`` as they are, and its
+non-tensor parts (``param_groups``, numbers in the state), the scaler's ``state_dict()`` and
+the step count in ``body.json``. Loading allocates the optimizer's tensors from the
+checkpoint's metadata and hands the whole to ``opt.load_state_dict()``, which creates the
+state a fresh optimizer does not have yet.
+
+Example:
+    >>> import os, tempfile, torch, functacc
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    >>> step = functacc.compile_step(model, torch.nn.MSELoss(), opt, backend="eager")
+    >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
+    >>> path = os.path.join(tempfile.mkdtemp(), "step_1")
+    >>> functacc.save(step, path)
+    >>> functacc.load(step, path)
+    >>> step.count
+    1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..data import DeviceLoader
+from .layout import Layout
+from .safe_io import CheckpointError
+
+__all__ = ["BodyLayout"]
+
+_FILE = "body.json"
+
+
+class BodyLayout(Layout):
+    """Checkpoint names for a :class:`~functacc.frontends.body_step.BodyStep`."""
+
+    def __init__(self, step: Any, loader: DeviceLoader | None):
+        self.step = step
+        self.strategy = None
+        self.sharded = False
+        self.units = {}
+        self.split = None
+        self.entries = {}
+        self.per_rank = set()
+        self.fixups = []
+        self.split_fixups = []
+        if any(o.sharding is not None for o in step._jitted._engine.capture.optimizers):
+            raise CheckpointError(
+                f"checkpoints of compile_step with {type(step.optimizer).__name__} under ZeRO "
+                "are not supported yet; save with DataParallel, or save model.state_dict() "
+                "and opt.state_dict() (gathered whole) with torch.save"
+            )
+        model, opt = step.model, step.optimizer
+        for name, p in model.named_parameters():
+            self._plain(f"params.{name}", p.detach())
+            self.entries[f"shapes.params.{name}"] = torch.tensor(list(p.shape))
+        for name, buf in model.named_buffers():
+            self._plain(f"buffers.{name}", buf.detach())
+        saved = opt.state_dict()
+        numbers: dict[str, dict[str, Any]] = {}
+        for index, state in saved["state"].items():
+            for key, value in state.items():
+                if isinstance(value, Tensor):
+                    self.entries[f"optim.state.{index}.{key}"] = value
+                else:
+                    numbers.setdefault(str(index), {})[key] = value
+        groups = []
+        for i, group in enumerate(saved["param_groups"]):
+            plain = {}
+            for key, value in group.items():
+                if isinstance(value, Tensor):  # a tensor lr: kept a tensor
+                    self.entries[f"optim.param_groups.{i}.{key}"] = value
+                else:
+                    plain[key] = value
+            groups.append(plain)
+        scaler = step.scaler
+        self.documents = {
+            _FILE: {
+                "count": step.count,
+                "skipped": step.skipped_steps,
+                "param_groups": groups,
+                "numbers": numbers,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+            }
+        }
+        self._host_state(loader)
+
+    def load_targets(self, metadata: Any, path: str) -> dict[str, Any]:
+        """The optimizer's tensors are those the checkpoint holds (a fresh optimizer has
+        none yet), allocated as stored; the rest as :meth:`Layout.load_targets`."""
+        device = next((p.device for p in self.step.model.parameters()), torch.device("cpu"))
+        self.entries = {k: v for k, v in self.entries.items() if not k.startswith("optim.")}
+        for key, meta in metadata.state_dict_metadata.items():
+            if key.startswith("optim."):
+                dtype = meta.properties.dtype
+                self.entries[key] = torch.empty(tuple(meta.size), dtype=dtype, device=device)
+        return super().load_targets(metadata, path)
+
+    def finish_load(self, targets: Mapping[str, Any], path: str) -> None:
+        """Hand the loaded state to the optimizer and the scaler, and the count to the
+        step."""
+        try:
+            with open(os.path.join(path, _FILE)) as f:
+                saved = json.load(f)
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint {path!r} has no {_FILE}: it was not written by compile_step with "
+                f"an optimizer traced whole ({type(self.step.optimizer).__name__})"
+            ) from exc
+        opt, step = self.step.optimizer, self.step
+        live = opt.state_dict()["param_groups"]
+        if len(live) != len(saved["param_groups"]):
+            raise CheckpointError(
+                f"checkpoint {path!r} has {len(saved['param_groups'])} param groups; the "
+                f"optimizer has {len(live)}"
+            )
+        groups = []
+        for i, (group, now) in enumerate(zip(saved["param_groups"], live, strict=True)):
+            # JSON keeps no tuples (betas): the live group's types decide.
+            group = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in group.items()}
+            prefix = f"optim.param_groups.{i}."
+            group.update({k[len(prefix) :]: v for k, v in targets.items() if k.startswith(prefix)})
+            groups.append(group)
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in targets.items():
+            if key.startswith("optim.state."):
+                index, name = key[len("optim.state.") :].split(".", 1)
+                state.setdefault(int(index), {})[name] = value
+        for index, values in saved["numbers"].items():
+            state.setdefault(int(index), {}).update(values)
+        opt.load_state_dict({"state": state, "param_groups": groups})
+        if step.scaler is not None and saved["scaler"] is not None:
+            step.scaler.load_state_dict(saved["scaler"])
+        step._calls = saved["count"]
+        step._skipped = torch.tensor(saved["skipped"]) if saved["skipped"] else None
