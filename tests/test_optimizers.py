@@ -278,3 +278,14 @@ def test_data_parallel_and_zero_equal_one_process_on_the_full_batch(tmp_path: Pa
         door, body = got[layout, "compile_step RMSprop"], got[layout, "RMSprop"]
         assert_close(door["model"], body["model"], rtol=0, atol=0, what=layout)
         assert str(door["optimizer"]) == str(body["optimizer"]), layout
+        stats = door["stats"]  # read off its graph, as the jitted body's counts
+        assert stats["world_size"] == 2 and stats["memory"]["grads"] == 0
+        for kind in ("all_gathers", "reduce_scatters", "all_reduces"):
+            assert stats["collectives"].get(kind[:-1], 0) == body[kind], (layout, kind, stats)
+    names = [got[layout, "compile_step RMSprop"]["stats"]["strategy"] for layout in ("dp", "zero1")]
+    assert names == ["data parallel", "ZeRO-1"]
+    held = [
+        got[layout, "compile_step RMSprop"]["stats"]["memory"]["optimizer"]
+        for layout in ("dp", "zero1")
+    ]
+    assert 0 < held[1] < held[0]  # ZeRO-1: this rank keeps the state of its parameters only

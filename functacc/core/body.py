@@ -114,6 +114,7 @@ class StepBody:
         self._state_watch = BatchWatch()
         self._batch_watch = BatchWatch()
         self._last: tuple | None = None  # the last call's signature parts and program
+        self.last_program: BodyProgram | None = None
 
     @property
     def reused(self) -> int:
@@ -180,6 +181,7 @@ class StepBody:
         return program, state, leaves, tensors
 
     def _run(self, program: BodyProgram, state: list, leaves: list, tensors: list) -> Any:
+        self.last_program = program  # what stats() reads (set before it runs)
         replay = self.python.before_run(program.python)
         if replay.changed:  # a scheduler stepped before the graph: its new hyperparameters
             self.capture.sync_hyperparameters()

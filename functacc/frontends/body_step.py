@@ -33,6 +33,8 @@ from ..backends import Backend
 from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.functional import unwrap
 from ..core.grad_scaler import hold_grad_scaler
+from ..parallel import ZeRO
+from ..parallel.comm import CommStats, comm_stats
 from ..transforms.precision import Precision, resolve_precision
 from .jit import jit
 from .step_fn import LossFn, checked_loss, model_loss, no_gradient_error, split_micro_batches
@@ -86,6 +88,7 @@ class BodyStep:
         self.optimizer = opt
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
+        self.parallel = parallel
         self.precision = resolve_precision(precision)
         self.scaler = _grad_scaler(self.precision, self.model)
         self._calls = 0
@@ -175,6 +178,35 @@ class BodyStep:
             progress=progress,
         )
 
+    def stats(self) -> dict[str, Any]:
+        """What the last step communicated and what this rank holds, as
+        :meth:`functacc.frontends.step.Step.stats` reports them (collectives read off the
+        graph; ``memory``: bytes held between steps, ``grads`` 0 as ``.grad`` is None;
+        no ``tensor_parallel_bytes`` yet)."""
+        from ..parallel.mesh import world_size
+
+        program = self._jitted._engine.last_program
+        comm = comm_stats(program.graph) if program is not None else CommStats()
+        world = world_size()
+        if isinstance(self.parallel, ZeRO):
+            name = f"ZeRO-{self.parallel.stage}"
+        else:
+            name = "data parallel" if world > 1 else "single process"
+        state = [t for s in self.optimizer.state.values() for t in s.values()]
+        return {
+            "strategy": name,
+            "world_size": world,
+            "collectives": dict(comm.collectives),
+            "payload_bytes": dict(comm.payload_bytes),
+            "sent_bytes": dict(comm.sent_bytes),
+            "memory": {
+                "params": _nbytes(list(self.model.parameters())),
+                "grads": 0,
+                "optimizer": _nbytes(state),
+                "buffers": _nbytes(list(self.model.buffers())),
+            },
+        }
+
     def sync_model(self) -> nn.Module:
         """The model (it holds the trained parameters after every call)."""
         return self.model
@@ -240,6 +272,10 @@ def _grad_scaler(precision: Precision | None, model: nn.Module) -> torch.amp.Gra
         backoff_factor=precision.backoff_factor,
         growth_interval=precision.growth_interval,
     )
+
+
+def _nbytes(tensors: list) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
 
 
 def _call(model: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -112,6 +112,7 @@ def main(out: str) -> None:
             step(x[part], y[part])
         saved[layout, "compile_step RMSprop"] = {
             "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "stats": step.stats(),  # before state_dict(), which gathers ZeRO's state whole
             "optimizer": opt.state_dict(),
         }
     if rank == 0:
