@@ -302,7 +302,8 @@ def test_new_sizes_retrace_then_go_symbolic(caplog: pytest.LogCaptureFixture) ->
     # 5: first call; 5 again: .grad exists now; 6: symbolic batch size; 7, 9: that graph.
     reasons = [t.reason for t in step.traces]
     assert step.num_traces == 3, reasons
-    assert "args[0][0] dim 0: 5 -> 6" in reasons[2] and step.traces[2].dynamic
+    # The batch is named by the body's own parameter (x), as the body reads it.
+    assert "x dim 0: 5 -> 6" in reasons[2] and step.traces[2].dynamic
 
 
 @pytest.mark.inductor
@@ -337,7 +338,7 @@ def test_symbolic_sizes_under_inductor() -> None:
     # 8: first call (no .grad yet); 12: .grad present, a new family, static; 16: that
     # family's sizes differ, symbolic; 20 and 9: the symbolic graph.
     assert step.num_traces == 3, [t.reason for t in step.traces]
-    assert step.traces[-1].dynamic == {"args[0][0]": [0], "args[0][1]": [0]}
+    assert step.traces[-1].dynamic == {"x": [0], "y": [0]}
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 

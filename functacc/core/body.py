@@ -45,7 +45,15 @@ from .graph_passes import fingerprint as graph_fingerprint
 from .held_objects import library_objects, restore_objects
 from .python_effects import build
 from .python_state import PythonPlan, PythonState
-from .signature import AmbientWatch, BatchWatch, TensorSpec, family_key, hashable_constant
+from .signature import (
+    AmbientWatch,
+    BatchWatch,
+    TensorSpec,
+    batch_names,
+    family_key,
+    hashable_constant,
+    positional_names,
+)
 
 __all__ = ["BodyProgram", "StepBody"]
 
@@ -239,8 +247,8 @@ class StepBody:
         donated: list[int],
     ) -> BodyProgram:
         key, family = keys()
-        batch_names = [f"args{pytree.keystr(p)}" for p, x in _paths(leaves, spec) if _is_t(x)]
-        plan = self.engine.plan(key, family, batch_names, tensors, _describe(leaves))
+        names_of = batch_names(*pytree.tree_unflatten(leaves, spec), positional_names(self.fn))
+        plan = self.engine.plan(key, family, names_of, tensors, _describe(leaves))
         stand_ins = self.capture.stand_ins(names, state)
         # Counters the body writes are fed from the first trace, numbers it branches on are
         # guarded: each discovery traces again (fake tensors, cheap), never compiles twice.
@@ -380,11 +388,6 @@ def _kinds_key(kinds: list[Any]) -> tuple:
 
 def _is_t(x: Any) -> bool:
     return isinstance(x, Tensor)
-
-
-def _paths(leaves: list, spec: Any) -> list[tuple[Any, Any]]:
-    tree = pytree.tree_unflatten(leaves, spec)
-    return pytree.tree_flatten_with_path(tree)[0]
 
 
 def _describe(leaves: list) -> str:

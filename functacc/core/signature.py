@@ -15,6 +15,7 @@ differs only in those sizes (:func:`family_key` erases sizes, keeps the rest).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -31,6 +32,7 @@ __all__ = [
     "batch_names",
     "family_key",
     "hashable_constant",
+    "positional_names",
 ]
 
 
@@ -158,21 +160,37 @@ class AmbientWatch:
         return self._key
 
 
-def batch_names(args: tuple, kwargs: dict, *, with_targets: bool) -> list[str]:
-    """A readable name for each tensor of a call's batch, in flattening order:
-    ``inputs['input_ids']`` and ``targets`` for ``step(inputs, targets)``, ``args[0]`` and
-    ``input_ids`` for ``step(*args, **kwargs)``."""
+def batch_names(args: tuple, kwargs: dict, positional: Sequence[str] = ()) -> list[str]:
+    """A readable name for each tensor of a call's batch, in flattening order: the body's
+    own parameter names for its positional arguments (``inputs['input_ids']`` and
+    ``targets`` for ``step(inputs, targets)``), ``args[i]`` past them, and the keyword."""
     names = []
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if not isinstance(leaf, Tensor):
             continue
         top, rest = path[1], pytree.keystr(path[2:])
         if path[0].idx == 0:  # positional
-            head = ("inputs", "targets")[top.idx] if with_targets else f"args[{top.idx}]"
+            head = positional[top.idx] if top.idx < len(positional) else f"args[{top.idx}]"
         else:
             head = str(top.key)
         names.append(head + rest)
     return names
+
+
+def positional_names(fn: Any) -> tuple[str, ...]:
+    """The names of ``fn``'s positional parameters, up to a ``*args`` (none if its
+    signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = []
+    for p in params:
+        if p.kind not in kinds:
+            break
+        names.append(p.name)
+    return tuple(names)
 
 
 def hashable_constant(x: Any) -> Any:

@@ -220,12 +220,14 @@ def standard_body(
     options: Any,
 ) -> Callable[..., Any]:
     """The eager step that ``compile_step`` compiles, as eager PyTorch would write it (with
-    ``precision=``: the AMP recipe). Its closure names ``model`` and ``opt``, the names
-    messages use; ``options`` has ``grad_accum_steps``, ``max_grad_norm``, ``precision``."""
+    ``precision=``: the AMP recipe): ``train_step(inputs, targets)`` with a ``loss_fn``,
+    else ``train_step(*args, **kwargs)``. Its closure names ``model`` and ``opt`` and its
+    parameters the batch, the names messages use; ``options`` has ``grad_accum_steps``,
+    ``max_grad_norm`` and ``precision``."""
     k, max_norm, precision = options.grad_accum_steps, options.max_grad_norm, options.precision
     device_type = next((p.device.type for p in model.parameters()), "cpu")
 
-    def train_step(*args: Any, **kwargs: Any) -> Any:
+    def step(model: nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         opt.zero_grad(set_to_none=True)
         losses = []
         for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
@@ -257,7 +259,17 @@ def standard_body(
         opt.zero_grad(set_to_none=True)
         return loss, (scaler._scale < scale).to(torch.int64)
 
-    return train_step
+    if loss_fn is not None:
+
+        def train_step(inputs: Any, targets: Any) -> Any:
+            return step(model, opt, (inputs, targets), {})
+
+        return train_step
+
+    def train_step_of_model(*args: Any, **kwargs: Any) -> Any:
+        return step(model, opt, args, kwargs)
+
+    return train_step_of_model
 
 
 def _grad_scaler(precision: Precision | None, model: nn.Module) -> torch.amp.GradScaler | None:

@@ -161,7 +161,7 @@ class StepPrograms:
         """Trace and compile the step for this call; returns the program and the key it is
         kept under (see :meth:`StepSignature.left_behind`)."""
         watched = self.signature.model_watch.key()  # the model's part of ``key``
-        names = batch_names(args, kwargs, with_targets=self.with_targets)
+        names = batch_names(args, kwargs, ("inputs", "targets") if self.with_targets else ())
         plan = self.engine.plan(key, family, names, tensors, describe_batch(args, kwargs))
         self.engine.check_budget(plan)
         meta: dict[str, Any] = {}
