@@ -187,9 +187,11 @@ def test_capturable_on_cpu_fails_as_in_eager(cls) -> None:
     assert opt.state == {}
 
 
-def test_bad_arguments() -> None:
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.RMSprop])
+def test_bad_arguments(optimizer) -> None:
+    # SGD: the pure step's pipeline; RMSprop: the standard body on jit's. Same errors.
     model = models.mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = optimizer(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="backend must be one of"):
         functacc.compile_step(model, nn.MSELoss(), opt, backend="tvm")
     with pytest.raises(ValueError, match="grad_accum_steps"):

@@ -31,13 +31,19 @@ from torch import Tensor, nn
 
 from ..backends import Backend
 from ..core.cache import TraceRecord, as_call, warm_up
-from ..core.functional import unwrap
 from ..core.grad_scaler import hold_grad_scaler
 from ..parallel import ZeRO
 from ..parallel.comm import CommStats, comm_stats
 from ..transforms.precision import Precision, resolve_precision
 from .jit import jit
-from .step_fn import LossFn, checked_loss, model_loss, no_gradient_error, split_micro_batches
+from .step_fn import (
+    LossFn,
+    check_step_arguments,
+    checked_loss,
+    model_loss,
+    no_gradient_error,
+    split_micro_batches,
+)
 
 __all__ = ["BodyStep", "needs_body_step"]
 
@@ -81,9 +87,7 @@ class BodyStep:
                 "torch.optim.SGD, Adam or AdamW. Leave them out, or write the step body "
                 "yourself for functacc.jit."
             )
-        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1; got {grad_accum_steps!r}")
-        self.model = unwrap(model)
+        self.model = check_step_arguments(model, loss_fn, grad_accum_steps, max_grad_norm)
         self.loss_fn = loss_fn
         self.optimizer = opt
         self.grad_accum_steps = grad_accum_steps

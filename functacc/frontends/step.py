@@ -32,7 +32,7 @@ from ..backends import (
 from ..backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
 from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.engine import Engine
-from ..core.functional import check_dense_gradients, tensor_attributes, unwrap
+from ..core.functional import check_dense_gradients, tensor_attributes
 from ..core.signature import TensorSpec
 from ..optim import GradientTransformation
 from ..optim._torch import _check_supported
@@ -42,7 +42,7 @@ from ..parallel.strategy import check_same_model, sync_from_rank0
 from ..parallel.tp_setup import TensorParallelSetup, split_parallel
 from ..transforms.precision import resolve_precision
 from ..transforms.remat import RematPolicy, validate_remat
-from .step_fn import LossFn, StepFunction, TrainState
+from .step_fn import LossFn, StepFunction, TrainState, check_step_arguments
 from .step_programs import StepProgram, StepPrograms
 from .step_signature import StepSignature, describe_batch
 from .step_state import LiveState
@@ -88,21 +88,10 @@ class Step:
         max_traces: int | None = 32,
         cuda_graph_cache_size: int = 8,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        model = unwrap(model)
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(
-                "loss_fn must be callable as loss_fn(outputs, targets) -> 0-dim tensor, or None "
-                f"when the model returns its own loss; got {type(loss_fn).__name__}"
-            )
+        model = check_step_arguments(model, loss_fn, grad_accum_steps, max_grad_norm)
         check_backend(backend)
         check_background(background_compile, backend)
         keep_host_memory = env_flag(HOST_MEMORY_ENV, True)  # a bad value fails before any work
-        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1; got {grad_accum_steps!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None; got {max_grad_norm!r}")
         _check_supported(opt)
         check_dense_gradients(model)
         self.model = model

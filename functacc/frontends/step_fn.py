@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..backends import mark_optimizer_inputs
 from ..core.diagnostics import describe_tensor
-from ..core.functional import call_module, swap_attributes
+from ..core.functional import call_module, swap_attributes, unwrap
 from ..errors import argument_error
 from ..optim import GradientTransformation
 from ..optim._transform import step_params
@@ -171,6 +171,25 @@ class StepFunction:
         if self.loss_fn is not None:
             return checked_loss(self.loss_fn(outputs, args[1]), "loss_fn(outputs, targets)")
         return checked_loss(model_loss(outputs), "the model's loss")
+
+
+def check_step_arguments(
+    model: Any, loss_fn: Any, grad_accum_steps: Any, max_grad_norm: Any
+) -> nn.Module:
+    """The model (unwrapped from DDP or torch.compile), after checking ``compile_step``'s
+    arguments that every pipeline takes."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            "loss_fn must be callable as loss_fn(outputs, targets) -> 0-dim tensor, or None "
+            f"when the model returns its own loss; got {type(loss_fn).__name__}"
+        )
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an int >= 1; got {grad_accum_steps!r}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None; got {max_grad_norm!r}")
+    return unwrap(model)
 
 
 def checked_loss(loss: Any, what: str) -> Tensor:
