@@ -8,7 +8,7 @@ import itertools
 import os
 import tempfile
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -114,7 +114,11 @@ class Functacc:
         self.opt = w.make_opt(self.model)
         if w.amp is not None:
             options.setdefault("precision", w.amp)
-        self.compiled = compile_step(self.model, w.loss_fn, self.opt, **options)
+        self.compiled = self.front(self.model, w.loss_fn, self.opt, **options)
+
+    @staticmethod
+    def front(model: torch.nn.Module, loss_fn: Any, opt: Any, **options: Any) -> Any:
+        return compile_step(model, loss_fn, opt, **options)
 
     def step(self) -> Tensor:
         return self.compiled(*next(self.batches))
@@ -146,6 +150,29 @@ class Functacc:
         finally:
             program.run, self.compiled._calls = real, count
         return best
+
+
+class FunctaccBody(Functacc):
+    """compile_step's standard body on ``jit``'s pipeline, whatever the optimizer (it is
+    the pipeline for optimizers without a pure twin): the two pipelines side by side."""
+
+    name = "functacc:body"
+
+    @staticmethod
+    def front(model: torch.nn.Module, loss_fn: Any, opt: Any, **options: Any) -> Any:
+        from ..frontends.body_step import BodyStep
+
+        defaults = dict(
+            backend="inductor",
+            inductor_options=None,
+            grad_accum_steps=1,
+            max_grad_norm=None,
+            parallel=None,
+            cuda_graphs=None,
+            dynamic=None,
+            max_traces=32,
+        )
+        return BodyStep(model, loss_fn, opt, **{**defaults, **options})
 
 
 class FunctaccBackground(Functacc):
@@ -222,6 +249,7 @@ COMPETITORS = {
         TorchCompile,
         TorchCompileReduceOverhead,
         Functacc,
+        FunctaccBody,
         FunctaccBackground,
         FunctaccJit,
         Accelerate,
