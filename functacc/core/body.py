@@ -9,10 +9,8 @@ functionalized, so every write into an input is a ``copy_`` at the very end, aft
 computation that could fail: a call that fails changes nothing.
 
 A new signature costs a trace (fake tensors, cheap) but not always a compile: a graph
-identical to one compiled already (the same code over the same named inputs, the same
-write-backs) reuses it. The usual step body starts with ``opt.zero_grad()``: its first
-call comes with no ``.grad`` and its second with one, which the body discards; both
-trace to the same graph, compiled once.
+identical to one compiled already reuses it (a body that starts with ``opt.zero_grad()``
+traces the same graph with and without the ``.grad`` of a previous call).
 """
 
 from __future__ import annotations
@@ -123,6 +121,7 @@ class StepBody:
         self._batch_watch = BatchWatch()
         self._last: tuple | None = None  # the last call's signature parts and program
         self.last_program: BodyProgram | None = None
+        self._specs: dict[int, Any] = {}  # the batch's spec for n plain tensor arguments
 
     @property
     def reused(self) -> int:
@@ -137,7 +136,12 @@ class StepBody:
         """The program for a call with ``args`` and ``kwargs`` (traced and compiled if new;
         nothing runs), and the state, batch leaves and batch tensors it takes."""
         names, state, context = self.capture.read()
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not kwargs and all(type(a) is Tensor for a in args):  # no pytree walk
+            leaves, spec = list(args), self._specs.get(len(args))
+            if spec is None:
+                spec = self._specs[len(args)] = pytree.tree_flatten((args, kwargs))[1]
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         donated = tuple(donated_positions(self.donate, args, leaves)) if self.donate else ()
         constants = tuple(

@@ -376,7 +376,7 @@ class Capture:
             status = exit_.grads[n]
             if status == "new":
                 p.grad = next(fresh)
-            elif status in ("none", "dropped"):
+            elif status in ("none", "dropped") and p.grad is not None:
                 p.grad = None
             if status == "dropped":
                 self.dropped.add(n)
