@@ -447,8 +447,13 @@ def test_default_dtype_is_part_of_the_signature() -> None:
     assert step.num_traces == 2
 
 
-def test_no_grad_is_an_error_like_eager_backward() -> None:
+@pytest.mark.parametrize("optimizer", ["AdamW", "RMSprop"])
+def test_no_grad_is_an_error_like_eager_backward(optimizer) -> None:
+    # AdamW: the pure step; RMSprop: the standard body on jit's pipeline.
     model, opt, step = pool_step(None)
+    if optimizer == "RMSprop":
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+        step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
     x, y = token_batches([5])[0]
     snap = Snapshot(model, opt, step)
     for context in (torch.no_grad, torch.inference_mode):

@@ -38,6 +38,7 @@ from ..transforms.precision import Precision, resolve_precision
 from .jit import jit
 from .step_fn import (
     LossFn,
+    check_grad_enabled,
     check_step_arguments,
     checked_loss,
     model_loss,
@@ -123,6 +124,7 @@ class BodyStep:
                 "a step with a loss_fn is called as step(inputs, targets); got "
                 f"{len(args)} positional and {len(kwargs)} keyword arguments"
             )
+        check_grad_enabled()
         out = self._jitted(*args, **kwargs)
         self._calls += 1
         if self.scaler is None:

@@ -42,7 +42,7 @@ from ..parallel.strategy import check_same_model, sync_from_rank0
 from ..parallel.tp_setup import TensorParallelSetup, split_parallel
 from ..transforms.precision import resolve_precision
 from ..transforms.remat import RematPolicy, validate_remat
-from .step_fn import LossFn, StepFunction, TrainState, check_step_arguments
+from .step_fn import LossFn, StepFunction, TrainState, check_grad_enabled, check_step_arguments
 from .step_programs import StepProgram, StepPrograms
 from .step_signature import StepSignature, describe_batch
 from .step_state import LiveState
@@ -355,13 +355,7 @@ class Step:
                 "destroyed (dist.destroy_process_group()). Build the step again after "
                 "functacc.init_distributed()."
             )
-        if not torch.is_grad_enabled():
-            # Eager PyTorch cannot train here either: backward() fails without autograd.
-            raise RuntimeError(
-                "the training step was called with gradients disabled (inside torch.no_grad() "
-                "or torch.inference_mode()); a training step needs autograd, as loss.backward() "
-                "does in eager PyTorch. Call it outside that context."
-            )
+        check_grad_enabled()
         if self.loss_fn is not None and (len(args) != 2 or kwargs):
             raise TypeError(
                 "with a loss_fn the step is called as step(inputs, targets); got "

@@ -192,6 +192,17 @@ def check_step_arguments(
     return unwrap(model)
 
 
+def check_grad_enabled() -> None:
+    """A training step called under ``torch.no_grad()`` or ``inference_mode()`` is an error:
+    eager PyTorch cannot train there either (``backward()`` fails without autograd)."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "the training step was called with gradients disabled (inside torch.no_grad() "
+            "or torch.inference_mode()); a training step needs autograd, as loss.backward() "
+            "does in eager PyTorch. Call it outside that context."
+        )
+
+
 def checked_loss(loss: Any, what: str) -> Tensor:
     """``loss`` if it is a 0-dim floating-point tensor, else a clear error."""
     if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
