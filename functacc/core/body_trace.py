@@ -27,6 +27,7 @@ from .capture import Exit
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .python_reach import Location, Root, plain_objects
+from .python_state import generator_key
 from .python_trace import Recorder
 
 __all__ = [
@@ -245,12 +246,12 @@ def known_generators(
 ) -> dict[int, tuple[torch.Generator, Tensor]]:
     """The ``torch.Generator`` objects the modules and the body's Python state hold now,
     with their states: a generator a trace finds in the graph that is not among them was
-    made by the body."""
+    made by the body. Keyed by :func:`generator_key`."""
     found: dict[int, tuple[torch.Generator, Tensor]] = {}
 
     def note(value: Any) -> None:
-        if isinstance(value, torch.Generator) and id(value) not in found:
-            found[id(value)] = (value, value.get_state())
+        if isinstance(value, torch.Generator) and generator_key(value) not in found:
+            found[generator_key(value)] = (value, value.get_state())
 
     for module in modules:
         for m in module.modules():

@@ -39,7 +39,7 @@ from .python_effects import SchedulerEvent, Seed, build
 from .python_reach import MISSING, Location, Root, find_roots
 from .python_trace import Recorder, Retry, groups_root
 
-__all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry"]
+__all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
 
 
 class Exact:
@@ -243,8 +243,8 @@ class PythonState:
             if not isinstance(g, torch.Generator):
                 continue
             now = g.get_state()
-            if id(g) in known:
-                before = known[id(g)][1]
+            if generator_key(g) in known:
+                before = known[generator_key(g)][1]
                 if torch.equal(before, now):
                     continue
                 g.set_state(before)  # the trace seeded it: undo, the run replays it
@@ -273,6 +273,12 @@ class PythonState:
             event.scheduler.step(*[build(a, (), {}) for a in event.args])
             replay.lrs[id(event.scheduler)].append(list(event.scheduler.get_last_lr()))
         return replay
+
+
+def generator_key(g: torch.Generator) -> int:
+    """Which generator ``g`` is: the traced graph holds another Python object around the
+    same C++ generator as the module's, so the object's ``id`` would not match it."""
+    return getattr(g, "_cdata", id(g))
 
 
 class Replay:
