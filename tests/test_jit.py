@@ -355,6 +355,32 @@ def test_trace_budget_raises_and_changes_nothing() -> None:
     assert_same(before, tensors_of([model], []))
 
 
+def test_one_module_and_one_optimizer_are_taken_without_a_list() -> None:
+    # jit(body, modules=model, optimizers=opt), as compile_step takes them (a module that
+    # is not iterable was a TypeError; a Sequential was taken as its children).
+    results = []
+    for jitted in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+
+        def body(x: Tensor, y: Tensor, model=model, opt=opt) -> Tensor:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = (
+            functacc.jit(body, modules=model, optimizers=opt, backend="eager") if jitted else body
+        )
+        torch.manual_seed(1)
+        losses = [step(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+        results.append((losses, tensors_of([model], [opt])))
+    assert [float(x) for x in results[0][0]] == [float(x) for x in results[1][0]]
+    assert_same(results[0][1], results[1][1])
+
+
 def test_a_module_not_given_is_an_error_not_a_constant() -> None:
     student, teacher, opt = example("distillation").build()
     body = example("distillation").make_step(student, teacher, opt)

@@ -132,8 +132,8 @@ class Jitted:
 def jit(
     fn: Callable[..., Any],
     *,
-    modules: Iterable[nn.Module] = (),
-    optimizers: Iterable[torch.optim.Optimizer] = (),
+    modules: nn.Module | Iterable[nn.Module] = (),
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
     donate: Collection[int] = (),
     backend: Backend = "inductor",
     inductor_options: dict[str, Any] | None = None,
@@ -153,9 +153,10 @@ def jit(
             come back detached).
         modules: every module whose parameters, buffers or ``.grad`` the body reads or
             writes (a student and its frozen teacher, a generator and a discriminator, an
-            EMA copy). Their state is read on every call; nothing is baked in.
-        optimizers: the optimizers the body steps: any ``torch.optim.Optimizer`` but LBFGS
-            and SparseAdam (SGD, Adam and AdamW run functacc's twins, others their own
+            EMA copy), or one module. Their state is read on every call; nothing is
+            baked in.
+        optimizers: the optimizers the body steps (or one): any ``torch.optim.Optimizer``
+            but LBFGS and SparseAdam (SGD, Adam and AdamW run functacc's twins, others their own
             ``step()``, traced; docs/optimizers.md); their state and ``param_groups`` stay
             live (schedules do not retrace). A ``torch.amp.GradScaler`` the body holds
             steps them inside the graph (docs/jit.md, "Mixed precision").
@@ -220,8 +221,9 @@ def jit(
     check_backend(backend)
     options = check_inductor_options(inductor_options, backend)
     check_background(background_compile, backend)
-    modules = list(modules)
-    optimizers = list(optimizers)
+    # One module is one module, not the children it iterates over (nn.Sequential does).
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"modules[{i}] must be a torch.nn.Module; got {type(m).__name__}")
