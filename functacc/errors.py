@@ -83,3 +83,16 @@ def host_random_error(generators: list[str]) -> TraceError:
         "graph, new at every step, and eager's numbers. A decision that skips a layer can be "
         "a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep."
     )
+
+
+def replaced_error(path: str, door: str) -> RuntimeError:
+    """A parameter, buffer or submodule (``path``, e.g. ``model.fc``) was replaced or
+    added after ``door`` (``compile_step``, ``functacc.jit``) built the step."""
+    return RuntimeError(
+        f"{path} was replaced or added after {door} built this step. The step trains the "
+        "tensors and modules it was built with, so it would keep updating the old ones while "
+        "the model uses the new (eager PyTorch would use the new). Change values in place "
+        "instead (e.g. module.running_mean.copy_(new), model.load_state_dict(...)), or build "
+        f"the step again with {door}(...) after changing the model (model.double() and "
+        "model.to(device) replace its buffers)."
+    )

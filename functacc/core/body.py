@@ -26,8 +26,15 @@ from torch import Tensor
 
 from ..backends import Backend, CudaGraphRunner, check_cuda_graphs
 from ..errors import TraceError
-from .body_trace import TracedBody, ValueGuard, known_generators, outside_tensor_error
-from .capture import Capture, Exit
+from .body_trace import (
+    Exit,
+    TracedBody,
+    ValueGuard,
+    dropped_gradient_error,
+    known_generators,
+    outside_tensor_error,
+)
+from .capture import Capture
 from .diagnostics import describe_tensor, message_root, translate
 from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
@@ -188,6 +195,8 @@ class StepBody:
             if program is None:  # the next call looks up again: this trace found guards
                 program = self._build(keys, names, state, leaves, spec, tensors, list(donated))
                 self._last = None
+                if self.capture.unalias():  # the run writes into the attributes' copies
+                    state = self.capture.read()[1]
             else:
                 self._last = (parts, program)
         return program, state, leaves, tensors
@@ -294,7 +303,9 @@ class StepBody:
         if self.capture.rest is not None:  # ZeRO-3: each unit gathered where first read
             sink_to_first_use(traced.graph, [i for i, n in enumerate(names) if n[:6] == "shard "])
         used = drop_unused_inputs(traced.graph)
-        self._check_stand_ins([names[i] for i in stand_ins if i in used])
+        read = [names[i].removeprefix("grad ") for i in stand_ins if i in used]
+        if read:
+            raise dropped_gradient_error(self.engine.cache.what, read)
         n_fixed = len(state) + len(fed)
         input_names = [*names, *(f"python {loc.label}" for loc in fed)]
         fingerprint = graph_fingerprint(
@@ -353,20 +364,6 @@ class StepBody:
                 written=written_inputs(program.graph),
             )
         return program
-
-    def _check_stand_ins(self, read: list[str]) -> None:
-        if not read:
-            return
-        read = [n.removeprefix("grad ") for n in read]
-        raise TraceError(
-            f"{self.engine.cache.what} reads the gradient that its previous call left on "
-            f"{', '.join(map(repr, read))}: it adds to it in backward() (accumulating over "
-            "calls), reads it, or zeroes it in place (zero_grad(set_to_none=False)). Under "
-            "ZeRO(2) a call's gradients do not outlive it (each rank keeps only its shard, "
-            "inside the call), so .grad is None after the call where eager leaves them. "
-            "Fix: clear them at the start of the step (opt.zero_grad()), accumulate "
-            "micro-batches inside one call, or use parallel=functacc.parallel.ZeRO(1)."
-        )
 
     def _captures(self, devices: frozenset[torch.device]) -> bool:
         """Whether this program is captured as a CUDA graph (``cuda_graphs``, checked

@@ -7,7 +7,7 @@ into the graph's outputs, in this order:
 
 1. the tensors the body returns (those written into a donated argument's memory are not
    outputs: their copy is one of the graph's final writes);
-2. the new ``.grad`` tensors (:class:`~.capture.Exit`);
+2. the new ``.grad`` tensors (:class:`Exit`);
 3. the Python values the body returns or writes that the graph computes: ``loss.item()``,
    a counter's new value, a tensor stored on an object (:mod:`.python_trace`).
 """
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ..errors import TraceError
-from .capture import Exit
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .python_reach import Location, Root, plain_objects
@@ -31,13 +31,39 @@ from .python_state import generator_key
 from .python_trace import Recorder
 
 __all__ = [
+    "Exit",
+    "GradExit",
     "TracedBody",
     "ValueGuard",
+    "dropped_gradient_error",
     "held_by",
     "known_generators",
     "mask_checks_on_values",
     "outside_tensor_error",
 ]
+
+
+GradExit = Literal["kept", "new", "none", "dropped"]
+"""What a parameter's ``.grad`` is after the body: the tensor it came in as (perhaps
+written in place), a new tensor (an output of the graph), ``None``, or a new tensor that
+ZeRO-2 does not keep past the call (``None`` after it)."""
+
+
+@dataclass
+class Exit:
+    """What the traced body left behind, beyond its return value and in-place writes."""
+
+    grads: dict[str, GradExit] = field(default_factory=dict)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    stepped: list[frozenset[str]] = field(default_factory=list)  # per optimizer
+    traced_grads: list[Tensor] = field(default_factory=list)  # while tracing: the new ones
+
+    def signature(self) -> tuple:
+        return (
+            tuple(self.grads.items()),
+            tuple(self.requires_grad.items()),
+            tuple(tuple(sorted(s)) for s in self.stepped),
+        )
 
 
 _NUMBER_KINDS = {torch.SymFloat: (float, torch.float64), torch.SymInt: (int, torch.int64)}
@@ -268,6 +294,19 @@ def known_generators(
         for v in obj.values() if isinstance(obj, dict) else obj:
             note(v)
     return found
+
+
+def dropped_gradient_error(what: str, read: list[str]) -> TraceError:
+    """``what`` (the step) reads gradients ZeRO-2 did not keep past the last call."""
+    return TraceError(
+        f"{what} reads the gradient that its previous call left on "
+        f"{', '.join(map(repr, read))}: it adds to it in backward() (accumulating over "
+        "calls), reads it, or zeroes it in place (zero_grad(set_to_none=False)). Under "
+        "ZeRO(2) a call's gradients do not outlive it (each rank keeps only its shard, "
+        "inside the call), so .grad is None after the call where eager leaves them. "
+        "Fix: clear them at the start of the step (opt.zero_grad()), accumulate "
+        "micro-batches inside one call, or use parallel=functacc.parallel.ZeRO(1)."
+    )
 
 
 def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> TraceError | None:

@@ -14,48 +14,32 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import argument_error
+from ..errors import argument_error, replaced_error
+from .body_trace import Exit
 from .diagnostics import describe_tensor
 from .foreach_versions import ForeachVersions
-from .functional import check_dense_gradients, swap_attributes, write_back_attributes
+from .functional import (
+    check_dense_gradients,
+    swap_attributes,
+    unalias_reassigned,
+    write_back_attributes,
+)
 from .model_watch import HookWatch, ModelWatch, StructureWatch
 from .optimizers import TracedOptimizer, link_optimizer, trace_optimizer
 
-__all__ = ["Capture", "Exit", "GradExit"]
-
-GradExit = Literal["kept", "new", "none", "dropped"]
-"""What a parameter's ``.grad`` is after the body: the tensor it came in as (perhaps
-written in place), a new tensor (an output of the graph), ``None``, or a new tensor that
-ZeRO-2 does not keep past the call (``None`` after it)."""
-
-
-@dataclass
-class Exit:
-    """What the traced body left behind, beyond its return value and in-place writes."""
-
-    grads: dict[str, GradExit] = field(default_factory=dict)
-    requires_grad: dict[str, bool] = field(default_factory=dict)
-    stepped: list[frozenset[str]] = field(default_factory=list)  # per optimizer
-    traced_grads: list[Tensor] = field(default_factory=list)  # while tracing: the new ones
-
-    def signature(self) -> tuple:
-        return (
-            tuple(self.grads.items()),
-            tuple(self.requires_grad.items()),
-            tuple(tuple(sorted(s)) for s in self.stepped),
-        )
+__all__ = ["Capture"]
 
 
 class Capture:
     """The modules' and optimizers' state of one jitted step.
 
-    ``labels`` name the modules in messages and state names (``generator.0.weight``).
+    ``labels`` name the modules in messages and state names (``generator.0.weight``);
+    ``door`` is the call that builds the step (``functacc.jit``, ``compile_step``).
     """
 
     def __init__(
@@ -64,7 +48,9 @@ class Capture:
         labels: Sequence[str],
         optimizers: Sequence[torch.optim.Optimizer],
         optimizer_labels: Sequence[str],
+        door: str = "functacc.jit",
     ):
+        self.door = door
         self.modules = list(modules)
         self.labels = list(labels)
         self.params: dict[str, Tensor] = {}
@@ -113,6 +99,8 @@ class Capture:
         # ZeRO-2: parameters whose gradient the last call dropped where eager would have
         # left it in .grad; the next trace checks that the body does not read it.
         self.dropped: set[str] = set()
+        # Tensor attributes the body assigns (written back into after each call).
+        self.reassigned: set[int] = set()
         self._watched: tuple | None = None
         # The hot path of read(): names computed once, and the last results (returned as
         # the same objects while unchanged, so a call's signature compares by identity).
@@ -228,13 +216,7 @@ class Capture:
         for label, structure in zip(self.labels, self.structures, strict=True):
             structure.rescan()
             if structure.replaced is not None:
-                raise RuntimeError(
-                    f"{label}.{structure.replaced} was replaced or added after functacc.jit "
-                    "built this step, which captured the modules' tensors then (model.to(), "
-                    "model.double() and assigning a new submodule replace them). Change "
-                    "values in place instead (p.copy_(...), load_state_dict), or build the "
-                    "step again with functacc.jit(...)."
-                )
+                raise replaced_error(f"{label}.{structure.replaced}", self.door)
 
     @contextlib.contextmanager
     def installed(
@@ -303,6 +285,13 @@ class Capture:
             yield exit_
             self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)
         write_back_attributes(self.attributes, attribute_inputs, reassigned)
+        self.reassigned.update(reassigned)
+
+    def unalias(self) -> bool:
+        """After a trace: the attributes it assigns get their own copies where they share
+        memory with a parameter (functional.unalias_reassigned); whether any did."""
+        model_tensors = [*self.params.values(), *self.buffers.values()]
+        return unalias_reassigned(self.attributes, self.reassigned, model_tensors)
 
     def _leave(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ __all__ = [
     "functionalize",
     "swap_attributes",
     "tensor_attributes",
+    "unalias_reassigned",
     "unwrap",
     "write_back_attributes",
 ]
@@ -177,6 +178,25 @@ def write_back_attributes(
                     "dtype. Register it as a buffer of that shape."
                 )
             old.copy_(value.detach())
+
+
+def unalias_reassigned(
+    attributes: Sequence[Attribute], indices: Iterable[int], model_tensors: Iterable[Tensor]
+) -> bool:
+    """Give each tensor attribute at ``indices`` (those a step assigns, and so writes back
+    into after every call) its own copy where it shares memory with one of
+    ``model_tensors``: ``weight_norm`` and ``spectral_norm`` start ``module.weight`` as
+    ``weight_orig.data``, and the write must not reach the parameter (eager replaces the
+    attribute at the first forward anyway). Returns whether any attribute was replaced."""
+    storages = {t.untyped_storage().data_ptr() for t in model_tensors} - {0}
+    replaced = False
+    for i in indices:
+        _, module, attr = attributes[i]
+        value = vars(module)[attr]
+        if value.untyped_storage().data_ptr() in storages:
+            vars(module)[attr] = value.clone()
+            replaced = True
+    return replaced
 
 
 def unwrap(model: nn.Module) -> nn.Module:

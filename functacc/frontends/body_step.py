@@ -31,11 +31,10 @@ from torch import Tensor, nn
 
 from ..backends import Backend
 from ..core.cache import TraceRecord, as_call, warm_up
-from ..core.grad_scaler import hold_grad_scaler
 from ..parallel import ZeRO
 from ..parallel.comm import CommStats, comm_stats
 from ..transforms.precision import Precision, resolve_precision
-from .jit import jit
+from .jit import build_jitted
 from .step_fn import (
     LossFn,
     check_grad_enabled,
@@ -98,7 +97,7 @@ class BodyStep:
         self.scaler = _grad_scaler(self.precision, self.model)
         self._calls = 0
         self._skipped: Tensor | None = None  # steps the scaler skipped, counted on the device
-        self._jitted = jit(
+        self._jitted = build_jitted(
             standard_body(self.model, loss_fn, opt, self.scaler, self),
             modules=[self.model],
             optimizers=[opt],
@@ -111,11 +110,10 @@ class BodyStep:
             cuda_graphs=cuda_graphs,
             remat=remat,
             remat_policy=remat_policy,
+            what="the training step",
+            door="compile_step",
+            scalers={"scaler": self.scaler} if self.scaler is not None else None,
         )
-        # Messages and retrace reasons speak of the step compile_step builds.
-        self._jitted._engine.cache.what = "the training step"
-        if self.scaler is not None:
-            hold_grad_scaler(self._jitted._engine, "scaler", self.scaler)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         """One training step; returns the loss, a detached 0-dim tensor."""

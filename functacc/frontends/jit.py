@@ -33,6 +33,7 @@ from ..backends import (
 from ..core.body import StepBody
 from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.capture import Capture
+from ..core.grad_scaler import hold_grad_scaler
 from ..parallel.jit_strategy import jit_strategy
 from ..parallel.tp_setup import TensorParallelSetup, split_parallel
 from ..transforms.remat import RematPolicy, validate_remat
@@ -216,6 +217,46 @@ def jit(
         >>> state["w"].shape
         torch.Size([3])
     """
+    return build_jitted(
+        fn,
+        modules=modules,
+        optimizers=optimizers,
+        donate=donate,
+        backend=backend,
+        inductor_options=inductor_options,
+        background_compile=background_compile,
+        dynamic=dynamic,
+        max_traces=max_traces,
+        parallel=parallel,
+        cuda_graphs=cuda_graphs,
+        remat=remat,
+        remat_policy=remat_policy,
+    )
+
+
+def build_jitted(
+    fn: Callable[..., Any],
+    *,
+    modules: Any,
+    optimizers: Any,
+    donate: Collection[int] = (),
+    backend: Backend,
+    inductor_options: dict[str, Any] | None,
+    background_compile: bool,
+    dynamic: bool | None,
+    max_traces: int | None,
+    parallel: Any,
+    cuda_graphs: bool | None,
+    remat: Collection[str] | None,
+    remat_policy: RematPolicy,
+    what: str | None = None,
+    door: str = "functacc.jit",
+    scalers: dict[str, torch.amp.GradScaler] | None = None,
+) -> Jitted:
+    """:func:`jit`, for a front door that writes the body itself (``compile_step``):
+    ``what`` names the step in messages and retrace reasons, ``door`` is the call that
+    builds it again, ``scalers`` are GradScalers the body holds by name (functacc's own
+    code, whose closure the body's Python scan does not read)."""
     if not callable(fn):
         raise TypeError(f"jit() takes a callable step body; got {type(fn).__name__}")
     check_backend(backend)
@@ -247,7 +288,7 @@ def jit(
     tensor_parallel, parallel = split_parallel(parallel)
     if tensor_parallel is not None:  # the modules keep their slices from here on
         tensor_parallel = TensorParallelSetup.build(tensor_parallel, modules, optimizers)
-    capture = Capture(modules, labels, optimizers, opt_labels)
+    capture = Capture(modules, labels, optimizers, opt_labels, door=door)
     capture.strategy = jit_strategy(parallel, capture, tensor_parallel)
     engine = StepBody(
         fn,
@@ -258,10 +299,12 @@ def jit(
         dynamic=dynamic,
         max_traces=max_traces,
         donate=donated,
-        what=f"the jitted step {getattr(fn, '__qualname__', 'fn')}",
+        what=what or f"the jitted step {getattr(fn, '__qualname__', 'fn')}",
         cuda_graphs=cuda_graphs,
         remat=Recompute(holder, recomputed, remat_policy) if recomputed else None,
     )
+    for name, scaler in (scalers or {}).items():
+        hold_grad_scaler(engine, name, scaler)
     return Jitted(fn, engine)
 
 

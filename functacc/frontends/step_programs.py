@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..backends import CudaGraphRunner
 from ..core.engine import Engine, Program
+from ..core.functional import unalias_reassigned
 from ..core.signature import TensorSpec, batch_names, family_key
 from ..core.tracer import Traced
 from ..parallel.comm import CommStats, comm_stats
@@ -132,19 +133,6 @@ class StepPrograms:
             values.append(value)
         return values
 
-    def _unalias_reassigned(self, indices: list[int]) -> None:
-        """A tensor attribute that the forward assigns is written back into after every
-        call. One that shares memory with a parameter or buffer (``weight_norm`` and
-        ``spectral_norm`` start ``module.weight`` as ``weight_orig.data``) gets its own
-        copy first, so the write cannot reach the parameter; eager replaces it at the first
-        forward anyway."""
-        for i in indices:
-            _, module, attr = self.attributes[i]
-            value = vars(module)[attr]
-            model_tensors = (*self.state.params.values(), *self.state.buffers.values())
-            if any(_shares_storage(value, t) for t in model_tensors):
-                vars(module)[attr] = value.clone()
-
     def _build(
         self,
         key: tuple,
@@ -185,7 +173,8 @@ class StepPrograms:
         plan.key, plan.family = self.signature.left_behind(
             key, family, watched, traced, run_trace, meta, lambda: self.context(count)
         )
-        self._unalias_reassigned(meta["reassigned"])
+        model_tensors = (*self.state.params.values(), *self.state.buffers.values())
+        unalias_reassigned(self.attributes, meta["reassigned"], model_tensors)
         graph = traced.graph
         if self.remat_policy != "full":
             selective = self.remat_policy == "selective"
@@ -199,10 +188,6 @@ class StepPrograms:
         )
         self.engine.keep(plan, program, traced, n_fixed=n_fixed)
         return program, plan.key
-
-
-def _shares_storage(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _communicates(strategy: Any) -> bool:

@@ -25,6 +25,7 @@ from ..core.functional import check_dense_gradients
 from ..core.model_watch import HookWatch, ModelWatch, StructureWatch
 from ..core.signature import AmbientWatch, BatchWatch, TensorSpec, hashable_constant
 from ..core.tracer import Traced
+from ..errors import replaced_error
 
 __all__ = ["StepSignature", "describe_batch"]
 
@@ -105,15 +106,7 @@ class StepSignature:
 
     def check_structure(self) -> None:
         if self.structure.replaced is not None:
-            raise RuntimeError(
-                f"model.{self.structure.replaced} was replaced or added after compile_step "
-                "built this step. The step trains the tensors and modules it was built "
-                "with, so it would keep updating the old ones while the model uses the new "
-                "(eager PyTorch would use the new). Change values in place instead (e.g. "
-                "module.running_mean.copy_(new), model.load_state_dict(...)), or build a new "
-                "step with compile_step(...) after changing the model (model.double() and "
-                "model.to(device) replace its buffers)."
-            )
+            raise replaced_error(f"model.{self.structure.replaced}", "compile_step")
 
     def batch(self, args: tuple, kwargs: dict) -> tuple[list[Tensor], tuple]:
         """The batch's tensors and its signature key (its first part: the tensor specs)."""
