@@ -29,6 +29,7 @@ from .grad_scaler import scalers_step_in_graph
 from .python_reach import Location, Root, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
+from .torch_checkpoint import no_checkpoint_draws
 
 __all__ = [
     "Exit",
@@ -120,6 +121,7 @@ class TracedBody:
                 torch.set_grad_enabled(self.grad_mode),
                 remat.active() if remat is not None else contextlib.nullcontext(),
                 scalers_step_in_graph() if self.step.scalers else contextlib.nullcontext(),
+                no_checkpoint_draws(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)

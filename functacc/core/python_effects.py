@@ -29,6 +29,7 @@ import torch
 
 from ..errors import TraceError
 from .python_reach import MISSING, Location
+from .torch_checkpoint import in_torch_checkpoint
 
 __all__ = [
     "Effect",
@@ -220,8 +221,10 @@ def _seeding(recorder: Any, function: Callable[[int], Any], name: str) -> Callab
     return seed
 
 
-def _refused(name: str, advice: str) -> Callable:
+def _refused(name: str, advice: str, original: Callable) -> Callable:
     def refuse(*args: Any, **kwargs: Any) -> Any:
+        if in_torch_checkpoint():  # puts back the forward's state: see torch_checkpoint.py
+            return original(*args, **kwargs)
         raise TraceError(
             f"the step calls {name}() while functacc.jit traces it. The step's random draws "
             f"are ops of its graph, drawn on every call; {advice}"
@@ -281,6 +284,7 @@ def patch_random_and_schedulers(recorder: Any) -> Callable[[], None]:
                 "a generator state set inside the step cannot be replayed before them. Fix: "
                 "seed with torch.manual_seed(int) at the start of the step (replayed on every "
                 "call), or set the state before calling the step.",
+                getattr(owner, name, None),
             ),
         )
 

@@ -19,12 +19,13 @@ from torch import Tensor, nn
 from ..backends import mark_optimizer_inputs
 from ..core.diagnostics import describe_tensor
 from ..core.functional import call_module, swap_attributes, unwrap
+from ..core.torch_checkpoint import no_checkpoint_draws
 from ..errors import argument_error
 from ..optim import GradientTransformation
 from ..optim._transform import step_params
 from ..parallel.strategy import Strategy
 from ..transforms.precision import Precision
-from ..transforms.remat import no_checkpoint_draws, rematerialize
+from ..transforms.remat import rematerialize
 
 __all__ = ["LossFn", "StepFunction", "TrainState", "flat_form"]
 

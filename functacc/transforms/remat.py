@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import sys
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -32,7 +30,6 @@ __all__ = [
     "POLICIES",
     "RECOMPUTE",
     "RematPolicy",
-    "no_checkpoint_draws",
     "rematerialize",
     "validate_remat",
 ]
@@ -194,44 +191,3 @@ def rematerialize(model: nn.Module, classes: Collection[str]) -> Iterator[None]:
     finally:
         for module in patched:
             del module.forward
-
-
-class _NoCheckpointDraws(TorchDispatchMode):
-    """Refuses a random draw made by ``torch.utils.checkpoint``'s recomputation while the
-    step takes its gradients. Eager restores the forward's RNG state before recomputing, so
-    the recomputed dropout masks equal the forward's; a traced graph cannot restore it (the
-    restore happens in Python at trace time), so its recomputation would draw new masks and
-    silently give other gradients. functacc's own ``remat`` replays the forward's draws."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        if torch.Tag.nondeterministic_seeded in func.tags and _in_torch_checkpoint():
-            from ..errors import argument_error
-
-            raise argument_error(
-                f"torch.utils.checkpoint recomputes a region that draws random numbers "
-                f"({func._overloadpacket.__name__}, e.g. dropout) during backward. Eager "
-                "PyTorch replays the forward's random state there; a compiled step cannot, "
-                "and would use other dropout masks. Let functacc recompute instead: remove "
-                "the checkpoint call (or turn off the model's gradient checkpointing) and "
-                "pass compile_step(..., remat={'BlockClassName'}), which keeps the masks."
-            )
-        return func(*args, **(kwargs or {}))
-
-
-def _in_torch_checkpoint() -> bool:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
-            return True
-        frame = frame.f_back
-    return False
-
-
-_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
-
-
-@contextlib.contextmanager
-def no_checkpoint_draws() -> Iterator[None]:
-    """Around the trace's ``torch.autograd.grad``: see :class:`_NoCheckpointDraws`."""
-    with _NoCheckpointDraws():
-        yield
