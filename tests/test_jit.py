@@ -381,6 +381,43 @@ def test_one_module_and_one_optimizer_are_taken_without_a_list() -> None:
     assert_same(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize(
+    ("opt_cls", "entry", "reason"),
+    [
+        (torch.optim.SGD, "nesterov", "optimizer hyperparameters opt nesterov: False -> True"),
+        (torch.optim.RMSprop, "maximize", "python opt.param_groups[0]['maximize']: False -> True"),
+    ],
+    ids=["twin", "own step"],
+)
+def test_retrace_reasons_name_what_changed(opt_cls, entry, reason) -> None:
+    # Each used to print the whole tuple of state names, or "False -> True" alone.
+    model = nn.Linear(4, 2)
+    opt = opt_cls(model.parameters(), lr=0.1, momentum=0.9)
+
+    def body(x: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = functacc.jit(body, modules=model, optimizers=opt, backend="eager")
+    step(torch.randn(3, 4))
+    step(torch.randn(3, 4))
+    opt.param_groups[0][entry] = True
+    step(torch.randn(3, 4))
+    assert step.traces[-1].reason == reason
+
+
+def test_a_retrace_for_new_state_names_it() -> None:
+    # The gradients a call leaves are state the next call takes (the body may read them).
+    model = nn.Linear(4, 2)
+    step = functacc.jit(lambda x: model(x).sum().backward(), modules=model, backend="eager")
+    step(torch.randn(3, 4))
+    step(torch.randn(3, 4))
+    assert step.traces[-1].reason == "state: grad model.weight, grad model.bias added"
+
+
 def test_a_module_not_given_is_an_error_not_a_constant() -> None:
     student, teacher, opt = example("distillation").build()
     body = example("distillation").make_step(student, teacher, opt)

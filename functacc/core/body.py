@@ -177,7 +177,7 @@ class StepBody:
 
             def keys() -> tuple[tuple, tuple]:
                 full = (
-                    names,
+                    ("state", names),
                     parts[1],
                     context,
                     ("ambient", parts[3]),

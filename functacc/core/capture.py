@@ -163,7 +163,7 @@ class Capture:
             self._watched = watched
         structure = []
         for opt in self.optimizers:
-            structure.append(opt.refresh())
+            structure.append((opt.label, opt.refresh()))
             paths, leaves = opt.leaves()
             labelled = self._labelled.get(id(paths))
             if labelled is None or labelled[0] is not paths:
@@ -172,7 +172,12 @@ class Capture:
             names.extend(labelled[1])
             tensors.extend(leaves)
         hooks = tuple(h.key() for h in self.hooks)
-        key = (watched, hooks, tuple(structure), getattr(self.strategy, "signature", tuple)())
+        key = (
+            watched,
+            ("hooks", hooks),
+            ("optimizer hyperparameters", tuple(structure)),
+            ("parallel", getattr(self.strategy, "signature", tuple)()),
+        )
         if key != self._context:
             self._context = key
         named = tuple(names)

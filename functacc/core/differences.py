@@ -43,6 +43,13 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
                 if a != b:
                     inner = f"{path}[{i}]" if path and _is_sequence_of_specs(old) else path
                     return describe_difference(a, b, inner)
+        elif _all_str(old) and _all_str(new):  # names added or removed (a step's state)
+            where = f"{path}: " if path else ""
+            added = [n for n in new if n not in set(old)]
+            removed = [n for n in old if n not in set(new)]
+            return where + "; ".join(
+                filter(None, (_listed(added, "added"), _listed(removed, "removed")))
+            )
         elif _is_labelled(old) and _is_labelled(new):  # entries added or removed
             before, after = dict(old), dict(new)
             added = [label for label in after if label not in before]
@@ -111,3 +118,14 @@ def _is_sequence_of_specs(key: tuple) -> bool:
 def _is_labelled(key: tuple) -> bool:
     """A tuple of ``(label, value)`` pairs, as keys hold a container's entries."""
     return all(type(x) is tuple and len(x) == 2 and isinstance(x[0], str) for x in key)
+
+
+def _all_str(key: tuple) -> bool:
+    return bool(key) and all(isinstance(x, str) for x in key)
+
+
+def _listed(names: list[str], what: str) -> str:
+    if not names:
+        return ""
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{shown} {what}"

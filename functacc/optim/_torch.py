@@ -91,19 +91,21 @@ _WATCHED = (
 
 
 def _structure(optimizer: torch.optim.Optimizer, group: Mapping) -> tuple:
+    """The entries of ``group`` that shape the graph, as ``(name, value)`` pairs (retrace
+    reasons name the one that changed)."""
     if isinstance(optimizer, torch.optim.SGD):
         return (
-            bool(group["nesterov"]),
-            bool(group["maximize"]),
-            _float(group["momentum"]) != 0,
-            _float(group["weight_decay"]) != 0,
+            ("nesterov", bool(group["nesterov"])),
+            ("maximize", bool(group["maximize"])),
+            ("momentum != 0", _float(group["momentum"]) != 0),
+            ("weight_decay != 0", _float(group["weight_decay"]) != 0),
         )
     return (
-        bool(group["amsgrad"]),
-        bool(group["maximize"]),
-        _decoupled(optimizer, group),
-        _float(group["weight_decay"]) != 0,
-        tuple(sorted(_tensor_dtypes(group).items(), key=str)),
+        ("amsgrad", bool(group["amsgrad"])),
+        ("maximize", bool(group["maximize"])),
+        ("decoupled weight decay", _decoupled(optimizer, group)),
+        ("weight_decay != 0", _float(group["weight_decay"]) != 0),
+        ("tensor entries", tuple(sorted(_tensor_dtypes(group).items(), key=str))),
     )
 
 
