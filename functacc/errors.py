@@ -96,3 +96,13 @@ def replaced_error(path: str, door: str) -> RuntimeError:
         f"the step again with {door}(...) after changing the model (model.double() and "
         "model.to(device) replace its buffers)."
     )
+
+
+def foreign_parameter_error(label: str, group: int, index: int, shape: tuple) -> ValueError:
+    """``label``'s optimizer holds a parameter of none of the step's modules."""
+    return ValueError(
+        f"{label}.param_groups[{group}]['params'][{index}] (shape {shape}) is not a parameter "
+        "of the step's modules (the model given to compile_step, or the modules= given to "
+        "functacc.jit). Build the optimizer on their parameters, or give functacc.jit the "
+        "module that owns it in modules=(...)."
+    )

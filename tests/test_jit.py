@@ -454,7 +454,9 @@ def test_data_dependent_control_flow_is_a_clear_error() -> None:
 def test_bad_optimizers_are_clear_errors() -> None:
     model, _ = linear_case()
     other = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="belongs to none of the modules"):
+    with pytest.raises(
+        ValueError, match=r"\[0\] \(shape \(2, 2\)\) is not a parameter of the step.s modules"
+    ):
         functacc.jit(
             lambda: None, modules=[model], optimizers=[torch.optim.SGD(other.parameters(), 0.1)]
         )

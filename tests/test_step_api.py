@@ -298,17 +298,25 @@ class PlainAttribute(nn.Module):
         return self.lin(x) * self.scale
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_plain_tensor_attributes_are_read_every_call_like_eager(backend) -> None:
+@pytest.mark.parametrize(
+    ("backend", "opt_cls"),
+    [
+        ("eager", torch.optim.SGD),
+        pytest.param("inductor", torch.optim.SGD, marks=pytest.mark.inductor),
+        ("eager", torch.optim.RMSprop),  # jit's pipeline
+    ],
+    ids=["eager", "inductor", "eager-RMSprop"],
+)
+def test_plain_tensor_attributes_are_read_every_call_like_eager(backend, opt_cls) -> None:
     # Eager reads the attribute in every forward: an in-place change and a new tensor
     # assigned between steps both take effect, with either backend.
     torch.manual_seed(0)
     model = PlainAttribute()
     ref = copy.deepcopy(model)
     step = functacc.compile_step(
-        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend=backend
+        model, nn.MSELoss(), opt_cls(model.parameters(), lr=0.1), backend=backend
     )
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt = opt_cls(ref.parameters(), lr=0.1)
     x, y = torch.randn(3, 4), torch.randn(3, 2)
     tol = 0.0 if backend == "eager" else 1e-6  # Inductor fuses the float32 arithmetic
 
@@ -330,7 +338,8 @@ def test_plain_tensor_attributes_are_read_every_call_like_eager(backend) -> None
     assert step.num_traces == 1
     assert_close(model.state_dict(), ref.state_dict(), rtol=tol, atol=tol, what="model")
     model.scale = None
-    with pytest.raises(TypeError, match=r"tensor attribute 'scale' is now NoneType"):
+    # jit's pipeline names it from the step's modules ('model.scale')
+    with pytest.raises(TypeError, match=r"tensor attribute '(model\.)?scale' is now NoneType"):
         step(x, y)
 
 
@@ -615,9 +624,17 @@ def test_add_param_group_between_steps_trains_the_new_group_like_eager(optimizer
     assert step.num_traces == 2
 
 
-def test_adding_a_foreign_parameter_to_the_optimizer_is_an_error_every_call() -> None:
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        lambda params: torch.optim.RMSprop(params, lr=0.01),  # jit's pipeline: was a KeyError
+    ],
+    ids=["SGD", "RMSprop"],
+)
+def test_adding_a_foreign_parameter_to_the_optimizer_is_an_error_every_call(make_opt) -> None:
     model = models.mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = make_opt(model.parameters())
     step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     step(x, y)

@@ -141,8 +141,9 @@ class Capture:
             if not isinstance(value, Tensor):
                 raise argument_error(
                     f"the tensor attribute {qualified!r} is now {type(value).__name__}; the "
-                    "jitted step reads it as an input on every call. Keep it a tensor, or "
-                    "build the step again."
+                    "step reads it as a tensor input on every call. Keep it a tensor (or "
+                    f"register it as a buffer), or build the step again with {self.door}.",
+                    TypeError,
                 )
             names.append(f"attribute {qualified}")
             tensors.append(value)

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from ..errors import argument_error
-from ..optim._torch import TorchOptimizerLink, _check_supported
+from ..optim._torch import TorchOptimizerLink, _check_supported, check_owned_parameters
 from ..optim._transform import step_params
 
 __all__ = ["LinkedOptimizer", "TracedOptimizer", "link_optimizer", "trace_optimizer"]
@@ -64,14 +64,7 @@ class LinkedOptimizer:
                 "a jitted step runs the optimizer's update inside its graph, where those "
                 "Python hooks would not run on every call. Remove them (handle.remove())."
             )
-        for i, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                if id(p) not in names:
-                    raise argument_error(
-                        f"{label}.param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)}) "
-                        "belongs to none of the modules given to functacc.jit. Add the module "
-                        "that owns it to modules=(...)."
-                    )
+        check_owned_parameters(optimizer, names, label)
         self.optimizer = optimizer
         self.label = label
         self.names = names
@@ -131,6 +124,11 @@ class LinkedOptimizer:
                     )
                 # add_param_group(): as in eager, the new parameters train from now on; the
                 # state of those trained so far carries over (it is torch's own).
+                try:
+                    check_owned_parameters(self.optimizer, self.names, self.label)
+                except ValueError:
+                    self.link.forget_poll()  # the same check, and error, at the next call
+                    raise
                 self._link_up()
                 return self._structure
             structure = self.link.structure_key()

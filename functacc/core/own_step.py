@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..errors import argument_error
+from ..optim._torch import check_owned_parameters
 from .own_step_state import _NotAhead, initial_state
 from .python_reach import Location, Root
 
@@ -74,13 +75,7 @@ def check_traceable(optimizer: torch.optim.Optimizer, names: Mapping[int, str], 
                 "support (the optimizer step is not differentiated through); create the "
                 "optimizer with differentiable=False."
             )
-        for j, p in enumerate(group["params"]):
-            if id(p) not in names:
-                raise argument_error(
-                    f"{label}.param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)}) "
-                    "belongs to none of the modules given to functacc.jit. Add the module "
-                    "that owns it to modules=(...)."
-                )
+    check_owned_parameters(optimizer, names, label)
 
 
 # -- across calls --------------------------------------------------------------------------
@@ -118,6 +113,7 @@ class OwnStepLink:
 
     def _link_up(self) -> None:
         opt = self.optimizer
+        check_owned_parameters(opt, self.names, self.label)  # add_param_group: every call
         self.groups = [[self.names[id(p)] for p in g["params"]] for g in opt.param_groups]
         self.link = _Groups(self.groups)
         self.params = {self.names[id(p)]: p for g in opt.param_groups for p in g["params"]}

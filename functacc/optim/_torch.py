@@ -14,15 +14,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import foreign_parameter_error
 from ._adam import AdamState, adam, step_dtype
 from ._partition import partition
 from ._sgd import SGDState, sgd
 from ._transform import GradientTransformation, Params
 
-__all__ = ["TorchOptimizerLink", "from_torch"]
+__all__ = ["TorchOptimizerLink", "check_owned_parameters", "from_torch"]
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 SUPPORTED_NAMES = "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"
+
+
+def check_owned_parameters(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str = "optimizer"
+) -> None:
+    """Every parameter of ``optimizer`` is one of the step's (a key of ``names``, by id)."""
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in names:
+                raise foreign_parameter_error(label, i, j, tuple(p.shape))
 
 
 def _float(value: Any) -> float:
@@ -177,15 +188,10 @@ class TorchOptimizerLink:
         self.optimizer = optimizer
         self.groups: list[list[str]] = []
         self.params: dict[str, Tensor] = {}
-        for i, group in enumerate(optimizer.param_groups):
+        check_owned_parameters(optimizer, names)
+        for group in optimizer.param_groups:
             group_names = []
-            for j, p in enumerate(group["params"]):
-                if id(p) not in names:
-                    raise ValueError(
-                        f"optimizer.param_groups[{i}]['params'][{j}] (shape "
-                        f"{tuple(p.shape)}) is not a parameter of the model. Build the "
-                        "optimizer on model.parameters() of the model given to functacc."
-                    )
+            for p in group["params"]:
                 group_names.append(names[id(p)])
                 self.params[names[id(p)]] = p
             self.groups.append(group_names)
