@@ -668,7 +668,8 @@ def test_torch_checkpoint_recomputing_dropout_is_an_error(opt_cls) -> None:
     snap.assert_unchanged()
 
 
-def test_sparse_embedding_gradients_are_a_clear_error() -> None:
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.RMSprop], ids=["SGD", "RMSprop"])
+def test_sparse_embedding_gradients_are_a_clear_error(opt_cls) -> None:
     class Bag(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -681,13 +682,11 @@ def test_sparse_embedding_gradients_are_a_clear_error() -> None:
     model = Bag()
     tokens, labels = torch.randint(0, 20, (4, 5)), torch.randint(0, 3, (4,))
     with pytest.raises(ValueError, match=r"emb \(Embedding\) has sparse=True.*sparse=False"):
-        functacc.compile_step(
-            model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1)
-        )
+        functacc.compile_step(model, nn.CrossEntropyLoss(), opt_cls(model.parameters(), lr=0.1))
     # Frozen, it has no gradient: fine. Unfrozen between steps: the same error, nothing
     # changed (before: "tracing the training step failed ... addcmul ... SparseCPU").
     model.emb.weight.requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = opt_cls(model.parameters(), lr=0.1)
     step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
     step(tokens, labels)
     model.emb.weight.requires_grad_(True)

@@ -219,7 +219,10 @@ class Capture:
         """A parameter, buffer or submodule replaced or added after the step was built
         (``model.fc = nn.Linear(...)``, ``model.double()``): the step would go on training
         the old tensors while the module uses the new ones. Eager would use the new."""
-        for label, structure in zip(self.labels, self.structures, strict=True):
+        for label, module, structure in zip(
+            self.labels, self.modules, self.structures, strict=True
+        ):
+            check_dense_gradients(module)  # a sparse embedding unfrozen since
             structure.rescan()
             if structure.replaced is not None:
                 raise replaced_error(f"{label}.{structure.replaced}", self.door)
