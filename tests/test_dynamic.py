@@ -423,14 +423,17 @@ class MakesTensors(nn.Module):
         return self.lin(x) * torch.ones(2).sum()  # dtype from torch.get_default_dtype()
 
 
-def test_default_dtype_is_part_of_the_signature() -> None:
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.RMSprop], ids=["SGD", "RMSprop"])
+def test_default_dtype_is_part_of_the_signature(opt_cls) -> None:
+    # RMSprop (jit's pipeline) reused the float32 graph: one the eager backend runs right
+    # (its ones() takes the default dtype when it runs), but Inductor bakes the dtype in.
     torch.manual_seed(0)
     model = MakesTensors()
     ref = copy.deepcopy(model)
     step = functacc.compile_step(
-        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), backend="eager"
+        model, nn.MSELoss(), opt_cls(model.parameters(), lr=0.1), backend="eager"
     )
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt = opt_cls(ref.parameters(), lr=0.1)
     x, y = torch.randn(3, 4), torch.randn(3, 2)
     previous = torch.get_default_dtype()
     try:

@@ -35,7 +35,7 @@ from .body_trace import (
     outside_tensor_error,
 )
 from .capture import Capture
-from .diagnostics import describe_tensor, message_root, translate
+from .diagnostics import describe_leaves, message_root, translate
 from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
 from .grad_scaler import attach_grad_scalers
@@ -209,7 +209,7 @@ class StepBody:
         flat = [*state, *self.python.inputs(program.python), *tensors]
         try:
             outputs = self.engine.run(
-                program, [flat[i] for i in program.used], lambda: _describe(leaves)
+                program, [flat[i] for i in program.used], lambda: describe_leaves(leaves)
             )
         except BaseException:
             replay.undo()
@@ -261,7 +261,7 @@ class StepBody:
     ) -> BodyProgram:
         key, family = keys()
         names_of = batch_names(*pytree.tree_unflatten(leaves, spec), positional_names(self.fn))
-        plan = self.engine.plan(key, family, names_of, tensors, _describe(leaves))
+        plan = self.engine.plan(key, family, names_of, tensors, describe_leaves(leaves))
         stand_ins = self.capture.stand_ins(names, state)
         # Counters the body writes are fed from the first trace, numbers it branches on are
         # guarded: each discovery traces again (fake tensors, cheap), never compiles twice.
@@ -315,7 +315,14 @@ class StepBody:
                 TensorSpec.of(e) if _is_t(e) else type(e).__name__
                 for e in (example[i] for i in used)
             ],
-            (body.exit.signature(), body.out_spec, _kinds_key(body.kinds), python.signature()),
+            # Factory ops traced without a dtype take the default one (Inductor bakes it in).
+            (
+                body.exit.signature(),
+                body.out_spec,
+                _kinds_key(body.kinds),
+                python.signature(),
+                torch.get_default_dtype(),
+            ),
         )
         program = BodyProgram(
             run=None,  # type: ignore[arg-type]  # set below
@@ -389,8 +396,3 @@ def _kinds_key(kinds: list[Any]) -> tuple:
 
 def _is_t(x: Any) -> bool:
     return isinstance(x, Tensor)
-
-
-def _describe(leaves: list) -> str:
-    parts = [describe_tensor(x) if isinstance(x, Tensor) else repr(x) for x in leaves]
-    return "; ".join(parts) or "no inputs"

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..errors import TraceError
 
-__all__ = ["describe_tensor", "message_root", "run_error", "translate"]
+__all__ = ["describe_leaves", "describe_tensor", "message_root", "run_error", "translate"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
@@ -29,6 +29,13 @@ _STDLIB_DIR = os.path.dirname(os.__file__)
 def describe_tensor(t: Tensor) -> str:
     dtype = str(t.dtype).removeprefix("torch.")
     return f"{tuple(t.shape)} {dtype} on {t.device}"
+
+
+def describe_leaves(leaves: list) -> str:
+    """A call's leaves for messages: each tensor's shape, dtype and device, other values
+    as they print."""
+    parts = [describe_tensor(x) if isinstance(x, Tensor) else repr(x) for x in leaves]
+    return "; ".join(parts) or "no inputs"
 
 
 def message_root(modules: list[nn.Module], labels: list[str]) -> nn.Module:

@@ -232,7 +232,10 @@ def standard_body(
     device_type = next((p.device.type for p in model.parameters()), "cpu")
 
     def step(model: nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        opt.zero_grad(set_to_none=True)
+        # The model's gradients, not only the optimizer's: those of trainable parameters the
+        # optimizer does not hold (frozen for it) live only inside the step too, as with
+        # the pure step, instead of accumulating in .grad from call to call.
+        model.zero_grad(set_to_none=True)
         losses = []
         for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
             with precision.autocast(device_type) if precision else contextlib.nullcontext():
@@ -255,12 +258,12 @@ def standard_body(
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
         if scaler is None:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             return loss
         scale = scaler._scale.clone()  # it backs off exactly when the step is skipped
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         return loss, (scaler._scale < scale).to(torch.int64)
 
     if loss_fn is not None:
