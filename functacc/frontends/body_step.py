@@ -113,6 +113,7 @@ class BodyStep:
             what="the training step",
             door="compile_step",
             scalers={"scaler": self.scaler} if self.scaler is not None else None,
+            stacklevel=5,  # compile_step's caller
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:

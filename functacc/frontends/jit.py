@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._env import env_flag
 from ..backends import (
     Backend,
     check_backend,
@@ -30,6 +31,8 @@ from ..backends import (
     check_cuda_graphs,
     check_inductor_options,
 )
+from ..backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
+from ..backends.host_memory import keep_freed_memory
 from ..core.body import StepBody
 from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.capture import Capture
@@ -206,6 +209,10 @@ def jit(
     tensor) is an error naming the op, never a constant baked into the graph. Python side
     effects run once, when the body is traced.
 
+    On CPU (with glibc), building a step makes ``malloc`` keep freed memory for the next
+    step, as ``compile_step`` does (``FUNCTACC_KEEP_HOST_MEMORY=0`` turns it off; see
+    :mod:`functacc.host_memory`).
+
     Example (pure form):
         >>> import torch, functacc
         >>> def sgd_step(state, x):
@@ -252,14 +259,17 @@ def build_jitted(
     what: str | None = None,
     door: str = "functacc.jit",
     scalers: dict[str, torch.amp.GradScaler] | None = None,
+    stacklevel: int = 4,
 ) -> Jitted:
     """:func:`jit`, for a front door that writes the body itself (``compile_step``):
     ``what`` names the step in messages and retrace reasons, ``door`` is the call that
     builds it again, ``scalers`` are GradScalers the body holds by name (functacc's own
-    code, whose closure the body's Python scan does not read)."""
+    code, whose closure the body's Python scan does not read); ``stacklevel`` makes
+    warnings point at the user's call (4: ``jit(...)``'s caller)."""
     if not callable(fn):
         raise TypeError(f"jit() takes a callable step body; got {type(fn).__name__}")
     check_backend(backend)
+    keep_host_memory = env_flag(HOST_MEMORY_ENV, True)  # a bad value fails before any work
     options = check_inductor_options(inductor_options, backend)
     check_background(background_compile, backend)
     # One module is one module, not the children it iterates over (nn.Sequential does).
@@ -284,7 +294,7 @@ def build_jitted(
     labels = _labels(fn, modules, "modules")
     opt_labels = _labels(fn, optimizers, "optimizers")
     holder = nn.ModuleDict(dict(zip(labels, modules, strict=True)))
-    recomputed = validate_remat(holder, remat, remat_policy, stacklevel=3)
+    recomputed = validate_remat(holder, remat, remat_policy, stacklevel=stacklevel)
     tensor_parallel, parallel = split_parallel(parallel)
     if tensor_parallel is not None:  # the modules keep their slices from here on
         tensor_parallel = TensorParallelSetup.build(tensor_parallel, modules, optimizers)
@@ -305,6 +315,9 @@ def build_jitted(
     )
     for name, scaler in (scalers or {}).items():
         hold_grad_scaler(engine, name, scaler)
+    if keep_host_memory and all(p.device.type == "cpu" for p in params):
+        # Last, so that a step that fails to build changes nothing in the process.
+        keep_freed_memory()
     return Jitted(fn, engine)
 
 
