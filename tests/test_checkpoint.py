@@ -347,14 +347,16 @@ def test_crash_and_restart_under_torchrun(tmp_path) -> None:
     assert_close(crashed["state"], uninterrupted["state"], rtol=0, atol=0, what="final params")
 
 
-def test_resume_with_tensor_hyperparameters_keeps_them_tensors(tmp_path) -> None:
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.NAdam])
+def test_resume_with_tensor_hyperparameters_keeps_them_tensors(tmp_path, opt_cls) -> None:
     # lr=torch.tensor(...) changes how torch.optim.Adam rounds its step size; a loaded
     # checkpoint must leave it a tensor (filled in place, as torch's schedulers do), or the
     # resumed run would round as with a float lr and drift from the uninterrupted one.
+    # NAdam: compile_step on jit's pipeline (whose load replaced the tensor).
     def build():
         torch.manual_seed(0)
         model = models.mlp()
-        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(2e-3), betas=(0.8, 0.99))
+        opt = opt_cls(model.parameters(), lr=torch.tensor(2e-3), betas=(0.8, 0.99))
         return model, opt, functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
 
     batches = [(torch.randn(8, 16), torch.randn(8, 5)) for _ in range(6)]

@@ -139,7 +139,13 @@ class BodyLayout(Layout):
                 state.setdefault(int(index), {})[name] = value
         for index, values in saved["numbers"].items():
             state.setdefault(int(index), {}).update(values)
+        held = [{k: v for k, v in g.items() if isinstance(v, Tensor)} for g in opt.param_groups]
         opt.load_state_dict({"state": state, "param_groups": groups})
+        for group, tensors in zip(opt.param_groups, held, strict=True):
+            for key, tensor in tensors.items():  # lr=torch.tensor(...): filled in place,
+                with torch.no_grad():  # as torch's schedulers keep it
+                    tensor.copy_(group[key])
+                group[key] = tensor
         if step.scaler is not None and saved["scaler"] is not None:
             step.scaler.load_state_dict(saved["scaler"])
         step._calls = saved["count"]
