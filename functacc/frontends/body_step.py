@@ -213,7 +213,9 @@ class BodyStep:
         }
 
     def sync_model(self) -> nn.Module:
-        """The model (it holds the trained parameters after every call)."""
+        """The model, holding the trained parameters (under ZeRO-3 gathered into it: a
+        collective call, every rank makes it; elsewhere it holds them after every call)."""
+        self._jitted.sync_modules()
         return self.model
 
 
