@@ -197,7 +197,11 @@ class BodyStep:
             name = f"ZeRO-{self.parallel.stage}"
         else:
             name = "data parallel" if world > 1 else "single process"
-        state = [t for s in self.optimizer.state.values() for t in s.values()]
+        capture = self._jitted._engine.capture
+        rest = capture.rest  # ZeRO-3: the parameters this rank keeps are chunks
+        params = [p for n, p in capture.params.items() if rest is None or n not in rest.names]
+        params += list(rest.chunks.values()) if rest is not None else []
+        state = [t for linked in capture.optimizers for t in linked.leaves()[1]]
         return {
             "strategy": name,
             "world_size": world,
@@ -205,7 +209,7 @@ class BodyStep:
             "payload_bytes": dict(comm.payload_bytes),
             "sent_bytes": dict(comm.sent_bytes),
             "memory": {
-                "params": _nbytes(list(self.model.parameters())),
+                "params": _nbytes(params),
                 "grads": 0,
                 "optimizer": _nbytes(state),
                 "buffers": _nbytes(list(self.model.buffers())),

@@ -82,14 +82,29 @@ def train(model_name: str, opt_name: str, parallel, *, seed_by_rank: bool = Fals
     for x, y in batches(kind, world):
         losses.append(step(x.chunk(world)[rank], y.chunk(world)[rank]))
     step.sync_model()
-    held = sum(t.numel() * t.element_size() for t in _leaves(step.state.params))
-    held_opt = sum(t.numel() * t.element_size() for t in _leaves(step.state.opt_state))
+    held, held_opt = _held(step)
     return {
         "state": copy.deepcopy(model.state_dict()),
         "losses": torch.stack(losses),
         "stats": step.stats(),
         "held": {"params": held, "optimizer": held_opt},
     }
+
+
+def _held(step) -> tuple[int, int]:
+    """The bytes of parameters and optimizer state the step holds, read off its own tensors
+    (not stats()): the pure step's state, or the jitted body's inputs."""
+    if hasattr(step, "state"):
+        params, opt_state = step.state.params, step.state.opt_state
+    else:  # compile_step on jit's pipeline
+        capture = step._jitted._engine.capture
+        rest = capture.rest
+        params = [p for n, p in capture.params.items() if rest is None or n not in rest.names]
+        params += list(rest.chunks.values()) if rest is not None else []
+        opt_state = [linked.leaves()[1] for linked in capture.optimizers]
+    return tuple(  # type: ignore[return-value]
+        sum(t.numel() * t.element_size() for t in _leaves(tree)) for tree in (params, opt_state)
+    )
 
 
 def _leaves(tree):
