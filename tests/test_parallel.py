@@ -268,7 +268,9 @@ def test_two_launchers_multi_node_match_single_node(workdir, parity) -> None:
     )
 
 
-def test_parallel_without_process_group_is_an_error(monkeypatch) -> None:
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.RMSprop])
+def test_parallel_without_process_group_is_an_error(monkeypatch, opt_cls) -> None:
+    # RMSprop: compile_step on jit's pipeline, which trained each rank alone.
     from models import mlp
 
     import functacc
@@ -279,9 +281,11 @@ def test_parallel_without_process_group_is_an_error(monkeypatch) -> None:
         functacc.compile_step(
             model,
             torch.nn.CrossEntropyLoss(),
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            parallel=functacc.parallel.ZeRO(3),
+            opt_cls(model.parameters(), lr=0.1),
+            parallel=functacc.parallel.ZeRO(1 if opt_cls is torch.optim.RMSprop else 3),
         )
+    with pytest.raises(RuntimeError, match=r"functacc.init_distributed\(\)"):
+        functacc.jit(lambda: None, modules=model, backend="eager")
 
 
 # -- issue "Trust" ---------------------------------------------------------------------------

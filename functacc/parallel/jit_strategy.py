@@ -43,7 +43,7 @@ def _strategy(parallel: Any, capture: Any) -> Any:
         LocalGradients,
         ShardedGradients,
     )
-    from ..parallel.mesh import world_size
+    from ..parallel.mesh import check_launched, world_size
     from ..parallel.owned_params import OwnedGradients, ParameterOwners
     from ..parallel.zero_jit import ShardedOptimizer
 
@@ -52,6 +52,7 @@ def _strategy(parallel: Any, capture: Any) -> Any:
             "parallel must be None, functacc.parallel.DataParallel(...) or "
             f"functacc.parallel.ZeRO(1, 2 or 3); got {type(parallel).__name__}"
         )
+    check_launched()  # torchrun's ranks without a process group would each train alone
     if isinstance(parallel, ZeRO) and parallel.stage == 3:
         return _zero3(parallel, capture)
     if world_size() == 1 or not capture.params:

@@ -174,7 +174,8 @@ def check_launched() -> None:
         raise RuntimeError(
             f"this process was launched as one of {launched} ranks (WORLD_SIZE={launched}) "
             "but the process group is not initialised, so each rank would train alone. Call "
-            "functacc.init_distributed() before compile_step()."
+            "functacc.init_distributed() before building the step (compile_step or "
+            "functacc.jit)."
         )
 
 
