@@ -578,14 +578,31 @@ def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
 
 
 @pytest.mark.inductor
-def test_retrace_reuses_the_compiled_update(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("door", ["compile_step", "jit"])
+def test_retrace_reuses_the_compiled_update(tmp_path, monkeypatch, door) -> None:
     # A new shape recompiles forward and backward only: the update graph is identical and
     # comes from Inductor's cache (an empty cache directory, so the hit is this test's).
+    # jit: its SGD/Adam/AdamW twins mark where the update starts as the pure step does.
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    _, _, step = pool_step(False)
-    step._engine.backend = "inductor"
+    torch.manual_seed(0)
+    model = Pool()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if door == "compile_step":
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, backend="inductor", dynamic=False
+        )
+    else:
+
+        def body(x, y):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = functacc.jit(body, modules=model, optimizers=opt, dynamic=False)
     counters.clear()
     for x, y in token_batches([5, 7]):
         step(x, y)

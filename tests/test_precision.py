@@ -47,7 +47,7 @@ def test_low_precision_tracks_float32(float32_run, precision) -> None:
         t.dtype == torch.float32 for s in opt.state.values() for k, t in s.items() if k != "step"
     )
     # The compute really ran in the low-precision type.
-    graph = step._cache.programs()[0].graph
+    graph = step.graphs[0]
     dtype = functacc.Precision(precision).dtype
     assert any(
         n.target == torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == dtype
@@ -99,7 +99,7 @@ def test_fp16_scale_grows_after_growth_interval() -> None:
 def test_loss_scaling_adds_no_host_synchronisation() -> None:
     _, _, step = mlp_step()
     step(*batch())
-    graph = step._cache.programs()[0].graph
+    graph = step.graphs[0]
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
     assert "aten._local_scalar_dense.default" not in targets  # no .item() in the step
     assert isinstance(step.state.extra["loss_scale"]["scale"], torch.Tensor)

@@ -189,6 +189,11 @@ class Step:
         return list(self._cache.records)
 
     @property
+    def graphs(self) -> list[torch.fx.GraphModule]:
+        """The traced graphs, oldest first (for inspection), as ``functacc.jit``'s."""
+        return [p.graph for p in self._cache.programs()]
+
+    @property
     def count(self) -> int:
         """Steps taken by the stateful form."""
         return self._calls
