@@ -195,6 +195,9 @@ class BodyStep:
         world = world_size()
         if isinstance(self.parallel, ZeRO):
             name = f"ZeRO-{self.parallel.stage}"
+            shard = self.parallel.shard_size
+            if shard and world > shard:  # sharded within groups, replicated across them
+                name += f" (hybrid: {world // shard} x {shard})"
         else:
             name = "data parallel" if world > 1 else "single process"
         capture = self._jitted._engine.capture
