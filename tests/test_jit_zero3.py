@@ -171,6 +171,19 @@ def test_hybrid_zero3_on_four_ranks_equals_one_process_on_the_full_batch(tmp_pat
         assert run["all_reduces"] >= 1, name  # the replicas' all-reduce is in the graph
 
 
+@pytest.mark.distributed
+def test_a_weight_tied_across_zero3_units_equals_data_parallel(tmp_path) -> None:
+    # The embedding in a unit of its own shares its weight with the output projection
+    # (compile_step's pure step refuses this split; jit gathers the weight once per use and
+    # sums its gradients). 2 ranks, AdamW, 4 steps: the same arithmetic as data parallel.
+    got = run_torchrun_worker("jit_tied_worker", tmp_path / "tied.pt")
+    for name in ("zero3", "zero3_split"):
+        assert got[name]["tied"], name
+        assert_close(got[name]["model"], got["dp"]["model"], rtol=0, atol=0, what=name)
+        optimizer, reference = got[name]["optimizer"], got["dp"]["optimizer"]
+        assert_close(optimizer["state"], reference["state"], rtol=0, atol=0, what=name)
+
+
 # -- the edges: Python state, recurrent layers, varying shapes -----------------------------
 PYTHON_CASES = ["closure_scale", "scheduler_in_body", "seed_in_body", "counter", "item_returned"]
 
