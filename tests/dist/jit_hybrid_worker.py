@@ -43,10 +43,7 @@ def main(out: str) -> None:
             "optimizer": [o.state_dict() for o in opts],
             "all_reduces": sum("all_reduce" in t for t in nodes),  # across the replicas
         }
-    if rank == 0:
-        torch.save(saved, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    jit_worker.save_and_finish(saved, out)
 
 
 if __name__ == "__main__":

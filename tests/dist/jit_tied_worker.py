@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+import jit_worker
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -55,10 +56,7 @@ def main(out: str) -> None:
             "tied": model.embed.weight is model.out.weight,
             "optimizer": opt.state_dict(),
         }
-    if rank == 0:
-        torch.save(saved, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    jit_worker.save_and_finish(saved, out)
 
 
 if __name__ == "__main__":

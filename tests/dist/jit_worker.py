@@ -222,6 +222,14 @@ LAYOUTS = {
 }
 
 
+def save_and_finish(saved: dict, out: str) -> None:
+    """Rank 0 saves what the ranks computed; then every rank leaves the process group."""
+    if dist.get_rank() == 0:
+        torch.save(saved, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(out: str) -> None:
     functacc.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -264,10 +272,7 @@ def main(out: str) -> None:
     saved["accumulating"] = zero2_refuses_accumulating_over_calls(rank, world)
     saved["zero3_order"] = zero3_order(rank, world)
     saved["powersgd"] = powersgd_against_compile_step(rank, world)
-    if rank == 0:
-        torch.save(saved, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_finish(saved, out)
 
 
 def _all(opt) -> tuple:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import jit_worker
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -115,10 +116,7 @@ def main(out: str) -> None:
             "stats": step.stats(),  # before state_dict(), which gathers ZeRO's state whole
             "optimizer": opt.state_dict(),
         }
-    if rank == 0:
-        torch.save(saved, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    jit_worker.save_and_finish(saved, out)
 
 
 if __name__ == "__main__":
