@@ -418,6 +418,20 @@ def test_a_retrace_for_new_state_names_it() -> None:
     assert step.traces[-1].reason == "state: grad model.weight, grad model.bias added"
 
 
+def test_a_failed_trace_names_the_body_as_the_eager_reference() -> None:
+    # compile_step's advice (loss_fn(model(inputs), targets)) does not fit a jitted body.
+    model = nn.Linear(4, 2)
+
+    def train_step(x: Tensor) -> Tensor:
+        return model(x).sum()
+
+    step = functacc.jit(train_step, modules=model, backend="eager")
+    with pytest.raises(functacc.TraceError) as info:
+        step(torch.randn(3, 5))
+    message = str(info.value)
+    assert "train_step(...) run eagerly" in message and "loss_fn(" not in message, message
+
+
 def test_a_module_not_given_is_an_error_not_a_constant() -> None:
     student, teacher, opt = example("distillation").build()
     body = example("distillation").make_step(student, teacher, opt)

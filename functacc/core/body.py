@@ -384,7 +384,9 @@ class StepBody:
 
     def _trace_error(self, exc: Exception, described: str) -> Exception:
         error = outside_tensor_error(exc, self.python.roots, self.capture.labels)
-        return error or translate(exc, self.engine.holder, described)
+        jit = self.capture.door == "functacc.jit"  # else compile_step's standard body
+        call = f"{getattr(self.fn, '__qualname__', 'fn')}(...) run eagerly" if jit else None
+        return error or translate(exc, self.engine.holder, described, call)
 
 
 def _kinds_key(kinds: list[Any]) -> tuple:

@@ -111,7 +111,16 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return " ".join(parts) if parts else "(location unknown)"
 
 
-def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceError:
+def translate(
+    exc: BaseException,
+    model: nn.Module,
+    signature: str,
+    eager_call: str | None = None,
+) -> TraceError:
+    """The error for a trace that failed with ``exc``; ``eager_call`` is the eager code the
+    same inputs must run with (by default compile_step's ``loss_fn(model(inputs),
+    targets)``; a jitted body called eagerly)."""
+    eager_call = eager_call or "loss_fn(model(inputs), targets)"
     where = _where(exc, model)
     if _is_data_dependent(exc) and _in_function(exc, "_detect_is_causal_mask"):
         return TraceError(
@@ -161,8 +170,7 @@ def translate(exc: BaseException, model: nn.Module, signature: str) -> TraceErro
         f"tracing the training step failed {where}\n"
         f"{type(exc).__name__}: {message}\n{notes}"
         f"Inputs were: {signature}. Check that the inputs have the shapes, dtypes and "
-        "devices the model expects (the same call must work in eager PyTorch: "
-        "loss_fn(model(inputs), targets))."
+        f"devices the model expects (the same call must work in eager PyTorch: {eager_call})."
     )
 
 
