@@ -34,9 +34,11 @@ from ..core.cache import TraceRecord, as_call, warm_up
 from ..parallel import ZeRO
 from ..parallel.comm import CommStats, comm_stats
 from ..transforms.precision import Precision, resolve_precision
+from .body_pure import PureForm
 from .jit import build_jitted
 from .step_fn import (
     LossFn,
+    TrainState,
     check_grad_enabled,
     check_step_arguments,
     checked_loss,
@@ -97,6 +99,7 @@ class BodyStep:
         self.scaler = _grad_scaler(self.precision, self.model)
         self._calls = 0
         self._skipped: Tensor | None = None  # steps the scaler skipped, counted on the device
+        self._pure = PureForm(self.model, opt, self.scaler)
         self._jitted = build_jitted(
             standard_body(self.model, loss_fn, opt, self.scaler, self),
             modules=[self.model],
@@ -171,6 +174,54 @@ class BodyStep:
     def count(self) -> int:
         """Steps taken."""
         return self._calls
+
+    @property
+    def state(self) -> TrainState:
+        """The live training state: the model's own tensors and the optimizer's (see
+        :mod:`functacc.frontends.body_pure` for the optimizer state's form)."""
+        self._check_pure("state")
+        return self._pure.read(self._calls, copy=False)
+
+    def init_state(self) -> TrainState:
+        """A copy of the current training state for :meth:`apply`; later calls of the
+        stateful step do not change it."""
+        self._check_pure("init_state()")
+        return self._pure.read(self._calls, copy=True)
+
+    def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> tuple[TrainState, Tensor]:
+        """The pure step: ``(new_state, loss)``; mutates nothing, not even ``state``. The
+        hyperparameters are the optimizer's current ``param_groups`` values."""
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"apply() expects the TrainState from init_state() or a previous apply(); got "
+                f"{type(state).__name__}"
+            )
+        self._check_pure("apply()")
+        if set(state.params) != set(self._pure.params):
+            raise ValueError(
+                "apply() expects a TrainState of this model's parameters; "
+                f"missing {sorted(set(self._pure.params) - set(state.params))}, "
+                f"unknown {sorted(set(state.params) - set(self._pure.params))}. "
+                "Start from step.init_state()."
+            )
+        saved, calls, skipped = self._pure.save(), self._calls, self._skipped
+        try:
+            self._pure.write(state)
+            loss = self(*args, **kwargs)
+            return self._pure.read(int(state.count) + 1, copy=True), loss
+        finally:  # also when the step fails: the model and the optimizer as they were
+            self._pure.restore(saved)
+            self._calls, self._skipped = calls, skipped
+
+    def _check_pure(self, what: str) -> None:
+        from ..parallel.mesh import world_size
+
+        if isinstance(self.parallel, ZeRO) and world_size() > 1:
+            raise ValueError(
+                f"step.{what} of a ZeRO step on {type(self.optimizer).__name__} (on "
+                "functacc.jit's pipeline) is not supported: each rank holds a shard. Use "
+                "step(...) and step.sync_model(), or data parallel (parallel=None)."
+            )
 
     def warmup(self, batches: Iterable[Any], *, progress: bool = True) -> list[TraceRecord]:
         """Trace and compile the step for each batch's signature before training, as
