@@ -8,7 +8,8 @@ call finds everything as it left it). It mutates nothing, not even ``state``; th
 cost three passes over the state, which the stateful ``step(inputs, targets)`` does not.
 
 The optimizer state of a ``TrainState`` is the pure state of :mod:`functacc.optim` for
-``torch.optim.SGD``, ``Adam`` and ``AdamW`` (as the pure step keeps it), and torch's own
+``torch.optim.SGD``, ``Adam`` and ``AdamW`` (as the pure step keeps it), the
+transformation's own for :func:`functacc.optim.as_optimizer`, and torch's own
 entries by parameter name for every other optimizer, made ahead as its first ``step()``
 would make them (:mod:`functacc.core.own_step_state`).
 
@@ -29,9 +30,11 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ..core.own_step_state import _NotAhead, initial_state
+from ..optim import TransformOptimizer
 from ..optim._torch import SUPPORTED, TorchOptimizerLink
 from .step_fn import TrainState
 
@@ -66,6 +69,8 @@ class PureForm:
         buffers = {n: take(b) for n, b in self.model.named_buffers()}
         if self.link is not None:
             opt_state: Any = self.link.read_state(self.params, copy=copy)
+        elif isinstance(self.opt, TransformOptimizer):
+            opt_state = pytree.tree_map(take, self.opt.transform_state())
         else:
             named = self._opt_params()
             try:
@@ -100,6 +105,9 @@ class PureForm:
             # The hyperparameters stay the optimizer's current ones, as in the stateful form.
             self.link.install(_copy_tree(state.opt_state), _started(state.opt_state))
             return
+        if isinstance(self.opt, TransformOptimizer):
+            self.opt.load_transform_state(_copy_tree(state.opt_state))
+            return
         named = self._opt_params()
         for n, entries in state.opt_state.items():
             if entries:
@@ -131,7 +139,7 @@ class PureForm:
 
 
 def _copy_tree(opt_state: Any) -> Any:
-    return torch.utils._pytree.tree_map(_copy, opt_state)
+    return pytree.tree_map(_copy, opt_state)
 
 
 def _started(opt_state: tuple) -> set[str]:

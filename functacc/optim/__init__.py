@@ -12,6 +12,7 @@ Example:
 """
 
 from ._adam import AdamState, adam, adamw
+from ._as_torch import TransformOptimizer, as_optimizer
 from ._clip import clip_by_global_norm, global_norm
 from ._partition import partition
 from ._schedules import constant, cosine_decay, linear_warmup
@@ -24,9 +25,11 @@ __all__ = [
     "GradientTransformation",
     "SGDState",
     "Schedule",
+    "TransformOptimizer",
     "adam",
     "adamw",
     "apply_updates",
+    "as_optimizer",
     "chain",
     "clip_by_global_norm",
     "constant",

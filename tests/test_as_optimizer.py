@@ -1,0 +1,170 @@
+"""``functacc.optim.as_optimizer``: a pure transformation as a ``torch.optim.Optimizer``.
+
+References: ``torch.optim`` eagerly (the named transformations compute what torch.optim
+computes, bit for bit), and ``compile_step`` given the transformation itself (the pure
+step). Bit for bit on the eager backend; under Inductor, a tolerance (below).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+from helpers import assert_close
+from torch import nn
+
+import functacc
+from functacc import optim as fo
+
+CASES = {
+    "adamw": (lambda: fo.adamw(1e-3, weight_decay=0.01), torch.optim.AdamW, {"weight_decay": 0.01}),
+    "sgd": (lambda: fo.sgd(0.05, momentum=0.9), torch.optim.SGD, {"momentum": 0.9}),
+}
+
+
+def batches(n: int = 3) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def eager_step(model: nn.Module, opt: torch.optim.Optimizer, x, y, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def without(tree, name: str):
+    """``tree`` with the entries keyed ``name`` left out of its dicts."""
+    if isinstance(tree, dict):
+        return {k: without(v, name) for k, v in tree.items() if k != name}
+    if isinstance(tree, tuple):
+        items = [without(v, name) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
+    return tree
+
+
+def model_with_a_frozen_layer() -> nn.Module:
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    model[0].weight.requires_grad_(False)  # left out, as compile_step leaves it out
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_eager_and_jitted_steps_equal_torch_optim(case) -> None:
+    make, torch_cls, kwargs = CASES[case]
+    model = model_with_a_frozen_layer()
+    ref, jitted_model = copy.deepcopy(model), copy.deepcopy(model)
+    lr = 1e-3 if case == "adamw" else 0.05
+    ref_opt = torch_cls([p for p in ref.parameters() if p.requires_grad], lr=lr, **kwargs)
+    opt = fo.as_optimizer(model.named_parameters(), make())
+    jitted_opt = fo.as_optimizer(jitted_model.named_parameters(), make())
+
+    def train_step(x, y):
+        jitted_opt.zero_grad()
+        loss = nn.functional.cross_entropy(jitted_model(x), y)
+        loss.backward()
+        jitted_opt.step()
+        return loss.detach()
+
+    jitted = functacc.jit(train_step, modules=jitted_model, optimizers=jitted_opt, backend="eager")
+    for i, (x, y) in enumerate(batches()):
+        ref_loss = eager_step(ref, ref_opt, x, y, i)
+        assert torch.equal(eager_step(model, opt, x, y, i), ref_loss)
+        torch.manual_seed(i)
+        assert torch.equal(jitted(x, y), ref_loss)
+    for trained in (model, jitted_model):
+        assert_close(trained.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    assert jitted.num_traces == 1
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compile_step_with_it_equals_compile_step_with_the_transformation(case) -> None:
+    # The two pipelines: the optimizer's step() traced on jit's, the pure step's own.
+    make = CASES[case][0]
+    model = model_with_a_frozen_layer()
+    twin = copy.deepcopy(model)
+    step = functacc.compile_step(
+        model,
+        nn.CrossEntropyLoss(),
+        fo.as_optimizer(model.named_parameters(), make()),
+        backend="eager",
+    )
+    pure = functacc.compile_step(twin, nn.CrossEntropyLoss(), make(), backend="eager")
+    assert type(step).__name__ == "BodyStep" and type(pure).__name__ == "Step"
+    for i, (x, y) in enumerate(batches()):
+        torch.manual_seed(i)
+        loss = step(x, y)
+        torch.manual_seed(i)
+        assert torch.equal(loss, pure(x, y))
+    assert_close(model.state_dict(), twin.state_dict(), rtol=0, atol=0, what="model")
+    # The pure step keeps (untouched) state for the frozen weight too; as_optimizer leaves
+    # it out.
+    trained = pure.state.opt_state
+    assert_close(step.state.opt_state, without(trained, "0.weight"), rtol=0, atol=0, what="state")
+
+
+def test_a_checkpoint_resumes_bit_for_bit() -> None:
+    model = model_with_a_frozen_layer()
+    resumed_model = copy.deepcopy(model)
+    opt = fo.as_optimizer(model.named_parameters(), fo.adamw(fo.cosine_decay(1e-3, 10)))
+    (x, y), (x2, y2), (x3, y3) = batches()
+    eager_step(model, opt, x, y, 0)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    resumed_model.load_state_dict(saved[0])
+    resumed = fo.as_optimizer(resumed_model.named_parameters(), fo.adamw(fo.cosine_decay(1e-3, 10)))
+    resumed.load_state_dict(saved[1])
+    # The leaves keep their dtypes (torch would cast floating state to the parameters').
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(resumed.transform_state()),
+        torch.utils._pytree.tree_leaves(opt.transform_state()),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype
+    for i, (xb, yb) in enumerate(((x2, y2), (x3, y3))):
+        assert torch.equal(
+            eager_step(model, opt, xb, yb, i), eager_step(resumed_model, resumed, xb, yb, i)
+        )
+    assert_close(model.state_dict(), resumed_model.state_dict(), rtol=0, atol=0, what="model")
+
+
+def test_bad_uses_are_clear_errors() -> None:
+    model = nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"expects a functacc\.optim GradientTransformation"):
+        fo.as_optimizer(model.named_parameters(), torch.optim.SGD)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        fo.as_optimizer(model.requires_grad_(False).named_parameters(), fo.sgd(0.1))
+    model.requires_grad_(True)
+    opt = fo.as_optimizer(model.named_parameters(), fo.sgd(0.1))
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    model(torch.randn(2, 4)).sum().backward()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="instead of add_param_group"):
+        opt.step()
+    assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")
+
+
+@pytest.mark.inductor
+def test_compile_step_with_it_under_inductor_matches_eager() -> None:
+    # Inductor fuses the update's elementwise ops and may contract a*b+c into one FMA:
+    # differences of a few ulps per step, hence rtol 1e-5 / atol 1e-6 after three steps.
+    model = model_with_a_frozen_layer()
+    model[9].p = 0.0  # no dropout: Inductor draws its own masks
+    ref = copy.deepcopy(model)
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), fo.as_optimizer(model.named_parameters(), fo.adamw(1e-3))
+    )
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
+    for i, (x, y) in enumerate(batches()):
+        torch.testing.assert_close(
+            step(x, y), eager_step(ref, ref_opt, x, y, i), rtol=1e-5, atol=1e-6
+        )
+    assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
