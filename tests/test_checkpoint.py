@@ -320,6 +320,39 @@ def test_zero3_checkpoint_loads_into_other_layouts(zero3_checkpoint, workdir, la
     assert_close(result["state"], reference, **REDUCTION, what=f"{layout} on {nproc} ranks")
 
 
+@pytest.fixture(scope="session")
+def body_zero2_checkpoint(workdir):  # noqa: F811
+    # compile_step with RMSprop runs on jit's pipeline; its ZeRO checkpoint holds the whole
+    # tensors (gathered while saving), so any layout loads it.
+    folder = workdir / "body_zero2_ckpt"
+    reference = run_torchrun(
+        workdir, "reshard_save", 2, CKPT=str(folder), OPT="RMSprop", SAVE="zero2"
+    )
+    return folder, reference["state"]
+
+
+@pytest.mark.distributed
+def test_a_zero_checkpoint_of_an_optimizer_traced_whole_loads_anywhere(
+    body_zero2_checkpoint,
+    workdir,  # noqa: F811
+) -> None:
+    import dist.worker as worker
+
+    path, reference = body_zero2_checkpoint
+    torch.manual_seed(0)
+    model = models.mlp()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    functacc.load(step, path)
+    assert step.count == 5 and type(step).__name__ == "BodyStep"
+    for x, y in worker.batches("vector", world=1, n=10)[5:]:
+        step(x, y)
+    assert_close(model.state_dict(), reference, **REDUCTION, what="1 process after ZeRO-2")
+    result = run_torchrun(workdir, "reshard_load", 4, CKPT=str(path), LAYOUT="zero1", OPT="RMSprop")
+    assert result["count"] == 5
+    assert_close(result["state"], reference, **REDUCTION, what="ZeRO-1 on 4 ranks")
+
+
 @pytest.mark.distributed
 def test_crash_and_restart_under_torchrun(tmp_path) -> None:
     def launch(name: str, crash: bool) -> dict:

@@ -6,7 +6,8 @@ is theirs, in torch's own forms: the model's tensors under the same names as
 :class:`~functacc.state.layout.Layout` gives them (``params.*``, ``buffers.*``: a model file
 reads the same either way), the tensors of ``opt.state_dict()`` as they are, and its
 non-tensor parts (``param_groups``, numbers in the state), the scaler's ``state_dict()`` and
-the step count in ``body.json``. Loading allocates the optimizer's tensors from the
+the step count in ``body.json``. Under ZeRO these are whole too (gathered while saving), so a
+checkpoint loads into any layout and world size. Loading allocates the optimizer's tensors from the
 checkpoint's metadata and hands the whole to ``opt.load_state_dict()``, which creates the
 state a fresh optimizer does not have yet.
 
@@ -55,12 +56,12 @@ class BodyLayout(Layout):
         self.per_rank = set()
         self.fixups = []
         self.split_fixups = []
-        if any(o.sharding is not None for o in step._jitted._engine.capture.optimizers):
-            raise CheckpointError(
-                f"checkpoints of compile_step with {type(step.optimizer).__name__} under ZeRO "
-                "are not supported yet; save with DataParallel, or save model.state_dict() "
-                "and opt.state_dict() (gathered whole) with torch.save"
-            )
+        # Under ZeRO the checkpoint holds the whole tensors, as under data parallelism, so
+        # that it loads into any layout: the model gathers its parameters (ZeRO-3; the next
+        # call shards what it then holds, a loaded checkpoint included) and the optimizer's
+        # state_dict() gathers its state, load_state_dict() shards it (collective calls:
+        # every rank saves and loads).
+        step.sync_model()
         model, opt = step.model, step.optimizer
         for name, p in model.named_parameters():
             self._plain(f"params.{name}", p.detach())

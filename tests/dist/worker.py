@@ -425,10 +425,12 @@ SCENARIOS["accelerate"] = scenario_accelerate
 
 def _reshard_step(parallel):
     """An MLP + AdamW step (no BatchNorm: its batch statistics depend on the per-rank batch,
-    so only parameters and optimizer state carry over between layouts)."""
+    so only parameters and optimizer state carry over between layouts); ``OPT=RMSprop``: an
+    optimizer traced through its own step() (compile_step on jit's pipeline)."""
     torch.manual_seed(0)
     model = models.mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_cls = getattr(torch.optim, os.environ.get("OPT", "AdamW"))
+    opt = opt_cls(model.parameters(), lr=1e-2)
     return model, functacc.compile_step(
         model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
     )
@@ -444,8 +446,10 @@ def reshard_train(step, start: int, stop: int) -> list:
 
 
 def scenario_reshard_save(out: dict) -> None:
-    """ZeRO-3 on 2 ranks: 5 steps, save, 5 more (the reference trajectory)."""
-    model, step = _reshard_step(ZeRO(3, wrap_layer_cls={"Linear"}))
+    """ZeRO-3 (``SAVE=zero2``: ZeRO-2) on 2 ranks: 5 steps, save, 5 more (the reference
+    trajectory)."""
+    save = {"zero3": ZeRO(3, wrap_layer_cls={"Linear"}), "zero2": ZeRO(2)}
+    model, step = _reshard_step(save[os.environ.get("SAVE", "zero3")])
     reshard_train(step, 0, 5)
     functacc.save(step, os.environ["CKPT"])
     reshard_train(step, 5, 10)
