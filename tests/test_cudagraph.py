@@ -158,7 +158,17 @@ def test_one_capture_per_size_least_recently_used_evicted_one_pool() -> None:
     assert len(PooledGraph.pools) == 4 and len({id(p) for p in PooledGraph.pools}) == 1
 
 
-def test_step_with_symbolic_sizes_captures_per_size(monkeypatch) -> None:
+def sgd(model: nn.Module, pipeline: str) -> torch.optim.Optimizer:
+    if pipeline == "pure step":
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    return functacc.optim.as_optimizer(model.named_parameters(), functacc.optim.sgd(0.1))
+
+
+@pytest.mark.parametrize("pipeline", ["pure step", "jit"])
+def test_step_with_symbolic_sizes_captures_per_size(monkeypatch, pipeline) -> None:
+    # torch.optim.SGD: the pure step; SGD as functacc.optim.as_optimizer: compile_step on
+    # jit's pipeline (an optimizer whose step() feeds Python numbers, as RMSprop's
+    # hyperparameters, runs uncaptured there).
     monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
     monkeypatch.setattr(cudagraph, "_default_pool", object)
     monkeypatch.setattr(functacc.frontends.step, "check_cuda_graphs", lambda *args: True)
@@ -169,14 +179,18 @@ def test_step_with_symbolic_sizes_captures_per_size(monkeypatch) -> None:
     step = make(
         model,
         nn.CrossEntropyLoss(),
-        torch.optim.SGD(model.parameters(), lr=0.1),
+        sgd(model, pipeline),
         backend="eager",
         cuda_graph_cache_size=2,
     )
+    body = getattr(step, "_jitted", None)
+    assert (body is None) == (pipeline == "pure step")
+    if body is not None:
+        body._engine._captures = lambda devices: True
     ref_step = make(
         ref,
         nn.CrossEntropyLoss(),
-        torch.optim.SGD(ref.parameters(), lr=0.1),
+        sgd(ref, pipeline),
         backend="eager",
         cuda_graphs=False,
     )
@@ -185,7 +199,8 @@ def test_step_with_symbolic_sizes_captures_per_size(monkeypatch) -> None:
         assert torch.equal(step(x, y), ref_step(x, y))
     assert step.num_traces == 2  # static 8, then one symbolic graph for every other size
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
-    symbolic = step._cache.programs()[-1].run.describe()
+    cache = step._cache if body is None else body._engine.cache
+    symbolic = cache.programs()[-1].run.describe()
     # Sizes 6, 5, 7, 6: warm-up then capture per size, two kept, 6 re-captured after eviction.
     assert symbolic == {"calls": 8, "captures": 4, "kept": 2, "evictions": 2}
 
@@ -427,3 +442,16 @@ def test_cuda_graph_step_matches_uncaptured_step_on_gpu() -> None:
         y = torch.randint(0, 5, (8,), device="cuda")
         torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
     assert_close(model.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5, what="model")
+
+
+@pytest.mark.parametrize("size", [0, 2.0, True])
+def test_a_bad_cuda_graph_cache_size_is_a_clear_error_at_both_doors(size) -> None:
+    model = models.mlp()
+    for opt in (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.RMSprop(model.parameters()),
+    ):
+        with pytest.raises(ValueError, match=r"cuda_graph_cache_size must be an int >= 1; got"):
+            functacc.compile_step(model, nn.CrossEntropyLoss(), opt, cuda_graph_cache_size=size)
+    with pytest.raises(ValueError, match=r"cuda_graph_cache_size must be an int >= 1; got"):
+        functacc.jit(lambda x: x * 2, cuda_graph_cache_size=size)

@@ -112,6 +112,13 @@ def check_cuda_graphs(
     return bool(enabled)
 
 
+def check_cache_size(size: Any) -> int:
+    """``cuda_graph_cache_size``: an int >= 1 (the CUDA graphs kept per compiled graph)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"cuda_graph_cache_size must be an int >= 1; got {size!r}")
+    return size
+
+
 def cuda_backend(backend: str | None) -> str | None:
     """The backend that serves CUDA tensors in a ``torch.distributed`` backend string:
     ``"cpu:gloo,cuda:nccl"`` -> ``"nccl"``, ``"gloo"`` -> ``"gloo"``.

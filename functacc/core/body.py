@@ -96,6 +96,7 @@ class StepBody:
         donate: frozenset[int],
         what: str,
         cuda_graphs: bool | None = None,
+        cuda_graph_cache_size: int = 8,
         remat: Any = None,
         background: bool = False,
     ):
@@ -105,6 +106,7 @@ class StepBody:
         self.capture = capture
         self.donate = donate
         self.cuda_graphs = cuda_graphs  # None: on where the step runs on CUDA (capturable)
+        self.cuda_graph_cache_size = cuda_graph_cache_size
         self.engine = Engine(
             what,
             backend=backend,
@@ -369,6 +371,7 @@ class StepBody:
                 program.run,
                 sum(i < len(state) for i in used),
                 written=written_inputs(program.graph),
+                cache_size=self.cuda_graph_cache_size,
             )
         return program
 

@@ -74,21 +74,13 @@ class BodyStep:
         max_grad_norm: float | None,
         parallel: Any,
         cuda_graphs: bool | None,
+        cuda_graph_cache_size: int = 8,
         dynamic: bool | None,
         max_traces: int | None,
         remat: Any = None,
         remat_policy: Any = "full",
         precision: Any = None,
-        **unsupported: Any,
     ):
-        given = {k: v for k, v in unsupported.items() if v not in (None, 8)}
-        if given:
-            raise ValueError(
-                f"compile_step with {type(opt).__name__} (traced through its own step(), "
-                f"with functacc.jit) does not take {sorted(given)} yet; those work with "
-                "torch.optim.SGD, Adam or AdamW. Leave them out, or write the step body "
-                "yourself for functacc.jit."
-            )
         self.model = check_step_arguments(model, loss_fn, grad_accum_steps, max_grad_norm)
         self.loss_fn = loss_fn
         self.optimizer = opt
@@ -111,6 +103,7 @@ class BodyStep:
             max_traces=max_traces,
             parallel=parallel,
             cuda_graphs=cuda_graphs,
+            cuda_graph_cache_size=cuda_graph_cache_size,
             remat=remat,
             remat_policy=remat_policy,
             what="the training step",

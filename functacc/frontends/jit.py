@@ -31,6 +31,7 @@ from ..backends import (
     check_cuda_graphs,
     check_inductor_options,
 )
+from ..backends.cudagraph import check_cache_size
 from ..backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
 from ..backends.host_memory import keep_freed_memory
 from ..core.body import StepBody
@@ -146,6 +147,7 @@ def jit(
     max_traces: int | None = 32,
     parallel: Any = None,
     cuda_graphs: bool | None = None,
+    cuda_graph_cache_size: int = 8,
     remat: Collection[str] | None = None,
     remat_policy: RematPolicy = "full",
 ) -> Jitted:
@@ -198,6 +200,8 @@ def jit(
             is copied into static buffers, the outputs out). ``None``: on where the step's
             tensors are on CUDA (and, under torchrun, its collectives are NCCL's); ``True``
             elsewhere is an error.
+        cuda_graph_cache_size: CUDA graphs kept per compiled graph (one per concrete size
+            of a graph with symbolic sizes), least recently used evicted.
         remat: class names of modules (in any of ``modules``) whose activations are
             recomputed in backward instead of kept, as ``compile_step(remat=)`` does: each
             outermost such module runs under non-reentrant checkpointing inside the trace,
@@ -236,6 +240,7 @@ def jit(
         max_traces=max_traces,
         parallel=parallel,
         cuda_graphs=cuda_graphs,
+        cuda_graph_cache_size=cuda_graph_cache_size,
         remat=remat,
         remat_policy=remat_policy,
     )
@@ -254,7 +259,8 @@ def build_jitted(
     max_traces: int | None,
     parallel: Any,
     cuda_graphs: bool | None,
-    remat: Collection[str] | None,
+    cuda_graph_cache_size: int = 8,
+    remat: Collection[str] | None = None,
     remat_policy: RematPolicy,
     what: str | None = None,
     door: str = "functacc.jit",
@@ -285,6 +291,7 @@ def build_jitted(
             )
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs must be None, True or False; got {cuda_graphs!r}")
+    check_cache_size(cuda_graph_cache_size)
     params = [p for m in modules for p in m.parameters()]
     if cuda_graphs and params:  # the pure form's device is known at its first call
         check_cuda_graphs(True, params[0].device)
@@ -311,6 +318,7 @@ def build_jitted(
         donate=donated,
         what=what or f"the jitted step {getattr(fn, '__qualname__', 'fn')}",
         cuda_graphs=cuda_graphs,
+        cuda_graph_cache_size=cuda_graph_cache_size,
         remat=Recompute(holder, recomputed, remat_policy) if recomputed else None,
     )
     for name, scaler in (scalers or {}).items():

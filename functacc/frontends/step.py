@@ -29,6 +29,7 @@ from ..backends import (
     check_inductor_options,
     keep_freed_memory,
 )
+from ..backends.cudagraph import check_cache_size
 from ..backends.host_memory import ENV_VAR as HOST_MEMORY_ENV
 from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.engine import Engine
@@ -131,10 +132,7 @@ class Step:
         cuda_graphs = check_cuda_graphs(
             cuda_graphs, self._device, dist.get_backend_config() if self._distributed else None
         )
-        if not isinstance(cuda_graph_cache_size, int) or cuda_graph_cache_size < 1:
-            raise ValueError(
-                f"cuda_graph_cache_size must be an int >= 1; got {cuda_graph_cache_size!r}"
-            )
+        check_cache_size(cuda_graph_cache_size)
         self._state = LiveState(
             opt, link, self._params, self._buffers, self._strategy, self.precision, self._device
         )
