@@ -188,16 +188,18 @@ def test_dropout_and_inductor_under_tensor_parallel(two_ranks: dict) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("front", ["compile_step", "body"])
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_stats_count_the_tensor_parallel_bytes_of_a_step(
-    ranks: typing.Callable[[int], dict], nproc: int
+    ranks: typing.Callable[[int], dict], nproc: int, front: str
 ) -> None:
+    # body: compile_step with RMSprop, on jit's pipeline.
     trained = ranks(nproc)
     # The MLP (8 -> 32 -> 8 -> 16 -> 4) on TP=2, float32, per replica's batch of b rows: the
     # row-wise layers' outputs summed forward (b x 8 and b x 4), the second column-wise
     # layer's input gradient summed backward (b x 8; the first one's input, the batch, needs
     # none), and the clipping's squared norm (one value).
-    stats = trained["mlp", "compile_step"]["stats"]
+    stats = trained["mlp", front]["stats"]
     rows = tp_worker.BATCH // (1 if "vocab_ce" in trained else 2)  # 1 or 2 replicas
     assert stats["tensor_parallel_bytes"] == 4 * (rows * (8 + 4 + 8) + 1), stats
     assert stats["strategy"].startswith("tensor parallel (size 2)")

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..backends import Backend
 from ..core.cache import TraceRecord, as_call, warm_up
-from ..parallel import ZeRO
+from ..parallel import TensorParallel, ZeRO
 from ..parallel.comm import CommStats, comm_stats
 from ..transforms.precision import Precision, resolve_precision
 from .body_pure import PureForm
@@ -230,20 +230,34 @@ class BodyStep:
     def stats(self) -> dict[str, Any]:
         """What the last step communicated and what this rank holds, as
         :meth:`functacc.frontends.step.Step.stats` reports them (collectives read off the
-        graph; ``memory``: bytes held between steps, ``grads`` 0 as ``.grad`` is None;
-        no ``tensor_parallel_bytes`` yet)."""
+        graph; ``memory``: bytes held between steps, ``grads`` 0 as ``.grad`` is None)."""
         from ..parallel.mesh import world_size
 
         program = self._jitted._engine.last_program
         comm = comm_stats(program.graph) if program is not None else CommStats()
         world = world_size()
-        if isinstance(self.parallel, ZeRO):
-            name = f"ZeRO-{self.parallel.stage}"
-            shard = self.parallel.shard_size
-            if shard and world > shard:  # sharded within groups, replicated across them
-                name += f" (hybrid: {world // shard} x {shard})"
+        # With TensorParallel, parallel is a list: the strategy across its groups is the other.
+        across = (
+            [p for p in self.parallel if not isinstance(p, TensorParallel)]
+            if isinstance(self.parallel, (list, tuple))
+            else [self.parallel]
+        )
+        zero = next((p for p in across if isinstance(p, ZeRO)), None)
+        layout = getattr(self.model, "_functacc_tensor_parallel", None)
+        replicas = world // layout.size if layout is not None else world
+        if zero is not None:
+            name = f"ZeRO-{zero.stage}"
+            shard = zero.shard_size
+            if shard and replicas > shard:  # sharded within groups, replicated across them
+                name += f" (hybrid: {replicas // shard} x {shard})"
         else:
-            name = "data parallel" if world > 1 else "single process"
+            name = "data parallel" if replicas > 1 else "single process"
+        tp_bytes = 0
+        if layout is not None:
+            tp_name = f"tensor parallel (size {layout.size})"
+            name = f"{tp_name} x {name} ({replicas})" if replicas > 1 else tp_name
+            group = layout.group
+            tp_bytes = comm.group_bytes.get(group.group_name, 0) if group is not None else 0
         capture = self._jitted._engine.capture
         rest = capture.rest  # ZeRO-3: the parameters this rank keeps are chunks
         params = [p for n, p in capture.params.items() if rest is None or n not in rest.names]
@@ -255,6 +269,7 @@ class BodyStep:
             "collectives": dict(comm.collectives),
             "payload_bytes": dict(comm.payload_bytes),
             "sent_bytes": dict(comm.sent_bytes),
+            "tensor_parallel_bytes": tp_bytes,
             "memory": {
                 "params": _nbytes(params),
                 "grads": 0,

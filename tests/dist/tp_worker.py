@@ -180,6 +180,8 @@ def build(
     make, plan = MODELS[name]
     model = make(dropout) if dropout else make()
     opt = optimizer(name, model)
+    if front == "body":  # compile_step with an optimizer traced whole: jit's pipeline
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
     parallel = [TensorParallel(plan(model), size=parallel), across or DataParallel()]
     if front == "jit":
 
@@ -217,6 +219,7 @@ def main() -> None:
     # jit's 2.
     names = list(MODELS) if replicas == 1 else ["mlp", "gpt"]
     runs = [(name, front, None) for name in names for front in ("compile_step", "jit")]
+    runs.append(("mlp", "body", None))  # for stats() only (another optimizer)
     if replicas > 1:
         runs += [("mlp", "compile_step", 1), ("mlp", "compile_step", 3), ("mlp", "jit", 2)]
     for name, front, stage in runs:
