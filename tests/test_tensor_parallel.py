@@ -59,10 +59,11 @@ def run(nproc: int, folder: Path) -> dict:
     folder.mkdir(exist_ok=True)
     extras = []
     if nproc == 2:
-        one = mlp_step()
-        for batch in tp_worker.batches()[:2]:
-            one(*batch)
-        functacc.save(one.compiled, folder / "one")
+        for front in ("compile_step", "body"):
+            one = mlp_step(front)
+            for batch in tp_worker.batches()[:2]:
+                one(*batch)
+            functacc.save(one.compiled, folder / front / "one")
         extras = [str(folder)]
     torchrun(nproc, str(folder / "out.pt"), "2", *extras)
     return {**torch.load(folder / "out.pt", weights_only=False), "folder": folder}
@@ -85,11 +86,14 @@ def two_ranks(ranks: typing.Callable[[int], dict]) -> dict:
 
 
 class mlp_step:
-    """The MLP's compile_step in one process, without tensor parallelism."""
+    """The MLP's compile_step in one process, without tensor parallelism (``"body"``: with
+    RMSprop, on jit's pipeline)."""
 
-    def __init__(self) -> None:
+    def __init__(self, front: str = "compile_step") -> None:
         self.model = tp_worker.mlp()
         opt = tp_worker.optimizer("mlp", self.model)
+        if front == "body":
+            opt = torch.optim.RMSprop(self.model.parameters(), lr=1e-3)
         self.compiled = functacc.compile_step(
             self.model, torch.nn.CrossEntropyLoss(), opt, backend="eager", max_grad_norm=0.5
         )
@@ -142,22 +146,25 @@ def test_vocabulary_parallel_cross_entropy_equals_the_whole_logits(two_ranks: di
 
 
 @pytest.mark.distributed
-def test_checkpoints_move_between_one_process_and_tensor_parallel(two_ranks: dict) -> None:
+@pytest.mark.parametrize("front", ["compile_step", "body"])
+def test_checkpoints_move_between_one_process_and_tensor_parallel(
+    two_ranks: dict, front: str
+) -> None:
     trained = two_ranks
     batches = tp_worker.batches()
     # Written by one process after 2 steps, resumed under TP=2: the third step as one
     # process's own third step.
-    one = mlp_step()
+    one = mlp_step(front)
     for batch in batches[:3]:
         loss = one(*batch)
-    got_loss, got_params = trained["resumed", "one"]
+    got_loss, got_params = trained["resumed", "one", front]
     assert abs(got_loss - loss) <= 1e-5 * abs(loss)
     close(got_params, one.model.state_dict(), 1e-5)
     # Written under TP=2 after 2 steps, resumed in one process: its third step as TP=2's.
-    resumed = mlp_step()
-    functacc.load(resumed.compiled, trained["folder"] / "tp")
+    resumed = mlp_step(front)
+    functacc.load(resumed.compiled, trained["folder"] / front / "tp")
     loss = resumed(*batches[2])
-    got_loss, got_params = trained["resumed", "tp"]
+    got_loss, got_params = trained["resumed", "tp", front]
     assert abs(got_loss - loss) <= 1e-5 * abs(loss)
     close(got_params, resumed.model.state_dict(), 1e-5)
 

@@ -51,7 +51,10 @@ class BodyLayout(Layout):
         self.strategy = None
         self.sharded = False
         self.units = {}
-        self.split = None
+        model, opt = step.model, step.optimizer
+        # TensorParallel: a split parameter, and its optimizer state, stored whole (gathered
+        # over its group), so that a run of another layout loads it.
+        self.split = getattr(model, "_functacc_tensor_parallel", None)
         self.entries = {}
         self.per_rank = set()
         self.fixups = []
@@ -62,17 +65,27 @@ class BodyLayout(Layout):
         # state_dict() gathers its state, load_state_dict() shards it (collective calls:
         # every rank saves and loads).
         step.sync_model()
-        model, opt = step.model, step.optimizer
         for name, p in model.named_parameters():
-            self._plain(f"params.{name}", p.detach())
-            self.entries[f"shapes.params.{name}"] = torch.tensor(list(p.shape))
+            if self.split is not None and name in self.split.dims:
+                self._whole(f"params.{name}", name, p.detach())
+            else:
+                self._plain(f"params.{name}", p.detach())
+        for name, shape in self._param_shapes().items():
+            self.entries[f"shapes.params.{name}"] = torch.tensor(list(shape))
+        names = {id(p): n for n, p in model.named_parameters()}
+        # opt.state_dict()'s parameter indices, by name (its param_groups' order).
+        self.index_names = [names[id(p)] for g in opt.param_groups for p in g["params"]]
         for name, buf in model.named_buffers():
             self._plain(f"buffers.{name}", buf.detach())
         saved = opt.state_dict()
         numbers: dict[str, dict[str, Any]] = {}
         for index, state in saved["state"].items():
             for key, value in state.items():
-                if isinstance(value, Tensor):
+                name = self.index_names[index]
+                if isinstance(value, Tensor) and self._split_like(name, value):
+                    # Whole, in its shape (a collective of the group).
+                    self.entries[f"optim.state.{index}.{key}"] = self.split.gather(name, value)
+                elif isinstance(value, Tensor):
                     self.entries[f"optim.state.{index}.{key}"] = value
                 else:
                     numbers.setdefault(str(index), {})[key] = value
@@ -108,6 +121,31 @@ class BodyLayout(Layout):
                 self.entries[key] = torch.empty(tuple(meta.size), dtype=dtype, device=device)
         return super().load_targets(metadata, path)
 
+    def _param_shapes(self) -> dict[str, torch.Size]:
+        """The parameters' whole shapes (under TensorParallel, of the whole layer)."""
+        shapes = {}
+        for name, p in self.step.model.named_parameters():
+            shape = list(p.shape)
+            if self.split is not None and name in self.split.dims:
+                shape[self.split.dims[name]] *= self.split.size
+            shapes[name] = torch.Size(shape)
+        return shapes
+
+    def _split_like(self, name: str, value: Tensor) -> bool:
+        """Whether ``value`` (optimizer state of parameter ``name``) is split as it is."""
+        if self.split is None or name not in self.split.dims or value.dim() == 0:
+            return False
+        return value.shape == dict(self.step.model.named_parameters())[name].shape
+
+    def _local(self, index: int, value: Tensor) -> Tensor:
+        """This rank's slice of optimizer state stored whole (TensorParallel)."""
+        name = self.index_names[index]
+        if self.split is None or name not in self.split.dims or value.dim() == 0:
+            return value
+        if value.shape != self._param_shapes()[name]:
+            return value  # not shaped like the parameter: kept whole on every rank
+        return self.split.slice(name, value).clone()
+
     def finish_load(self, targets: Mapping[str, Any], path: str) -> None:
         """Hand the loaded state to the optimizer and the scaler, and the count to the
         step."""
@@ -137,7 +175,7 @@ class BodyLayout(Layout):
         for key, value in targets.items():
             if key.startswith("optim.state."):
                 index, name = key[len("optim.state.") :].split(".", 1)
-                state.setdefault(int(index), {})[name] = value
+                state.setdefault(int(index), {})[name] = self._local(int(index), value)
         for index, values in saved["numbers"].items():
             state.setdefault(int(index), {}).update(values)
         held = [{k: v for k, v in g.items() if isinstance(v, Tensor)} for g in opt.param_groups]

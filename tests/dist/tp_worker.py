@@ -282,16 +282,19 @@ def extras(folder: str, tp: int) -> dict:
     results["vocab_ce_grads"] = (torch.cat(grads, -1), logits.grad)
     # A checkpoint of one process resumed here, and one of here written for one process.
     batch = batches()
-    for source in ("one", "tp"):
-        step, model, opt, compiled = build("mlp", "compile_step", tp)
-        if source == "one":
-            functacc.load(compiled, f"{folder}/one")
-        else:
-            for b in batch[:2]:
-                step(*b)
-            functacc.save(compiled, f"{folder}/tp")
-        loss = float(step(*batch[2]))
-        results["resumed", source] = (loss, model._functacc_tensor_parallel.full_state_dict(model))
+    # "body": compile_step with RMSprop, on jit's pipeline.
+    for front in ("compile_step", "body"):
+        for source in ("one", "tp"):
+            step, model, opt, compiled = build("mlp", front, tp)
+            if source == "one":
+                functacc.load(compiled, f"{folder}/{front}/one")
+            else:
+                for b in batch[:2]:
+                    step(*b)
+                functacc.save(compiled, f"{folder}/{front}/tp")
+            loss = float(step(*batch[2]))
+            whole = model._functacc_tensor_parallel.full_state_dict(model)
+            results["resumed", source, front] = (loss, whole)
     # Dropout on the replicated activations: the masks of one process with the same seed.
     for front in ("compile_step", "jit"):
         step, model, *_ = build("gpt", front, tp, dropout=0.1)
