@@ -126,19 +126,20 @@ def _zero3(zero: Any, capture: Any) -> Any:
 
 
 def _across_tensor_parallel(parallel: Any, capture: Any, setup: Any) -> Any:
-    """Data parallel or ZeRO-1/2 over the replicas of the tensor-parallel groups (the
-    modules are split and synced already), and clipping that sees the split parameters'
-    slices."""
+    """Data parallel or ZeRO over the replicas of the tensor-parallel groups (the modules
+    are split and synced already; ZeRO shards each rank's slices with the ranks holding the
+    same slices in the other groups), and clipping that sees the split parameters' slices."""
     from ..core.own_step import OwnStepLink
     from ..parallel import DataParallel, ZeRO
     from ..parallel.jit_grads import AveragedGradients, ShardedGradients
     from ..parallel.strategy import Replicated
     from ..parallel.tp_clip import TensorParallelGradients
+    from ..parallel.zero3_jit import ShardedParameters, as_stage2, check_zero3_optimizers
     from ..parallel.zero_jit import ShardedOptimizer
 
     zero = parallel if isinstance(parallel, ZeRO) else None
-    if zero is not None:
-        ShardedOptimizer.check(zero)
+    if zero is not None and zero.stage == 3:
+        check_zero3_optimizers(capture.optimizers)
     parallel = DataParallel(bucket_mb=zero.bucket_mb) if zero else (parallel or DataParallel())
     if parallel.compression not in (None, "bf16"):
         raise ValueError("functacc.jit takes PowerSGD without TensorParallel; use 'bf16' there")
@@ -157,13 +158,16 @@ def _across_tensor_parallel(parallel: Any, capture: Any, setup: Any) -> Any:
                 )
             holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
             topology = setup.topology(sharded=True)
+            config = as_stage2(zero) if zero.stage == 3 else zero
             shards = [
-                ShardedOptimizer(zero, holder, linked.link.groups, topology)
+                ShardedOptimizer(config, holder, linked.link.groups, topology)
                 for linked in capture.optimizers
             ]
             for linked, sharded in zip(capture.optimizers, shards, strict=True):
                 linked.shard(sharded)
-            if zero.stage == 2:
+            if zero.stage == 3:  # the parameters too: this rank's chunks of its slices
+                capture.rest = ShardedParameters(shards, capture.params)
+            if zero.stage >= 2:
                 inner = ShardedGradients(replicated, shards)
     split = {
         f"{label}.{n}": layout.group

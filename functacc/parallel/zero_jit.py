@@ -55,15 +55,10 @@ class ShardedOptimizer:
 
     @staticmethod
     def check(config: ZeRO) -> None:
-        """A clear error for the stage this layout does not take: ZeRO-3 keeps the
-        parameters' chunks in :class:`~.zero3_jit.ShardedParameters` and builds this class
-        with stage 2's layout; beside tensor parallelism, jit takes stages 1 and 2."""
+        """Stage 3 is not this layout's: ZeRO-3 keeps the parameters' chunks in
+        :class:`~.zero3_jit.ShardedParameters` and builds this class with stage 2's."""
         if config.stage == 3:
-            raise ValueError(
-                "functacc.jit takes parallel=[TensorParallel(...), ZeRO(1 or 2)]; got ZeRO(3), "
-                "whose chunks of the parameters would cut across the tensor-parallel slices. "
-                "Use ZeRO(2) beside TensorParallel, or ZeRO(3) alone."
-            )
+            raise AssertionError("ShardedOptimizer takes ZeRO-3's stage-2 layout (as_stage2)")
 
     def grad_segments(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """This rank's part of each gradient (named as the parameters), flat: under ZeRO-2

@@ -222,6 +222,7 @@ def main() -> None:
     runs.append(("mlp", "body", None))  # for stats() only (another optimizer)
     if replicas > 1:
         runs += [("mlp", "compile_step", 1), ("mlp", "compile_step", 3), ("mlp", "jit", 2)]
+        runs += [("mlp", "jit", 3)]
     for name, front, stage in runs:
         across = functacc.parallel.ZeRO(stage) if stage else None
         step, model, opt, *compiled = build(name, front, tp, across=across)
@@ -240,11 +241,14 @@ def main() -> None:
             and any(p is q for n, q in model.named_parameters() if n in layout.dims)
         ]  # fmt: skip
         if stage:
+            # Between calls ZeRO-3 leaves the model empty placeholders (its chunks are held).
+            held = sum(p.numel() for p in model.parameters())
+            if stage == 3:  # the parameters back into the model (a collective call)
+                compiled[0].sync_model() if compiled else step.sync_modules()
             results[name, front, stage] = {
                 "losses": losses,
-                "params": layout.full_state_dict(model)
-                if stage != 3
-                else layout.full_state_dict(compiled[0].sync_model()),
+                "params": layout.full_state_dict(model),
+                "held": held,
                 "strategy": compiled[0].stats()["strategy"] if compiled else None,
             }
             continue
