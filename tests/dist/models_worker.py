@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import models
 
 import functacc
+from functacc.core.engine import draws_random
 import functacc.parallel.schedule as schedule
 from functacc.parallel import DataParallel, ZeRO
 
@@ -181,8 +182,8 @@ def _train(
         "losses": torch.stack(every, dim=1),  # [step, rank]
         "traces": [(t.number, t.reason, t.dynamic) for t in step.traces],
         "stats": step.stats(),
-        "overlap": [overlap(p.graph) for p in step._cache.programs()],
-        "random": any(p.random for p in step._cache.programs()),
+        "overlap": [overlap(graph) for graph in step.graphs],
+        "random": any(draws_random(graph) for graph in step.graphs),
     }
 
 
