@@ -380,7 +380,7 @@ def test_destroying_the_process_group_frees_it_while_steps_are_alive(workdir) ->
     result = run_torchrun(workdir, "teardown", 2)
     assert result["groups"] >= 2  # WORLD and the loader's
     assert result["alive_after_destroy"] == 0
-    assert len(result["errors"]) == 2
+    assert len(result["errors"]) == result["steps"] == 4  # compile_step (both pipelines), jit
     for error in result["errors"]:
         assert "destroy_process_group" in error and "init_distributed" in error
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._env import env_flag
@@ -39,6 +40,7 @@ from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.capture import Capture
 from ..core.grad_scaler import hold_grad_scaler
 from ..parallel.jit_strategy import jit_strategy
+from ..parallel.mesh import world_size
 from ..parallel.tp_setup import TensorParallelSetup, split_parallel
 from ..transforms.remat import RematPolicy, validate_remat
 from ..transforms.remat_passes import Recompute
@@ -65,12 +67,19 @@ class Jitted:
         (1, True)
     """
 
-    def __init__(self, fn: Callable[..., Any], engine: StepBody):
+    def __init__(self, fn: Callable[..., Any], engine: StepBody, ranks: int = 0):
         self.fn = fn
         self._engine = engine
+        self._ranks = ranks  # > 0: the step's graphs communicate over that many ranks
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ranks and not dist.is_initialized():
+            raise RuntimeError(
+                f"this step trains over {self._ranks} ranks, but the process group has been "
+                "destroyed (dist.destroy_process_group()). Build the step again after "
+                "functacc.init_distributed()."
+            )
         return self._engine(args, kwargs)
 
     @property
@@ -326,7 +335,8 @@ def build_jitted(
     if keep_host_memory and all(p.device.type == "cpu" for p in params):
         # Last, so that a step that fails to build changes nothing in the process.
         keep_freed_memory()
-    return Jitted(fn, engine)
+    ranks = world_size() if capture.strategy is not None else 0
+    return Jitted(fn, engine, ranks if ranks > 1 else 0)
 
 
 def _labels(fn: Callable[..., Any], objects: list[Any], what: str) -> list[str]:

@@ -94,7 +94,7 @@ def train(model_name: str, opt_name: str, parallel, *, seed_by_rank: bool = Fals
 def _held(step) -> tuple[int, int]:
     """The bytes of parameters and optimizer state the step holds, read off its own tensors
     (not stats()): the pure step's state, or the jitted body's inputs."""
-    if hasattr(step, "state"):
+    if type(step).__name__ == "Step":  # the pure step (BodyStep.state refuses under ZeRO)
         params, opt_state = step.state.params, step.state.opt_state
     else:  # compile_step on jit's pipeline
         capture = step._jitted._engine.capture
@@ -320,15 +320,30 @@ def scenario_teardown(out: dict) -> None:
 
     loader = functacc.DeviceLoader(torch.utils.data.DataLoader(Stream(), batch_size=4))
     steps = []
-    for parallel in (DataParallel(), ZeRO(3, wrap_layer_cls={"Linear"})):
+    # The pure step (SGD), and jit's pipeline: compile_step with RMSprop, and a body.
+    for parallel, opt_cls in (
+        (DataParallel(), torch.optim.SGD),
+        (ZeRO(3, wrap_layer_cls={"Linear"}), torch.optim.SGD),
+        (DataParallel(), torch.optim.RMSprop),
+    ):
         torch.manual_seed(0)
         model = models.mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = opt_cls(model.parameters(), lr=0.1)
         steps.append(
             functacc.compile_step(
                 model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
             )
         )
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    steps.append(functacc.jit(train_step, modules=model, optimizers=opt, backend="eager"))
+    out["steps"] = len(steps)
     for x, y in loader:
         for step in steps:
             step(x, y)
