@@ -164,7 +164,8 @@ def test_remat_policy_without_remat_warns() -> None:
 def test_save_matmuls_recomputes_no_matmul() -> None:
     def recomputed_matmuls(policy: str) -> int:
         step = run({"Block"}, steps=1, policy=policy)[3]
-        graph = step._last_program.graph.graph
+        (gm,) = step.graphs  # one step, one graph
+        graph = gm.graph
         return sum(1 for n in graph.nodes if RECOMPUTE in n.meta and n.target in _MATMULS)
 
     assert recomputed_matmuls("full") == 16  # up and down, in each of the 8 blocks
@@ -180,7 +181,8 @@ def test_selective_recomputes_only_attention_matmuls() -> None:
         _, _, peaks[policy], step = run(
             {"TransformerEncoderLayer"}, steps=1, policy=policy, model=make
         )
-        graph = step._last_program.graph.graph
+        (gm,) = step.graphs  # one step, one graph
+        graph = gm.graph
         recomputed[policy] = sorted(
             str(n.target) for n in graph.nodes if RECOMPUTE in n.meta and n.target in _MATMULS
         )

@@ -255,6 +255,8 @@ def scenario_errors(out: dict) -> None:
             model, nn.CrossEntropyLoss(), opt, parallel=ZeRO(3, wrap_layer_cls={"Bottleneck"})
         ),
         "mismatch": lambda: _mismatched(rank),
+        # compile_step on jit's pipeline: the same names (the model's own).
+        "mismatch_body": lambda: _mismatched(rank, torch.optim.RMSprop),
     }.items():
         try:
             build()
@@ -266,12 +268,10 @@ def scenario_errors(out: dict) -> None:
     out["errors"] = gathered
 
 
-def _mismatched(rank: int):
+def _mismatched(rank: int, opt_cls=torch.optim.SGD):
     hidden = 32 if rank == 0 else 24
     model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 5))
-    return functacc.compile_step(
-        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1)
-    )
+    return functacc.compile_step(model, nn.CrossEntropyLoss(), opt_cls(model.parameters(), lr=0.1))
 
 
 def scenario_killed(out: dict) -> None:
