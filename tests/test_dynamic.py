@@ -502,9 +502,16 @@ def test_views_become_reshapes_unless_written_through() -> None:
 
 # -- the update graph, compiled once for every shape ----------------------------------------
 @pytest.mark.parametrize(
-    ("precision", "channels_last"), [(None, False), ("fp16", False), (None, True)]
+    ("precision", "channels_last", "door"),
+    [
+        (None, False, "compile_step"),
+        ("fp16", False, "compile_step"),
+        (None, True, "compile_step"),
+        (None, False, "jit"),
+        ("fp16", False, "jit"),  # autocast and a GradScaler in the body
+    ],
 )
-def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
+def test_split_graphs_compute_the_whole_graph(precision, channels_last, door) -> None:
     # The gradients graph then the update graph give exactly what the whole graph gives
     # (run op by op; fp16 carries the overflow flag across the boundary too). A
     # channels-last model's backward writes gradients in place through a view, a write
@@ -516,9 +523,23 @@ def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = functacc.compile_step(
-        model, nn.CrossEntropyLoss(), opt, backend="eager", precision=precision
-    )
+    if door == "compile_step":
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), opt, backend="eager", precision=precision
+        )
+    else:
+        scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+
+        def train_step(x, y):
+            opt.zero_grad()
+            with torch.autocast("cpu", torch.float16, enabled=precision == "fp16"):
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach()
+
+        step = functacc.jit(train_step, modules=model, optimizers=opt, backend="eager")
     seen = {}
     real_compile = functacc.core.engine.compile_graph
 
@@ -550,7 +571,10 @@ def test_split_graphs_compute_the_whole_graph(precision, channels_last) -> None:
     scalars = [
         n
         for n in split.update.graph.nodes
-        if n.op == "call_function" and n.meta["val"].dim() == 0 and n not in read
+        if n.op == "call_function"
+        and isinstance(n.meta["val"], torch.Tensor)  # not a multi-output op's tuple
+        and n.meta["val"].dim() == 0
+        and n not in read
     ]
     feeding = [(n, u) for n in scalars for u in n.users if u.meta["val"].dim() > 0]
     assert scalars and not feeding, feeding  # what stays is 0-dim state: counts, flags

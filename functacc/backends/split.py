@@ -14,6 +14,7 @@ the optimizer will read them); :func:`split_at_optimizer` cuts the graph there.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -149,6 +150,9 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
         *(r for r in results if isinstance(r, Node) and r not in downstream),
     ]
     in_gradients = _ancestors(roots)
+    # A multi-output op's items go with it (the update takes a tensor, not the tuple):
+    # GradScaler.update()'s new scale and growth tracker, which the update writes back.
+    in_gradients |= {u for n in list(in_gradients) for u in n.users if u.target is operator.getitem}
     same = _hoist_scalars(nodes, in_gradients, marked)  # duplicates -> the one kept
 
     def resolve(value: Node) -> Node:

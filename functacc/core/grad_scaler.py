@@ -113,6 +113,11 @@ def _maybe_opt_step(
         # Not an optimizer of the jitted step: torch's own (its branch is a clear error).
         return _TORCH_MAYBE_OPT_STEP(self, optimizer, optimizer_state, *args, **kwargs)
     infs = list(optimizer_state["found_inf_per_device"].values())
-    skip = torch.stack([v.to(infs[0].device) for v in infs]).sum() > 0
+    # 0-dim sums added, not a stack: scalar arithmetic the update's compile computes before
+    # the update (backends/split.py), which then reads one flag instead of a stack.
+    found = infs[0].sum()
+    for v in infs[1:]:
+        found = found + v.to(found.device).sum()
+    skip = found > 0
     with traced.unless(skip):
         return optimizer.step(*args, **kwargs)
