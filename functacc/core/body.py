@@ -101,12 +101,11 @@ class StepBody:
         background: bool = False,
     ):
         self.fn = fn
-        # What the body recomputes in backward (transforms.remat_passes.Recompute) or None.
-        self.remat = remat
+        self.remat = remat  # what backward recomputes (remat_passes.Recompute) or None
         self.capture = capture
         self.donate = donate
-        self.cuda_graphs = cuda_graphs  # None: on where the step runs on CUDA (capturable)
-        self.cuda_graph_cache_size = cuda_graph_cache_size
+        # cuda_graphs None: on where the step runs on CUDA (capturable).
+        self.cuda_graphs, self.cuda_graph_cache_size = cuda_graphs, cuda_graph_cache_size
         self.engine = Engine(
             what,
             backend=backend,
@@ -124,17 +123,12 @@ class StepBody:
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
         self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
         self._values = ValueGuard()
-        # Autocast on the CPU and, where there is one, the GPU: a body may run on either.
-        self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")
+        self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")  # CPU's too
         self._state_watch = BatchWatch()
         self._batch_watch = BatchWatch()
         self._last: tuple | None = None  # the last call's signature parts and program
         self.last_program: BodyProgram | None = None
         self._specs: dict[int, Any] = {}  # the batch's spec for n plain tensor arguments
-
-    @property
-    def reused(self) -> int:
-        return self.engine.reused
 
     # -- a call ------------------------------------------------------------------------
     def __call__(self, args: tuple, kwargs: dict) -> Any:
