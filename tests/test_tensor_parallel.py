@@ -278,6 +278,9 @@ def test_splits_that_cannot_work_are_clear_errors() -> None:
             optimizers=[opt],
             parallel=TensorParallel({"": "colwise"}),
         )
+    transformed = functacc.optim.as_optimizer(model.named_parameters(), functacc.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"as_optimizer holds its transformation's state.*itself"):
+        functacc.compile_step(model, torch.nn.MSELoss(), transformed, parallel=tp_of_root)
     import timm.optim
 
     lamb = timm.optim.Lamb(model.parameters())

@@ -80,6 +80,13 @@ class TensorParallelSetup:
                     "from its slice alone (a different update per rank). Use an elementwise "
                     "optimizer (SGD, Adam, AdamW, RMSprop, Lion, ...) with TensorParallel"
                 )
+            if type(opt).__name__ == "TransformOptimizer":  # functacc.optim.as_optimizer
+                raise ValueError(
+                    "TensorParallel: an optimizer from functacc.optim.as_optimizer holds its "
+                    "transformation's state from the start, made over the whole parameters, "
+                    "which the split would cut. Pass the transformation itself: "
+                    "compile_step(model, loss_fn, transform, parallel=[TensorParallel(...), ...])"
+                )
             if opt.state:
                 raise ValueError(
                     f"TensorParallel: the {type(opt).__name__} has state already (it has "
