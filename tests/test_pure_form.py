@@ -122,3 +122,24 @@ def test_apply_with_fp16_loss_scaling_carries_the_scale_in_the_state() -> None:
     assert step.loss_scale == scale and step.count == 0  # the step's own scaler unchanged
     newer, _ = step.apply(new, x, y)
     assert float(newer.extra["loss_scale"]["scale"]) == 4 * scale
+
+
+@pytest.mark.inductor
+def test_apply_under_inductor_runs_the_stateful_steps_graph() -> None:
+    # One Inductor compile serves both forms: apply() from the model's own state gives the
+    # bits the stateful call then gives from the same state (the model was restored).
+    torch.manual_seed(0)
+    model = models.cnn_bn()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt)
+    x, y = batches(1)[0]
+    torch.manual_seed(1)
+    new, loss = step.apply(step.init_state(), x, y)
+    torch.manual_seed(1)
+    assert torch.equal(step(x, y), loss)
+    assert_close(new.params, dict(model.named_parameters()), rtol=0, atol=0, what="params")
+    assert_close(new.buffers, dict(model.named_buffers()), rtol=0, atol=0, what="buffers")
+    names = {p: n for n, p in model.named_parameters()}
+    state = {names[p]: s for p, s in opt.state.items()}
+    assert_close(new.opt_state, state, rtol=0, atol=0, what="optimizer state")
+    assert step.num_traces == 1

@@ -95,12 +95,11 @@ class TransformOptimizer(torch.optim.Optimizer):
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         if not grads:
             return loss
-        new_params, new_state = step_params(self.transform, grads, self.transform_state(), params)
+        state = self.transform_state()
+        new_params, new_state = step_params(self.transform, grads, state, params)
         for n in grads:
             params[n].copy_(new_params[n])
-        for old, new in zip(
-            pytree.tree_leaves(self.transform_state()), pytree.tree_leaves(new_state), strict=True
-        ):
+        for old, new in zip(pytree.tree_leaves(state), pytree.tree_leaves(new_state), strict=True):
             if old is not new:
                 old.copy_(new)
         return loss

@@ -55,6 +55,7 @@ class BodyLayout(Layout):
         # TensorParallel: a split parameter, and its optimizer state, stored whole (gathered
         # over its group), so that a run of another layout loads it.
         self.split = getattr(model, "_functacc_tensor_parallel", None)
+        self.params = dict(model.named_parameters())
         self.entries = {}
         self.per_rank = set()
         self.fixups = []
@@ -65,14 +66,15 @@ class BodyLayout(Layout):
         # state_dict() gathers its state, load_state_dict() shards it (collective calls:
         # every rank saves and loads).
         step.sync_model()
-        for name, p in model.named_parameters():
+        self.shapes = self._param_shapes()  # whole shapes, by name (ZeRO-3: gathered)
+        for name, p in self.params.items():
             if self.split is not None and name in self.split.dims:
                 self._whole(f"params.{name}", name, p.detach())
             else:
                 self._plain(f"params.{name}", p.detach())
-        for name, shape in self._param_shapes().items():
+        for name, shape in self.shapes.items():
             self.entries[f"shapes.params.{name}"] = torch.tensor(list(shape))
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in self.params.items()}
         # opt.state_dict()'s parameter indices, by name (its param_groups' order).
         self.index_names = [names[id(p)] for g in opt.param_groups for p in g["params"]]
         for name, buf in model.named_buffers():
@@ -124,7 +126,7 @@ class BodyLayout(Layout):
     def _param_shapes(self) -> dict[str, torch.Size]:
         """The parameters' whole shapes (under TensorParallel, of the whole layer)."""
         shapes = {}
-        for name, p in self.step.model.named_parameters():
+        for name, p in self.params.items():
             shape = list(p.shape)
             if self.split is not None and name in self.split.dims:
                 shape[self.split.dims[name]] *= self.split.size
@@ -135,14 +137,14 @@ class BodyLayout(Layout):
         """Whether ``value`` (optimizer state of parameter ``name``) is split as it is."""
         if self.split is None or name not in self.split.dims or value.dim() == 0:
             return False
-        return value.shape == dict(self.step.model.named_parameters())[name].shape
+        return value.shape == self.params[name].shape
 
     def _local(self, index: int, value: Tensor) -> Tensor:
         """This rank's slice of optimizer state stored whole (TensorParallel)."""
         name = self.index_names[index]
         if self.split is None or name not in self.split.dims or value.dim() == 0:
             return value
-        if value.shape != self._param_shapes()[name]:
+        if value.shape != self.shapes[name]:
             return value  # not shaped like the parameter: kept whole on every rank
         return self.split.slice(name, value).clone()
 
