@@ -19,7 +19,8 @@ from .frontends.accelerate import accelerate
 from .frontends.compile_step import compile_step
 from .frontends.config import Config
 from .frontends.jit import Jitted, jit
-from .frontends.step import Step, TrainState
+from .frontends.step import Step
+from .frontends.step_fn import TrainState
 from .parallel import init_distributed
 from .state import CheckpointError, CheckpointManager, load, load_model, save, save_model
 from .transforms.precision import Precision

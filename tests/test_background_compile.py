@@ -106,7 +106,7 @@ def test_a_failing_worker_costs_time_not_correctness(tmp_path, monkeypatch) -> N
     g = torch.Generator().manual_seed(2)
     other = (torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g))
     step.warmup([data[0], other], progress=False)
-    assert step.num_traces == 2 and len(step._engine._pending) == 1
+    assert step.num_traces == 2 and len(step._jitted._engine.engine._pending) == 1
     counters.clear()
     # The workers fail within seconds, maybe before the first step: whenever the swap comes,
     # this process compiles the graphs itself and the steps are Inductor's.

@@ -344,7 +344,7 @@ def test_a_zero_checkpoint_of_an_optimizer_traced_whole_loads_anywhere(
     opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
     step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
     functacc.load(step, path)
-    assert step.count == 5 and type(step).__name__ == "BodyStep"
+    assert step.count == 5
     for x, y in worker.batches("vector", world=1, n=10)[5:]:
         step(x, y)
     assert_close(model.state_dict(), reference, **REDUCTION, what="1 process after ZeRO-2")
@@ -411,7 +411,6 @@ def test_resume_with_tensor_hyperparameters_keeps_them_tensors(tmp_path, opt_cls
 
 def test_model_files_and_errors_of_steps_on_jits_pipeline(tmp_path) -> None:
     model, step = small_step(opt_cls=torch.optim.RMSprop)
-    assert type(step).__name__ == "BodyStep"
     functacc.save_model(step, tmp_path / "m.safetensors")
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     step(torch.randn(4, 16), torch.randint(0, 5, (4,)))

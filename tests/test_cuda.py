@@ -107,7 +107,7 @@ def test_inductor_step_on_gpu_matches_the_eager_loop(name, cuda_graphs) -> None:
     assert_same_training(
         model, opt, ref, ref_opt, losses, ref_losses, rtol=1e-4, atol=1e-5, host_steps=True
     )
-    runs = step._cache.programs()[0].run
+    runs = step._jitted._engine.cache.programs()[0].run
     if cuda_graphs:  # call 1 warms up, call 2 captures, calls 3-5 replay
         assert runs.describe() == {"calls": 5, "captures": 1, "kept": 1, "evictions": 0}
     else:
@@ -140,7 +140,7 @@ def test_symbolic_sizes_capture_once_per_batch_size() -> None:
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
     assert step.num_traces == 1
     # Each size: one uncaptured call, then a capture (8 is called once: never captured).
-    assert step._cache.programs()[0].run.describe() == {
+    assert step._jitted._engine.cache.programs()[0].run.describe() == {
         "calls": 9,
         "captures": 3,
         "kept": 4,
@@ -163,7 +163,7 @@ def test_loaded_state_is_replayed_from_its_new_tensors() -> None:
         assert torch.equal(step(x, y), ref_step(x, y))
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
     assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=0, atol=0, what="optimizer")
-    assert step._cache.programs()[0].run.describe()["captures"] == 2
+    assert step._jitted._engine.cache.programs()[0].run.describe()["captures"] == 2
 
 
 def test_bf16_on_tensor_cores_is_as_accurate_as_eager_autocast() -> None:
@@ -220,7 +220,7 @@ def test_fp16_overflow_is_skipped_inside_the_replayed_graph() -> None:
     assert_close(opt.state_dict(), before[1], rtol=0, atol=0, what="optimizer")
     assert torch.equal(step(x, y), ref_step(x, y))
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
-    assert step._cache.programs()[0].run.describe()["captures"] == 1
+    assert step._jitted._engine.cache.programs()[0].run.describe()["captures"] == 1
 
 
 def test_device_loader_prefetches_pinned_batches_to_the_gpu() -> None:

@@ -105,7 +105,6 @@ def test_runner_recaptures_when_the_state_moves() -> None:
 def test_step_with_graph_replay_matches_plain_step(monkeypatch) -> None:
     monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
     monkeypatch.setattr(cudagraph, "check_cuda_graphs", lambda *args: True)
-    monkeypatch.setattr(functacc.frontends.step, "check_cuda_graphs", lambda *args: True)
     torch.manual_seed(0)
     model = models.cnn_bn()
     ref = copy.deepcopy(model)
@@ -115,6 +114,7 @@ def test_step_with_graph_replay_matches_plain_step(monkeypatch) -> None:
         torch.optim.AdamW(model.parameters(), lr=1e-3),
         backend="eager",
     )
+    step._jitted._engine._captures = lambda devices: True  # on CPU: the recorded graph
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     ref_step = functacc.compile_step(
         ref, nn.CrossEntropyLoss(), ref_opt, backend="eager", cuda_graphs=False
@@ -128,7 +128,7 @@ def test_step_with_graph_replay_matches_plain_step(monkeypatch) -> None:
         ref_loss = ref_step(x, y)
         assert torch.equal(loss, ref_loss)
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
-    program = step._cache.programs()[0]
+    program = step._jitted._engine.cache.programs()[0]
     assert program.run.describe() == {"calls": 5, "captures": 1, "kept": 1, "evictions": 0}
 
 
@@ -158,49 +158,31 @@ def test_one_capture_per_size_least_recently_used_evicted_one_pool() -> None:
     assert len(PooledGraph.pools) == 4 and len({id(p) for p in PooledGraph.pools}) == 1
 
 
-def sgd(model: nn.Module, pipeline: str) -> torch.optim.Optimizer:
-    if pipeline == "pure step":
-        return torch.optim.SGD(model.parameters(), lr=0.1)
-    return functacc.optim.as_optimizer(model.named_parameters(), functacc.optim.sgd(0.1))
-
-
-@pytest.mark.parametrize("pipeline", ["pure step", "jit"])
-def test_step_with_symbolic_sizes_captures_per_size(monkeypatch, pipeline) -> None:
-    # torch.optim.SGD: the pure step; SGD as functacc.optim.as_optimizer: compile_step on
-    # jit's pipeline (an optimizer whose step() feeds Python numbers, as RMSprop's
-    # hyperparameters, runs uncaptured there).
+@pytest.mark.parametrize("optimizer", ["torch.optim", "as_optimizer"])
+def test_step_with_symbolic_sizes_captures_per_size(monkeypatch, optimizer) -> None:
+    # torch.optim.SGD: its functional twin; SGD as functacc.optim.as_optimizer: its own
+    # step() traced.
     monkeypatch.setattr(cudagraph, "DEFAULT_GRAPH_FACTORY", RecordedGraph)
     monkeypatch.setattr(cudagraph, "_default_pool", object)
-    monkeypatch.setattr(functacc.frontends.step, "check_cuda_graphs", lambda *args: True)
+
+    def sgd(model: nn.Module) -> torch.optim.Optimizer:
+        if optimizer == "torch.optim":
+            return torch.optim.SGD(model.parameters(), lr=0.1)
+        return functacc.optim.as_optimizer(model.named_parameters(), functacc.optim.sgd(0.1))
+
     torch.manual_seed(0)
     model = models.mlp()
     ref = copy.deepcopy(model)
     make = functacc.compile_step
-    step = make(
-        model,
-        nn.CrossEntropyLoss(),
-        sgd(model, pipeline),
-        backend="eager",
-        cuda_graph_cache_size=2,
-    )
-    body = getattr(step, "_jitted", None)
-    assert (body is None) == (pipeline == "pure step")
-    if body is not None:
-        body._engine._captures = lambda devices: True
-    ref_step = make(
-        ref,
-        nn.CrossEntropyLoss(),
-        sgd(ref, pipeline),
-        backend="eager",
-        cuda_graphs=False,
-    )
+    step = make(model, nn.CrossEntropyLoss(), sgd(model), backend="eager", cuda_graph_cache_size=2)
+    step._jitted._engine._captures = lambda devices: True  # on CPU: the recorded graph
+    ref_step = make(ref, nn.CrossEntropyLoss(), sgd(ref), backend="eager", cuda_graphs=False)
     for n in (8, 6, 6, 5, 5, 7, 7, 6, 6):
         x, y = torch.randn(n, 16), torch.randint(0, 5, (n,))
         assert torch.equal(step(x, y), ref_step(x, y))
     assert step.num_traces == 2  # static 8, then one symbolic graph for every other size
     assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
-    cache = step._cache if body is None else body._engine.cache
-    symbolic = cache.programs()[-1].run.describe()
+    symbolic = step._jitted._engine.cache.programs()[-1].run.describe()
     # Sizes 6, 5, 7, 6: warm-up then capture per size, two kept, 6 re-captured after eviction.
     assert symbolic == {"calls": 8, "captures": 4, "kept": 2, "evictions": 2}
 

@@ -265,7 +265,7 @@ def test_static_dimension_change_is_checked_not_reused() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", dynamic=True)
     step(torch.randn(8, 16), torch.randint(0, 5, (8,)))
-    guard = step._cache.programs()[0].guard
+    guard = step._jitted._engine.cache.programs()[0].guard
     assert not guard([torch.randn(6, 10), torch.zeros(6, dtype=torch.long)])
     assert guard([torch.randn(6, 16), torch.zeros(6, dtype=torch.long)])
     x, y = torch.randn(8, 10), torch.randint(0, 5, (8,))

@@ -199,7 +199,13 @@ def test_recomputation_fences_keep_the_bits_and_vector_code() -> None:
     # fenced with `v | 0` instead. The fenced graph must compute the same bits.
     make = functools.partial(TokenModel, dropout=0.1, dim=32, layers=2)
     step = run({"TransformerEncoderLayer"}, steps=1, policy="selective", model=make)[3]
-    graph = step._last_program.graph  # the eager backend's graph: not fenced
+    g = torch.Generator().manual_seed(1)
+    batch = [torch.randint(0, 100, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g)]
+    # The program of this batch and the tensors it reads (the step's state, then the batch).
+    body = step._jitted._engine
+    program, state, _, tensors = body.program(tuple(batch), {})
+    flat = [*state, *body.python.inputs(program.python), *tensors]
+    graph = program.graph  # the eager backend's graph: not fenced
     fenced = copy.deepcopy(graph)
     assert order_recomputation(fenced) > 0
     wheres = [
@@ -215,11 +221,9 @@ def test_recomputation_fences_keep_the_bits_and_vector_code() -> None:
     assert wheres and all(d.is_floating_point for d in wheres), wheres
     assert ors and set(ors) == {torch.uint8}, ors  # the recorded dropout masks
 
-    g = torch.Generator().manual_seed(1)
-    batch = [torch.randint(0, 100, (16, 32), generator=g), torch.randint(0, 10, (16,), generator=g)]
     results = []
     for gm in (graph, fenced):
-        inputs = [t.detach().clone() for t in (*step._state.leaves, *batch)]
+        inputs = [flat[i].detach().clone() for i in program.used]
         torch.manual_seed(5)
         with torch.no_grad():
             results.append((gm(*inputs), inputs))  # the step updates its state in place

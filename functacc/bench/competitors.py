@@ -133,8 +133,7 @@ class Functacc:
         graph replaced by one that returns what a real run returned, so nothing else is
         timed; the step count is put back afterwards."""
         self.step()
-        jitted = getattr(self.compiled, "_jitted", None)  # compile_step on jit's pipeline
-        program = jitted._engine.last_program if jitted else self.compiled._last_program
+        program = self.compiled._jitted._engine.last_program
         real, count = program.run, self.compiled._calls
         outputs: list = []  # one real run's outputs, then returned by every timed call
         program.run = lambda args: outputs or outputs.extend(real(args)) or outputs
@@ -151,29 +150,6 @@ class Functacc:
         finally:
             program.run, self.compiled._calls = real, count
         return best
-
-
-class FunctaccBody(Functacc):
-    """compile_step's standard body on ``jit``'s pipeline, whatever the optimizer (it is
-    the pipeline for optimizers without a pure twin): the two pipelines side by side."""
-
-    name = "functacc:body"
-
-    @staticmethod
-    def front(model: torch.nn.Module, loss_fn: Any, opt: Any, **options: Any) -> Any:
-        from ..frontends.body_step import BodyStep
-
-        defaults = dict(
-            backend="inductor",
-            inductor_options=None,
-            grad_accum_steps=1,
-            max_grad_norm=None,
-            parallel=None,
-            cuda_graphs=None,
-            dynamic=None,
-            max_traces=32,
-        )
-        return BodyStep(model, loss_fn, opt, **{**defaults, **options})
 
 
 class FunctaccBackground(Functacc):
@@ -250,7 +226,6 @@ COMPETITORS = {
         TorchCompile,
         TorchCompileReduceOverhead,
         Functacc,
-        FunctaccBody,
         FunctaccBackground,
         FunctaccJit,
         Accelerate,

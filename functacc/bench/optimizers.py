@@ -3,7 +3,7 @@
 Every competitor builds its own optimizer of the chosen kind over its own copy of the model;
 without ``--optimizer`` a workload keeps its own (AdamW, or SGD for the ResNets). Names
 without a twin in :mod:`functacc.optim` run through their own traced ``step()``
-(``compile_step`` on ``jit``'s pipeline, :mod:`functacc.frontends.body_step`).
+(``compile_step`` on ``jit``'s pipeline, :mod:`functacc.frontends.step`).
 
 Example:
     >>> import torch

@@ -11,7 +11,6 @@ from torch import nn
 from ..backends import Backend
 from ..optim import GradientTransformation
 from ..transforms.remat import RematPolicy
-from .body_step import BodyStep, needs_body_step
 from .step import Step
 from .step_fn import LossFn
 
@@ -36,7 +35,7 @@ def compile_step(
     dynamic: bool | None = None,
     max_traces: int | None = 32,
     cuda_graph_cache_size: int = 8,
-) -> Step | BodyStep:
+) -> Step:
     """Compile the whole training step of ``model`` into one graph.
 
     Args:
@@ -47,12 +46,11 @@ def compile_step(
             (a 0-dim tensor, ``.loss`` or ``["loss"]``), then ``step(*args, **kwargs)``.
         opt: any ``torch.optim.Optimizer`` over the model's parameters (torch's, a third
             party's, your own; all param groups and their options honoured; its state and
-            ``param_groups`` stay live), or a :class:`functacc.optim.GradientTransformation`.
-            SGD, Adam and AdamW run functacc's pure twins and take every option below;
-            others run their own ``step()``, traced (:mod:`functacc.frontends.body_step`),
-            with data parallel, ZeRO(1) and ZeRO(2), ``grad_accum_steps``,
-            ``max_grad_norm``, ``remat`` and ``precision`` (eager's AMP recipe: autocast,
-            a ``GradScaler`` for fp16).
+            ``param_groups`` stay live), or a :class:`functacc.optim.GradientTransformation`
+            (run as :func:`functacc.optim.as_optimizer` of it). The step is the standard
+            eager body (:mod:`functacc.frontends.step`) compiled by :func:`functacc.jit`:
+            SGD, Adam and AdamW by their functional twins, other optimizers by tracing
+            their own ``step()``.
         backend: ``"inductor"`` (fused kernels) or ``"eager"`` (the traced graph as is).
         inductor_options: ``torch._inductor.config`` settings for this step's compiles,
             as ``torch.compile(options=...)`` takes them, e.g. ``{"cpp_wrapper": True}``;
@@ -114,9 +112,11 @@ def compile_step(
         ...                              backend="eager")
         >>> loss = step(torch.randn(32, 8), torch.randint(0, 4, (32,)))
     """
-    # No pure twin: the standard body on jit, tracing the optimizer's own step().
-    front = BodyStep if needs_body_step(opt) else Step
-    return front(
+    if isinstance(opt, GradientTransformation):  # as a torch optimizer, stepped in place
+        from ..optim import as_optimizer
+
+        opt = as_optimizer(model.named_parameters(), opt)
+    return Step(
         model,
         loss_fn,
         opt,

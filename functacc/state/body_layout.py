@@ -44,7 +44,7 @@ _FILE = "body.json"
 
 
 class BodyLayout(Layout):
-    """Checkpoint names for a :class:`~functacc.frontends.body_step.BodyStep`."""
+    """Checkpoint names for a :class:`~functacc.frontends.step.Step`."""
 
     def __init__(self, step: Any, loader: DeviceLoader | None):
         self.step = step

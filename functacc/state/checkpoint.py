@@ -36,20 +36,16 @@ __all__ = ["CheckpointError", "load", "save"]
 
 
 def layout_of(step: Any, loader: DeviceLoader | None) -> Layout:
-    """The checkpoint names of ``step``: the pure step's state, or (compile_step on jit's
-    pipeline) the model's, the optimizer's and the scaler's."""
-    from ..frontends.body_step import BodyStep
+    """The checkpoint names of ``step``: the model's, the optimizer's and the scaler's."""
     from ..frontends.step import Step
 
-    if isinstance(step, BodyStep):
-        return BodyLayout(step, loader)
     if not isinstance(step, Step):
         raise TypeError(
             f"save() and load() take the step from functacc.compile_step; got "
             f"{type(step).__name__}. For a functacc.jit step, save its modules' and "
             "optimizers' state_dict() (the jitted step keeps them live)"
         )
-    return Layout(step, loader)
+    return BodyLayout(step, loader)
 
 
 def _json_states(states: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -17,13 +17,10 @@ __all__ = ["load_model", "save_model"]
 
 
 def _model_and_step(target: Any) -> tuple[torch.nn.Module, Any]:
-    from ..frontends.body_step import BodyStep
     from ..frontends.step import Step
 
     if isinstance(target, Step):
         return target.model, target
-    if isinstance(target, BodyStep):  # its model holds the whole parameters
-        return target.model, None
     if isinstance(target, torch.nn.Module):
         return target, None
     raise TypeError(f"expected a torch.nn.Module or a functacc.Step; got {type(target).__name__}")
@@ -42,13 +39,10 @@ def save_model(model_or_step: Any, path: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
     model, step = _model_and_step(model_or_step)
-    if step is not None:
-        synced = step._strategy.model_synced
+    if step is not None:  # ZeRO-3: gathered (the next call shards them again)
         step.sync_model()
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     tensors = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()}
-    if step is not None and not synced:  # ZeRO-3: the model goes back to its placeholders
-        step._strategy.release_model_params(step._params)
     if rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = os.fspath(path) + ".partial"
@@ -80,8 +74,7 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
         loaded = load_file(path)
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path!r} is not a readable safetensors file: {exc}") from exc
-    if step is not None:
-        synced = step._strategy.model_synced
+    if step is not None:  # ZeRO-3: the next call shards what the model then holds
         step.sync_model()
     expected = model.state_dict()
     missing = sorted(k for k in expected if k not in loaded and not _tied(model, k, loaded))
@@ -98,10 +91,6 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
                 f"{tuple(expected[name].shape)} in the model"
             )
     model.load_state_dict(loaded, strict=False)
-    if step is not None:
-        step._state.load_full_params()
-        if not synced:  # ZeRO-3: the model goes back to its placeholders
-            step._strategy.release_model_params(step._params)
 
 
 def _tied(model: torch.nn.Module, key: str, loaded: Mapping[str, Tensor]) -> bool:

@@ -93,15 +93,12 @@ def train(model_name: str, opt_name: str, parallel, *, seed_by_rank: bool = Fals
 
 def _held(step) -> tuple[int, int]:
     """The bytes of parameters and optimizer state the step holds, read off its own tensors
-    (not stats()): the pure step's state, or the jitted body's inputs."""
-    if type(step).__name__ == "Step":  # the pure step (BodyStep.state refuses under ZeRO)
-        params, opt_state = step.state.params, step.state.opt_state
-    else:  # compile_step on jit's pipeline
-        capture = step._jitted._engine.capture
-        rest = capture.rest
-        params = [p for n, p in capture.params.items() if rest is None or n not in rest.names]
-        params += list(rest.chunks.values()) if rest is not None else []
-        opt_state = [linked.leaves()[1] for linked in capture.optimizers]
+    (not stats()): the jitted body's inputs (step.state refuses under ZeRO)."""
+    capture = step._jitted._engine.capture
+    rest = capture.rest
+    params = [p for n, p in capture.params.items() if rest is None or n not in rest.names]
+    params += list(rest.chunks.values()) if rest is not None else []
+    opt_state = [linked.leaves()[1] for linked in capture.optimizers]
     return tuple(  # type: ignore[return-value]
         sum(t.numel() * t.element_size() for t in _leaves(tree)) for tree in (params, opt_state)
     )
