@@ -213,14 +213,11 @@ def test_a_forward_that_reads_a_setting_before_filling_it_traces_again(caplog) -
     assert step.traces[1].reason == "module attributes model.config warmed: None -> True"
 
 
-def test_a_forward_that_changes_a_setting_every_call_retraces_with_a_warning(caplog) -> None:
-    # The check runs the forward once more; the config must still hold what one forward
-    # leaves (True), as in eager, and every call after is a new signature as before (each
-    # reason is against the previous trace's signature).
+def test_a_forward_that_changes_a_setting_every_call_replays_it_without_retracing(caplog) -> None:
+    # The step follows the forward's Python write (flag = not flag) and replays it after
+    # every call, so the config holds what eager leaves after each step (train_plain checks
+    # it) with one trace and no warning. (The pure step watched the config as a signature and
+    # retraced on every call, with a warning from the third trace on.)
     step, warnings = train_plain(FlipsFlag(), 3, caplog)
-    assert step.num_traces == 3
-    assert [r.reason for r in step.traces[1:]] == [
-        "module attributes model.config flag: None -> True",
-        "module attributes model.config flag: True -> False",
-    ]
-    assert len(warnings) == 1 and "trace #3" in warnings[0], warnings
+    assert step.num_traces == 1
+    assert warnings == []

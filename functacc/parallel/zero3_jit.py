@@ -104,6 +104,12 @@ class ShardedParameters:
                     self.params[n].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
         self._full = False
 
+    @property
+    def holds_whole(self) -> bool:
+        """Whether the modules hold the whole parameters (after :meth:`gather_modules`, until
+        the next call or :meth:`release`)."""
+        return self._full
+
     def gather_modules(self) -> None:
         """Put the whole parameters back into the modules (a collective call: every rank
         makes it). The next call of the step empties them again."""

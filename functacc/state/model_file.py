@@ -26,6 +26,18 @@ def _model_and_step(target: Any) -> tuple[torch.nn.Module, Any]:
     raise TypeError(f"expected a torch.nn.Module or a functacc.Step; got {type(target).__name__}")
 
 
+def _gathered_for(step: Any) -> Any:
+    """Under ZeRO-3, with the model holding only placeholders: gather the whole parameters
+    into it (a collective call) and return what shards them again afterwards; else None."""
+    if step is None:
+        return None
+    rest = step._jitted._engine.capture.rest
+    if rest is None or rest.holds_whole:
+        return None
+    step.sync_model()
+    return rest
+
+
 def save_model(model_or_step: Any, path: str | os.PathLike) -> None:
     """Write the full model weights (parameters and persistent buffers) as one
     ``safetensors`` file, for inference and export. Under ZeRO-3 the shards are gathered
@@ -39,10 +51,11 @@ def save_model(model_or_step: Any, path: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
     model, step = _model_and_step(model_or_step)
-    if step is not None:  # ZeRO-3: gathered (the next call shards them again)
-        step.sync_model()
+    rest = _gathered_for(step)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     tensors = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()}
+    if rest is not None:  # ZeRO-3: the model goes back to its placeholders
+        rest.release()
     if rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = os.fspath(path) + ".partial"
@@ -74,8 +87,17 @@ def load_model(model_or_step: Any, path: str | os.PathLike, *, strict: bool = Tr
         loaded = load_file(path)
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path!r} is not a readable safetensors file: {exc}") from exc
-    if step is not None:  # ZeRO-3: the next call shards what the model then holds
-        step.sync_model()
+    rest = _gathered_for(step)
+    try:
+        _load_checked(model, loaded, path, strict)
+    finally:  # ZeRO-3: sharded from what the model now holds (as before, if it failed)
+        if rest is not None:
+            rest.release()
+
+
+def _load_checked(
+    model: torch.nn.Module, loaded: Mapping[str, Tensor], path: str, strict: bool
+) -> None:
     expected = model.state_dict()
     missing = sorted(k for k in expected if k not in loaded and not _tied(model, k, loaded))
     unexpected = sorted(k for k in loaded if k not in expected)
