@@ -1,4 +1,4 @@
-"""ZeRO (Rajbhandari et al., 2020) stages 1-3 as transforms of the pure step.
+"""ZeRO (Rajbhandari et al., 2020) stages 1-3 as transforms of the traced step.
 
 The parameters of each *wrap unit* (a module whose class is in ``wrap_layer_cls``, or the
 rest of the model) and optimizer param group are flattened into one padded vector; rank r of
