@@ -20,7 +20,6 @@ __all__ = [
     "check_module_classes",
     "functionalize",
     "swap_attributes",
-    "tensor_attributes",
     "unalias_reassigned",
     "unwrap",
     "write_back_attributes",
@@ -108,22 +107,6 @@ def check_dense_gradients(model: nn.Module) -> None:
 
 
 Attribute = tuple[str, nn.Module, str]
-
-
-def tensor_attributes(model: nn.Module) -> list[Attribute]:
-    """Tensors a module keeps as plain attributes (neither parameters nor buffers), as
-    ``(qualified name, module, attribute)``.
-
-    Eager PyTorch reads them afresh in every forward, so an in-place change or a new tensor
-    assigned between steps takes effect; the compiled step therefore takes them as inputs
-    on every call rather than freezing them into the graph.
-    """
-    return [
-        (f"{prefix}.{attr}" if prefix else attr, module, attr)
-        for prefix, module in model.named_modules()
-        for attr, value in vars(module).items()
-        if isinstance(value, Tensor)
-    ]
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -83,42 +83,6 @@ class ModelWatch:
         self._guard = model_guard(self.modules, self.params, list(contents.values()))
         return self._key
 
-    def snapshot(self) -> Callable[[], None]:
-        """What the modules' plain attributes and the containers and objects the key looks
-        into hold now (each one's entries, shallowly; an object's private fields too), and a
-        function that puts them back: after a forward has run once more than eager runs it
-        (the step's check of a setting a forward filled in), so the model holds what one
-        forward left."""
-        contents: dict[int, Any] = {}
-        self._read(contents)
-        attributes = [
-            (vars(m), attr, vars(m).get(attr, _MISSING)) for _, m, attr in self._attributes
-        ]
-        held = [(value, _entries(value)) for value in contents.values()]
-
-        def restore() -> None:
-            for fields, attr, value in attributes:
-                if value is _MISSING:
-                    fields.pop(attr, None)
-                elif fields.get(attr, _MISSING) is not value:
-                    fields[attr] = value
-            for value, entries in held:
-                now = _entries(value)
-                if (
-                    len(now) == len(entries)
-                    and all(a is b for a, b in zip(_values(now), _values(entries), strict=True))
-                    and (not isinstance(now, dict) or now.keys() == entries.keys())
-                ):
-                    continue  # untouched: leave its version alone (the check stays valid)
-                if isinstance(value, list):
-                    value[:] = entries
-                else:
-                    target = value if isinstance(value, dict) else vars(value)
-                    target.clear()
-                    target.update(entries)
-
-        return restore
-
     def _read(self, contents: dict[int, Any]) -> tuple:
         """The key as the model is now; ``contents`` receives the containers and objects
         whose insides the key holds, for the check to watch."""
@@ -138,17 +102,6 @@ class ModelWatch:
                 ),
             ),
         )
-
-
-def _entries(value: Any) -> list | dict:
-    """A shallow copy of what a list, dict or plain object (its ``__dict__``) holds."""
-    if isinstance(value, list):
-        return list(value)
-    return dict(value if isinstance(value, dict) else vars(value))
-
-
-def _values(entries: list | dict) -> Any:
-    return entries.values() if isinstance(entries, dict) else entries
 
 
 def _plain_attribute(attr: str, value: Any) -> bool:

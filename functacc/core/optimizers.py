@@ -6,8 +6,7 @@ step body is traced, the optimizer's ``step`` runs the pure transformation of
 :class:`~functacc.optim._torch.TorchOptimizerLink` (tested bit for bit against
 ``torch.optim``) on the parameters' current ``.grad``, over state tensors that are inputs
 of the graph: hyperparameters included, so a learning-rate schedule never retraces. After
-each call the optimizer's ``state`` holds the very tensors the graph updates, as
-:func:`~functacc.compile_step` does.
+each call the optimizer's ``state`` holds the very tensors the graph updates.
 """
 
 from __future__ import annotations

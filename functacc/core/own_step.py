@@ -220,9 +220,6 @@ class OwnStepLink:
     def _siblings(self, key: str) -> Callable[[], list[ScalarOf]]:
         return lambda: [s for (n, k), s in self.scalars.items() if k == key]
 
-    def forget_leaves(self) -> None:
-        self._leaves = None
-
     def install(self, stepped: frozenset[str]) -> None:
         """After a call: ``opt.state`` shows the state of every parameter stepped so far."""
         self._stepped = self._stepped | stepped

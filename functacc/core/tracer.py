@@ -1,7 +1,7 @@
 """The one tracer: a flat function of tensors into one FX graph of ATen ops, on fake tensors.
 
-Both front doors trace with it. ``compile_step`` gives it a pure step (its writes are
-already the graph's last ops); ``jit`` gives it an eager step body, whose in-place writes
+Both front doors trace with it: ``jit`` (and ``compile_step``, a standard body on it) gives
+it an eager step body, whose in-place writes
 (``backward()`` accumulating ``.grad``, ``opt.step()``, an EMA update) land anywhere:
 ``functional=True`` traces that body with autograd running, then traces
 ``torch.func.functionalize`` of the result, which moves every write into an input to the

@@ -1,4 +1,4 @@
-"""The pure form of a ``compile_step`` on ``jit``'s pipeline: ``init_state()`` and ``apply()``.
+"""The pure form of a ``compile_step``: ``init_state()`` and ``apply()``.
 
 That step updates the model and the optimizer in place, as the eager step it compiles.
 ``apply(state, ...)`` runs it on a :class:`TrainState` instead: it saves what the model,
@@ -8,7 +8,7 @@ call finds everything as it left it). It mutates nothing, not even ``state``; th
 cost three passes over the state, which the stateful ``step(inputs, targets)`` does not.
 
 The optimizer state of a ``TrainState`` is the pure state of :mod:`functacc.optim` for
-``torch.optim.SGD``, ``Adam`` and ``AdamW`` (as the pure step keeps it), the
+``torch.optim.SGD``, ``Adam`` and ``AdamW`` (their functional twins' state), the
 transformation's own for :func:`functacc.optim.as_optimizer`, and torch's own
 entries by parameter name for every other optimizer, made ahead as its first ``step()``
 would make them (:mod:`functacc.core.own_step_state`).

@@ -120,14 +120,6 @@ def _structure(optimizer: torch.optim.Optimizer, group: Mapping) -> tuple:
     )
 
 
-def _assign(old: Any, value: float) -> Any:
-    """A param_groups entry set to ``value``: a tensor entry (``lr=torch.tensor(...)``) keeps
-    being that tensor, as torch's schedulers keep it (``fill_``)."""
-    if isinstance(old, torch.Tensor):
-        return old.fill_(value)
-    return value
-
-
 def _tensor_dtypes(group: Mapping) -> dict[str, torch.dtype]:
     """Adam's hyperparameters that the group holds as tensors, and their dtypes: torch does
     their scalar arithmetic in that dtype."""
@@ -257,32 +249,6 @@ class TorchOptimizerLink:
                 for k, v in group_values.items():
                     group_state.hyperparams[k].fill_(v)
             self._values = values
-
-    def write_hyperparams(self, state: tuple | list) -> None:
-        """Set ``param_groups`` from the state's hyperparameters (after loading a
-        checkpoint, the loaded values are the current ones)."""
-        for group, group_state in zip(self.optimizer.param_groups, state, strict=True):
-            values = {k: float(v) for k, v in group_state.hyperparams.items()}
-            if "beta1" in values:
-                betas = (values.pop("beta1"), values.pop("beta2"))
-                group["betas"] = tuple(
-                    _assign(old, new) for old, new in zip(group["betas"], betas, strict=True)
-                )
-            for k, v in values.items():
-                group[k] = _assign(group[k], v)
-        self._values = self.hyper_values()
-
-    def with_current_hyperparams(self, state: tuple) -> tuple:
-        """A copy of ``state`` holding the optimizer's current hyperparameter values."""
-        return tuple(
-            s._replace(
-                hyperparams={
-                    k: torch.tensor(v, dtype=torch.float64, device=s.hyperparams[k].device)
-                    for k, v in values.items()
-                }
-            )
-            for s, values in zip(state, self.hyper_values(), strict=True)
-        )
 
     # -- state -----------------------------------------------------------------------
     def read_state(self, params: Params, *, copy: bool) -> tuple:

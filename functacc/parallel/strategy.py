@@ -1,23 +1,20 @@
 """How a step's state is laid out over the ranks, and what the step communicates.
 
-A strategy is a set of pure transforms of the step function: the step asks it which tensors
-to differentiate, how to turn them into the model's parameters for the forward pass, how to
-combine gradients over ranks, which tensors the optimizer updates, and how the updated
-tensors become the new state. ``Replicated`` covers one process and data parallelism;
-:mod:`functacc.parallel.zero` covers ZeRO stages 1 to 3.
+A strategy says how to combine gradients over ranks, which tensors the optimizer updates,
+and how the updated tensors become the new parameters; :mod:`functacc.parallel.jit_grads`
+and :mod:`functacc.parallel.zero_jit` call it while a step is traced. ``Replicated`` covers
+one process and data parallelism; :mod:`functacc.parallel.zero` covers ZeRO stages 1 to 3.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..optim import global_norm
 from .comm import average_written, bucketed_all_reduce
 from .mesh import Topology
 
@@ -30,51 +27,11 @@ class Strategy:
     topology = Topology(1, 1, None, None)
     name = "single process"
     named_state = True  # the optimizer updates the named parameters themselves (no shards)
-    tensor_parallel: Any = None  # the split model's TensorParallelLayout, if any
 
     # -- construction (eager) ------------------------------------------------------------
-    def live_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The state's parameters, given the model's (the stateful form trains these)."""
-        return params
-
-    def state_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The state's parameters built from full, named ones (copies for the pure form)."""
-        return {n: p.detach().clone() for n, p in params.items()}
-
-    def full_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Full, named parameters from the state's (gathers where sharded)."""
-        return dict(params)
-
-    def write_model_params(self, params: Mapping[str, Tensor], model_params: dict) -> None:
-        """Make the model's parameters hold the full values of the state's (sync_model)."""
-        with torch.no_grad():
-            for name, value in self.full_params(params).items():
-                if model_params[name] is not value:
-                    model_params[name].data = value.detach().clone()
-
-    @property
-    def model_synced(self) -> bool:
-        """Whether the model's parameters hold the full values (after ``sync_model``)."""
-        return True
-
-    def release_model_params(self, model_params: Mapping[str, Tensor]) -> None:
-        """Drop the model's full copies made by :meth:`write_model_params` where the state
-        holds shards (ZeRO-3), before the next step runs."""
-
-    def load_full_params(self, model_params: Mapping[str, Tensor], live: dict) -> None:
-        """Copy full parameters (the model's) into the live state where it differs."""
-        with torch.no_grad():
-            for name, p in model_params.items():
-                if name in live and live[name] is not p:
-                    live[name].copy_(p)
-
     def shard_optimizer_state(self, named_state: Any, transform: Any, opt_params: dict) -> Any:
         """The optimizer state in the optimizer's space, from the named (full) state."""
         return named_state
-
-    def optimizer_groups(self, groups: list[list[str]]) -> list[list[str]]:
-        """The optimizer's parameter groups in the optimizer's own names."""
-        return groups
 
     def init_extra(self, params: Mapping[str, Tensor]) -> dict[str, Any]:
         """State of the communication itself (PowerSGD's error feedback)."""
@@ -85,15 +42,6 @@ class Strategy:
         return ()
 
     # -- inside the traced step ----------------------------------------------------------
-    def differentiable(self, params: Mapping[str, Tensor], trainable: set[str]) -> list[str]:
-        """Names in ``params`` to take gradients with respect to."""
-        return [n for n in params if n in trainable]
-
-    @contextlib.contextmanager
-    def materialize(self, params: dict[str, Tensor], model: nn.Module) -> Iterator[dict]:
-        """The named parameters the forward pass runs with (ZeRO-3 gathers them lazily)."""
-        yield params
-
     def reduce_gradients(
         self, grads: dict[str, Tensor], extra: dict[str, Any], signature: tuple
     ) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -107,16 +55,6 @@ class Strategy:
     def optimizer_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The tensors the optimizer updates."""
         return dict(params)
-
-    def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
-        """The norm of the whole gradient, for clipping."""
-        if self.tensor_parallel is not None:
-            return self.tensor_parallel.global_norm(grads)
-        return global_norm(dict(grads))
-
-    def any_rank(self, flag: Tensor) -> Tensor:
-        """``flag`` or'ed over the ranks whose gradients differ (shards), so all agree."""
-        return flag
 
     def new_params(
         self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]

@@ -118,19 +118,6 @@ class TensorParallelSetup:
             return Topology(self.replicas, self.replicas, group, None, group)
         return Topology(self.replicas, 1, None, group, group)
 
-    def zero(self, zero: Any, model: nn.Module, groups: Any) -> Any:
-        """ZeRO's strategy across the groups (each rank shards its slices with the ranks
-        holding the same slices in the other groups)."""
-        if zero.shard_size not in (None, self.replicas):
-            raise ValueError(
-                f"ZeRO(shard_size={zero.shard_size}) beside TensorParallel: ZeRO shards over "
-                f"all {self.replicas} tensor-parallel groups (shard_size=None); hybrid "
-                "sharding within the data-parallel axis is not supported yet"
-            )
-        strategy = zero.build(model, groups, self.topology(sharded=True))
-        strategy.tensor_parallel = self.layouts[0]
-        return strategy
-
 
 def _groups(
     world: int, size: int, modules: Sequence[nn.Module]

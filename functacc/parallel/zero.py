@@ -1,4 +1,4 @@
-"""ZeRO (Rajbhandari et al., 2020) stages 1-3 as transforms of the pure step.
+"""ZeRO (Rajbhandari et al., 2020) stages 1-3 as transforms of the traced step.
 
 The parameters of each *wrap unit* (a module whose class is in ``wrap_layer_cls``, or the
 rest of the model) and optimizer param group are flattened into one padded vector; rank r of
@@ -24,8 +24,7 @@ moment update, no step count, while the rest of its unit trains.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -38,8 +37,6 @@ from .comm import all_gather, all_reduce, average_written, reduce_scatter
 from .flat import FlatUnit, Segment
 from .mesh import Topology
 from .strategy import Strategy
-from .tp_ops import reduce_from
-from .zero_gather import Gatherer
 from .zero_state import ShardedOptimizerState
 
 __all__ = ["Sharded", "ZeRO"]
@@ -123,7 +120,6 @@ class Sharded(ShardedOptimizerState, Strategy):
             else ""
         )
         self.model = model
-        self._model_full = True  # until live_params() empties the model (ZeRO-3)
         self.bucket_bytes = config.bucket_mb * 2**20
         params = dict(model.named_parameters())
         self._param_objects = params
@@ -180,53 +176,6 @@ class Sharded(ShardedOptimizerState, Strategy):
                     )
 
     # -- construction (eager) ------------------------------------------------------------
-    def live_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
-        if self.stage < 3:
-            return params
-        live = {n: p for n, p in params.items() if n not in self.sharded_names}
-        with torch.no_grad():
-            for unit in self.units:
-                flat = unit.flatten([params[n].detach() for n in unit.names])
-                live[unit.key] = unit.my_chunk(flat, self.topology.shard_rank).clone()
-                for n in unit.names:
-                    # The model keeps no full copy under ZeRO-3: sync_model() restores it.
-                    params[n].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
-        self._model_full = False
-        return live
-
-    @property
-    def model_synced(self) -> bool:
-        return self.stage < 3 or self._model_full
-
-    def write_model_params(self, params: Mapping[str, Tensor], model_params: dict) -> None:
-        super().write_model_params(params, model_params)
-        self._model_full = True
-
-    def release_model_params(self, model_params: Mapping[str, Tensor]) -> None:
-        if self.stage < 3 or not self._model_full:
-            return
-        # Back to the empty placeholders live_params() left: the step's graph never reads
-        # the model's own tensors (the gathered views replace them), and the full copies
-        # would otherwise stay resident for the rest of training.
-        for name in self.sharded_names:
-            unit = self.unit_of[name]
-            model_params[name].data = torch.empty(0, dtype=unit.dtype, device=unit.device)
-        self._model_full = False
-
-    def state_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        model_full = self._model_full  # copies are emptied, not the model
-        live = self.live_params({n: p.detach().clone() for n, p in params.items()})
-        self._model_full = model_full
-        return live
-
-    def full_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        if self.stage < 3:
-            return dict(params)
-        out = {n: p for n, p in params.items() if n not in {u.key for u in self.units}}
-        for unit in self.units:
-            out.update(unit.unflatten(self.whole_flat(unit, params[unit.key].detach())))
-        return out
-
     def whole_flat(self, unit: FlatUnit, chunk: Tensor) -> Tensor:
         """Every rank's chunk of ``unit`` (this rank's: ``chunk``) gathered into the unit's
         flat vector, eagerly (a collective call: every rank of the shard group makes it)."""
@@ -237,41 +186,7 @@ class Sharded(ShardedOptimizerState, Strategy):
             dist.all_gather_into_tensor(flat, chunk.contiguous(), self.topology.shard_group)
         return flat
 
-    def optimizer_groups(self, groups: list[list[str]]) -> list[list[str]]:
-        return [[n for n in g if n in self.sharded_names] for g in groups]
-
-    def load_full_params(self, model_params: Mapping[str, Tensor], live: dict) -> None:
-        if self.stage < 3:
-            return
-        with torch.no_grad():
-            for unit in self.units:
-                flat = unit.flatten([model_params[n].detach() for n in unit.names])
-                live[unit.key].copy_(unit.my_chunk(flat, self.topology.shard_rank))
-
     # -- inside the traced step ----------------------------------------------------------
-    def differentiable(self, params: Mapping[str, Tensor], trainable: set[str]) -> list[str]:
-        self._used = set()  # a new trace starts: materialize() records what gets gradients
-        if self.stage < 3:
-            return [n for n in params if n in trainable]
-        return [u.key for u in self.units] + [
-            n for n in params if n in trainable and n not in self.sharded_names
-        ]
-
-    @contextlib.contextmanager
-    def materialize(self, params: dict[str, Tensor], model: nn.Module) -> Iterator[dict]:
-        if self.stage < 3:
-            yield params
-            return
-        gatherer = Gatherer(self, params, model)
-        with gatherer.active():
-            # The sharded names keep the model's own (emptied) tensors as placeholders until
-            # the unit's pre-hook swaps the gathered weights in.
-            placeholders = {n: gatherer.accessor.get_tensor(n) for n in self.sharded_names}
-            yield {
-                **{n: t for n, t in params.items() if n not in gatherer.unit_keys},
-                **placeholders,
-            }
-
     def optimizer_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         out = {}
         for name, seg in self.segment_of.items():
@@ -328,24 +243,6 @@ class Sharded(ShardedOptimizerState, Strategy):
             world=self.topology.world,
             bucket_bytes=self.bucket_bytes,
         )
-
-    def global_norm(self, grads: Mapping[str, Tensor]) -> Tensor:
-        split = self.tensor_parallel.dims if self.tensor_parallel is not None else {}
-        parts = [[g for n, g in grads.items() if (n in split) == s] for s in (False, True)]
-        squares = [
-            torch.stack([g.pow(2).sum() for g in part]).sum() if part else torch.zeros(())
-            for part in parts
-        ]
-        if self.topology.shard_group is not None:
-            squares = [all_reduce(s, self.topology.shard_group) for s in squares]
-        if split:  # the slices of tensor parallelism's group: summed over it too
-            squares[1] = reduce_from(squares[1], self.tensor_parallel.group)
-        return (squares[0] + squares[1]).sqrt()
-
-    def any_rank(self, flag: Tensor) -> Tensor:
-        if self.topology.shard_group is None:
-            return flag
-        return all_reduce(flag.to(torch.float32), self.topology.shard_group) > 0
 
     def new_params(
         self, updated: Mapping[str, Tensor], params: Mapping[str, Tensor]

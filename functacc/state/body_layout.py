@@ -48,16 +48,13 @@ class BodyLayout(Layout):
 
     def __init__(self, step: Any, loader: DeviceLoader | None):
         self.step = step
-        self.strategy = None
-        self.sharded = False
-        self.units = {}
         model, opt = step.model, step.optimizer
         # TensorParallel: a split parameter, and its optimizer state, stored whole (gathered
         # over its group), so that a run of another layout loads it.
         self.split = getattr(model, "_functacc_tensor_parallel", None)
         self.params = dict(model.named_parameters())
-        self.entries = {}
-        self.per_rank = set()
+        self.entries: dict[str, Any] = {}
+        self.per_rank: set[str] = set()
         self.fixups = []
         self.split_fixups = []
         # Under ZeRO the checkpoint holds the whole tensors, as under data parallelism, so

@@ -1,23 +1,22 @@
 """Mixed precision: low-precision compute, float32 master weights, dynamic loss scaling.
 
-The forward pass and the loss run under ``torch.autocast`` inside the traced step, so the
-graph gets exactly autocast's casts: matrix multiplies and convolutions in the low-precision
-type, numerically sensitive ops (softmax, norms, losses) in float32. Parameters and
-optimizer state stay float32. With float16 the loss is scaled before backward and the
-gradients unscaled after; a step whose gradients overflow is skipped (parameters and
-optimizer state keep their exact bits) and the scale shrinks; after ``growth_interval`` good
-steps it grows. The scale is state of the graph: no host synchronisation is needed.
+``compile_step(..., precision=)`` writes eager's AMP recipe into its step: the forward
+pass and the loss under ``torch.autocast`` (so the graph gets exactly autocast's casts:
+matrix multiplies and convolutions in the low-precision type, numerically sensitive ops in
+float32), parameters and optimizer state in float32, and with float16 a
+``torch.amp.GradScaler`` of these settings (scale, unscale, skip a step whose gradients
+overflow, back off, grow after ``growth_interval`` good steps) traced into the graph
+(:mod:`functacc.core.grad_scaler`): no host synchronisation.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 __all__ = ["Precision", "resolve_precision"]
 
@@ -71,42 +70,10 @@ class Precision:
         """float16 needs a loss scale (its range ends at 65504); bfloat16 does not."""
         return self.dtype == torch.float16
 
-    def init_state(self, device: torch.device) -> dict[str, Tensor]:
-        if not self.loss_scaling:
-            return {}
-        return {
-            "scale": torch.tensor(self.init_scale, dtype=torch.float32, device=device),
-            "growth_tracker": torch.zeros((), dtype=torch.int64, device=device),
-            "skipped": torch.zeros((), dtype=torch.int64, device=device),
-        }
-
     @contextlib.contextmanager
     def autocast(self, device_type: str) -> Iterator[None]:
         with torch.autocast(device_type, dtype=self.dtype):
             yield
-
-    def unscale(self, grads: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> tuple:
-        """Gradients divided by the scale, and whether any of them is inf or NaN."""
-        inv = (1.0 / state["scale"]).to(torch.float32)
-        unscaled = {n: g * inv.to(g.dtype) for n, g in grads.items()}
-        finite = torch.stack([torch.isfinite(g).all() for g in unscaled.values()]).all()
-        return unscaled, ~finite
-
-    def next_state(self, state: Mapping[str, Tensor], found_inf: Tensor) -> dict[str, Tensor]:
-        """GradScaler's update, as tensor math: back off on overflow, grow after
-        ``growth_interval`` good steps in a row."""
-        tracker = torch.where(found_inf, 0, state["growth_tracker"] + 1)
-        grow = tracker >= self.growth_interval
-        scale = torch.where(
-            found_inf,
-            state["scale"] * self.backoff_factor,
-            torch.where(grow, state["scale"] * self.growth_factor, state["scale"]),
-        )
-        return {
-            "scale": scale,
-            "growth_tracker": torch.where(grow, 0, tracker),
-            "skipped": state["skipped"] + found_inf.to(torch.int64),
-        }
 
 
 def resolve_precision(precision: Any) -> Precision | None:
