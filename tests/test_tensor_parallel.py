@@ -129,6 +129,18 @@ def test_tensor_parallel_equals_one_process_on_the_whole_batch(
     assert got["split_state_numel"] == got["split_numel"] * (2 if name == "mlp" else 1)
 
 
+@pytest.mark.distributed
+def test_a_functacc_optim_transformation_splits_with_the_model(two_ranks: dict) -> None:
+    # compile_step(model, loss_fn, functacc.optim.adamw(...)) runs the transformation as
+    # as_optimizer(...), whose state (made over the whole parameters) is made again over
+    # each rank's slices after the split (before: a ValueError). Against one process with
+    # torch.optim.AdamW on the whole batch, as above.
+    got = two_ranks["mlp", "transform"]
+    losses, params = reference("mlp")
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0)
+    close(got["params"], params, 1e-5)
+
+
 def close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float) -> None:
     assert got.keys() == expected.keys()
     for key, value in expected.items():
@@ -278,8 +290,11 @@ def test_splits_that_cannot_work_are_clear_errors() -> None:
             optimizers=[opt],
             parallel=TensorParallel({"": "colwise"}),
         )
+    # as_optimizer's state is made again over the slices, unless it has stepped.
     transformed = functacc.optim.as_optimizer(model.named_parameters(), functacc.optim.sgd(0.1))
-    with pytest.raises(ValueError, match=r"as_optimizer holds its transformation's state.*itself"):
+    model(torch.ones(1, 4)).sum().backward()
+    transformed.step()
+    with pytest.raises(ValueError, match="the TransformOptimizer has state already"):
         functacc.compile_step(model, torch.nn.MSELoss(), transformed, parallel=tp_of_root)
     import timm.optim
 
@@ -296,6 +311,25 @@ def test_splits_that_cannot_work_are_clear_errors() -> None:
     tp = TensorParallel({"": "colwise"})
     with pytest.raises(ValueError, match="one TensorParallel and one DataParallel or ZeRO"):
         functacc.jit(lambda: None, modules=[model], parallel=[tp, tp])
+
+
+def test_a_checkpoint_of_a_transformation_under_tensor_parallel_is_a_clear_error(
+    tmp_path,
+) -> None:
+    # Its state is one tree, not per parameter: which slice is whose is not known.
+    model = tp_worker.mlp()
+    step = functacc.compile_step(
+        model,
+        torch.nn.CrossEntropyLoss(),
+        functacc.optim.adamw(1e-2),
+        backend="eager",
+        parallel=TensorParallel(tp_worker.MLP_PLAN),
+    )
+    x, y, _ = tp_worker.batches()[0]
+    step(x, y)
+    with pytest.raises(functacc.CheckpointError, match="full_state_dict"):
+        functacc.save(step, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_one_process_with_a_plan_trains_as_without() -> None:

@@ -41,6 +41,21 @@ class TransformOptimizer(torch.optim.Optimizer):
             state = transform.init({n: p.detach() for n, p in named_params.items()})
         leaves, self._spec = pytree.tree_flatten(state)
         self.state[self._first] = {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
+        self.stepped = False  # its state is still the transformation's init (see rebuild_state)
+
+    def rebuild_state(self) -> None:
+        """Make the transformation's state again from the parameters as they are now, before
+        the first step (tensor parallelism splits the parameters in place after the
+        optimizer was built over the whole ones)."""
+        if self.stepped:
+            raise ValueError(
+                "rebuild_state() of an optimizer that has stepped or loaded a state would drop "
+                "that state"
+            )
+        with torch.no_grad():
+            state = self.transform.init({n: p.detach() for n, p in self._named().items()})
+        leaves, self._spec = pytree.tree_flatten(state)
+        self.state[self._first] = {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the transformation's leaves
@@ -52,6 +67,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         leaves = state.pop(state_dict["param_groups"][0]["params"][0], {})
         super().load_state_dict({**state_dict, "state": state})
         self.state[first] = {k: v.to(device=first.device).clone() for k, v in leaves.items()}
+        self.stepped = True
 
     @property
     def _first(self) -> Tensor:
@@ -82,6 +98,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                 f"transformation makes it; got {spec}, expected {self._spec}"
             )
         self.state[self._first] = {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
+        self.stepped = True
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -96,6 +113,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         if not grads:
             return loss
         state = self.transform_state()
+        self.stepped = True
         new_params, new_state = step_params(self.transform, grads, state, params)
         for n in grads:
             params[n].copy_(new_params[n])

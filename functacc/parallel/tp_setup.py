@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..optim import TransformOptimizer
 from .mesh import GroupRef, Topology, check_launched, world_size
 from .strategy import check_same_model, sync_from_rank0
 from .tensor_parallel import TensorParallel, TensorParallelLayout
@@ -80,14 +81,9 @@ class TensorParallelSetup:
                     "from its slice alone (a different update per rank). Use an elementwise "
                     "optimizer (SGD, Adam, AdamW, RMSprop, Lion, ...) with TensorParallel"
                 )
-            if type(opt).__name__ == "TransformOptimizer":  # functacc.optim.as_optimizer
-                raise ValueError(
-                    "TensorParallel: an optimizer from functacc.optim.as_optimizer holds its "
-                    "transformation's state from the start, made over the whole parameters, "
-                    "which the split would cut. Pass the transformation itself: "
-                    "compile_step(model, loss_fn, transform, parallel=[TensorParallel(...), ...])"
-                )
-            if opt.state:
+            if isinstance(opt, TransformOptimizer) and not opt.stepped:
+                continue  # its state is the transformation's init: made again after the split
+            if isinstance(opt, TransformOptimizer) or opt.state:
                 raise ValueError(
                     f"TensorParallel: the {type(opt).__name__} has state already (it has "
                     "stepped); its state is of the whole parameters. Build the step (and the "
@@ -108,6 +104,9 @@ class TensorParallelSetup:
             sync_from_rank0(tensors)
         tp_group, dp_group = _groups(world, size, modules)
         layouts = tp.split(list(modules), tp_group)
+        for opt in optimizers:
+            if isinstance(opt, TransformOptimizer):
+                opt.rebuild_state()  # over the slices this rank now holds
         return cls(layouts, world // size, GroupRef(dp_group) if dp_group is not None else None)
 
     def topology(self, sharded: bool = False) -> Topology:

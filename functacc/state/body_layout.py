@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..data import DeviceLoader
+from ..optim import TransformOptimizer
 from .layout import Layout
 from .safe_io import CheckpointError
 
@@ -52,6 +53,16 @@ class BodyLayout(Layout):
         # TensorParallel: a split parameter, and its optimizer state, stored whole (gathered
         # over its group), so that a run of another layout loads it.
         self.split = getattr(model, "_functacc_tensor_parallel", None)
+        if self.split is not None and isinstance(opt, TransformOptimizer):
+            # Its state is one tree under the first parameter, not a state per parameter:
+            # which slice belongs to which split parameter is not known here.
+            raise CheckpointError(
+                "checkpoints of a TensorParallel step with a functacc.optim transformation "
+                "(as_optimizer) are not supported yet: its state is one tree, not a state per "
+                "parameter, so its slices cannot be stored whole. Use a torch.optim optimizer "
+                "(torch.optim.AdamW, SGD, ...) for a resumable tensor-parallel run, or gather the "
+                "weights with model._functacc_tensor_parallel.full_state_dict(model)"
+            )
         self.params = dict(model.named_parameters())
         self.entries: dict[str, Any] = {}
         self.per_rank: set[str] = set()

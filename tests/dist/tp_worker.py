@@ -182,6 +182,8 @@ def build(
     opt = optimizer(name, model)
     if front == "body":  # compile_step with an optimizer traced whole: jit's pipeline
         opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    if front == "transform":  # a functacc.optim transformation: torch's AdamW, purely
+        opt = functacc.optim.adamw(1e-2)
     parallel = [TensorParallel(plan(model), size=parallel), across or DataParallel()]
     if front == "jit":
 
@@ -200,7 +202,7 @@ def build(
     kwargs = dict(backend=backend, parallel=parallel, max_grad_norm=0.5)
     if name == "mlp":
         step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, **kwargs)
-        return (lambda x, y, ids: step(x, y)), model, opt, step
+        return (lambda x, y, ids: step(x, y)), model, step.optimizer, step
     if name == "gpt":
         step = functacc.compile_step(model, None, opt, **kwargs)
         return (lambda x, y, ids: step(ids, ids.roll(-1, 1))), model, opt, step
@@ -220,6 +222,8 @@ def main() -> None:
     names = list(MODELS) if replicas == 1 else ["mlp", "gpt"]
     runs = [(name, front, None) for name in names for front in ("compile_step", "jit")]
     runs.append(("mlp", "body", None))  # for stats() only (another optimizer)
+    if replicas == 1:
+        runs.append(("mlp", "transform", None))
     if replicas > 1:
         runs += [("mlp", "compile_step", 1), ("mlp", "compile_step", 3), ("mlp", "jit", 2)]
         runs += [("mlp", "jit", 3)]
