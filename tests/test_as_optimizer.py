@@ -163,3 +163,20 @@ def test_compile_step_with_it_under_inductor_matches_eager() -> None:
             step(x, y), eager_step(ref, ref_opt, x, y, i), rtol=1e-5, atol=1e-6
         )
     assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
+
+
+def test_zero_with_a_transformation_is_a_clear_error_that_changes_nothing() -> None:
+    # Its state is one tree under the first parameter: ZeRO cannot split it by parameter.
+    # The advice: the torch.optim optimizer it mirrors (ZeRO 1-3), or DataParallel.
+    model = model_with_a_frozen_layer()
+    before = copy.deepcopy(model.state_dict())
+    for stage in (1, 3):
+        with pytest.raises(ValueError, match=rf"ZeRO\({stage}\) with opt, .*as_optimizer.*AdamW"):
+            functacc.compile_step(
+                model,
+                nn.CrossEntropyLoss(),
+                fo.adamw(1e-3),
+                backend="eager",
+                parallel=functacc.parallel.ZeRO(stage),
+            )
+        assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")

@@ -84,6 +84,13 @@ def test_data_parallel_equals_one_process_on_the_full_batch(parity) -> None:
             **REDUCTION_ADAM,
             what=f"DP {name}",
         )
+    # A functacc.optim transformation (compile_step runs it as as_optimizer) too.
+    assert_close(
+        parity["dp/mlp/transform_adamw"]["state"],
+        parity["single/mlp"],
+        **REDUCTION_ADAM,
+        what="DP mlp, functacc.optim.adamw",
+    )
     for stage in (None, 1, 2, 3):  # with clipping: the global norm spans all shards
         assert_close(
             parity[f"clip/{stage}"]["state"],

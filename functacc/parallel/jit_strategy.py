@@ -26,9 +26,28 @@ __all__ = ["jit_strategy"]
 def jit_strategy(parallel: Any, capture: Any, tensor_parallel: Any) -> Any:
     """The gradient policy of a jitted step (``None``: plain local gradients); sets up
     the sharding of ``capture``'s optimizers (and parameters, ZeRO-3) as it goes."""
+    _check_zero_optimizers(parallel, capture)
     if tensor_parallel is not None:
         return _across_tensor_parallel(parallel, capture, tensor_parallel)
     return _strategy(parallel, capture)
+
+
+def _check_zero_optimizers(parallel: Any, capture: Any) -> None:
+    from ..optim import TransformOptimizer
+    from ..parallel import ZeRO
+
+    if not isinstance(parallel, ZeRO):
+        return
+    for linked in capture.optimizers:
+        if isinstance(linked.optimizer, TransformOptimizer):
+            raise ValueError(
+                f"parallel=ZeRO({parallel.stage}) with {linked.label}, an optimizer from "
+                "functacc.optim.as_optimizer (compile_step runs a functacc.optim "
+                "transformation as one): its state is one tree held under its first "
+                "parameter, which ZeRO cannot split by parameter. Use the torch.optim "
+                "optimizer the transformation mirrors (torch.optim.AdamW(...), SGD, Adam: ZeRO "
+                "1, 2 and 3), or parallel=DataParallel()."
+            )
 
 
 def _strategy(parallel: Any, capture: Any) -> Any:

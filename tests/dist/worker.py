@@ -74,7 +74,10 @@ def train(model_name: str, opt_name: str, parallel, *, seed_by_rank: bool = Fals
     # Ranks may initialise differently: the step broadcasts rank 0's weights.
     torch.manual_seed(rank if seed_by_rank else 0)
     model = make()
-    opt = OPTS[opt_name](model)
+    if opt_name == "transform_adamw":  # functacc.optim's AdamW: torch's, purely
+        opt = functacc.optim.adamw(1e-3, weight_decay=0.05)
+    else:
+        opt = OPTS[opt_name](model)
     step = functacc.compile_step(
         model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel, **kw
     )
@@ -128,6 +131,7 @@ def scenario_parity(out: dict) -> None:
     for model_name in ("mlp", "transformer"):
         out[f"single/{model_name}"] = single_process(model_name, "adamw", world)
         out[f"dp/{model_name}/adamw"] = train(model_name, "adamw", None, seed_by_rank=True)
+    out["dp/mlp/transform_adamw"] = train("mlp", "transform_adamw", None, seed_by_rank=True)
     out["single_clip/mlp"] = single_process("mlp", "sgd_momentum", world, max_grad_norm=0.1)
     for stage in (None, 1, 2, 3):
         parallel = None if stage is None else ZeRO(stage, wrap_layer_cls=None)
