@@ -26,7 +26,6 @@ class Strategy:
 
     topology = Topology(1, 1, None, None)
     name = "single process"
-    named_state = True  # the optimizer updates the named parameters themselves (no shards)
 
     # -- construction (eager) ------------------------------------------------------------
     def shard_optimizer_state(self, named_state: Any, transform: Any, opt_params: dict) -> Any:

@@ -7,10 +7,11 @@ a shard group of n ranks owns the r-th of its n equal chunks.
 - stage 1: the optimizer state is sharded: gradients are all-reduced, each rank updates its
   chunk, the chunks are all-gathered into the new parameters.
 - stage 2: as stage 1, but gradients are reduce-scattered (each rank receives only its chunk).
-- stage 3: the parameters are sharded too. Each unit is all-gathered just before its forward
-  (a forward pre-hook) and again in backward (a saved-tensor hook re-gathers instead of
-  keeping the full weights alive), so the full weights live only while used; the gather's
-  backward is the reduce-scatter of the gradient.
+- stage 3 (:mod:`.zero3_jit`): the parameters are sharded too, kept as chunks between
+  calls. Each unit is all-gathered inside the step just before its first use and again in
+  backward (a saved-tensor hook re-gathers instead of keeping the full weights alive), so
+  the full weights live only while used; gradients and optimizer state are sharded as in
+  stage 2.
 
 With ``shard_size`` < world size (hybrid), chunks are sharded within groups of
 ``shard_size`` ranks and the chunk gradients all-reduced across the groups.
@@ -100,9 +101,8 @@ def _wrap_modules(model: nn.Module, classes: Collection[str] | None) -> list[str
 
 
 class Sharded(ShardedOptimizerState, Strategy):
-    """The ZeRO strategy built by :class:`ZeRO`."""
-
-    named_state = False
+    """The ZeRO strategy built by :class:`ZeRO` (stages 1 and 2; jit's ZeRO-3 shards its
+    gradients and optimizer state with stage 2's, :func:`~.zero3_jit.as_stage2`)."""
 
     def __init__(
         self,
@@ -119,7 +119,6 @@ class Sharded(ShardedOptimizerState, Strategy):
             if topology.replicas > 1
             else ""
         )
-        self.model = model
         self.bucket_bytes = config.bucket_mb * 2**20
         params = dict(model.named_parameters())
         self._param_objects = params
@@ -157,23 +156,6 @@ class Sharded(ShardedOptimizerState, Strategy):
         self.segment_of: dict[str, Segment] = {
             n: seg for u in self.units for n, seg in u.segments(topology.shard_rank).items()
         }
-        self._used: set[str] = set()  # ZeRO-3, while tracing: parameters that got gradients
-        # Tied parameters: every other name under which a sharded parameter is reachable.
-        canonical = {id(p): n for n, p in params.items()}
-        self.aliases: dict[str, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            first = canonical[id(p)]
-            if name != first and first in self.sharded_names:
-                self.aliases.setdefault(first, []).append(name)
-                owner = next((w for w in wraps if name.startswith(w + ".")), "")
-                if config.stage == 3 and owner != self.unit_of[first].module:
-                    raise ValueError(
-                        f"parameter {first!r} is tied to {name!r}, which lies in another ZeRO-3 "
-                        f"unit ({owner or 'the root'!r} vs "
-                        f"{self.unit_of[first].module or 'the root'!r}); a unit's weights are "
-                        "gathered only while that unit runs. Keep tied modules in one unit "
-                        "(drop their class from wrap_layer_cls) or use ZeRO stage 1 or 2."
-                    )
 
     # -- construction (eager) ------------------------------------------------------------
     def whole_flat(self, unit: FlatUnit, chunk: Tensor) -> Tensor:
@@ -190,10 +172,7 @@ class Sharded(ShardedOptimizerState, Strategy):
     def optimizer_params(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         out = {}
         for name, seg in self.segment_of.items():
-            if self.stage == 3:
-                out[name] = params[seg.unit.key][seg.start : seg.stop]
-            else:
-                out[name] = params[name].reshape(-1)[seg.offset : seg.offset + seg.numel]
+            out[name] = params[name].reshape(-1)[seg.offset : seg.offset + seg.numel]
         return out
 
     def reduce_gradients(
@@ -202,36 +181,27 @@ class Sharded(ShardedOptimizerState, Strategy):
         topo, world = self.topology, self.topology.world
         out = {}
         for unit in self.units:
-            if self.stage == 3:
-                if unit.key not in grads:
-                    continue
-                chunk = grads[unit.key]  # the gather's backward already reduce-scattered
-                with_grads = [n for n in unit.names if n in self._used]
-            else:
-                present = [n for n in unit.names if n in grads]
-                with_grads = present
-                if not present:
-                    continue
-                flat = (
-                    unit.flatten(
-                        [
-                            grads[n] if n in grads else grads[present[0]].new_zeros(s)
-                            for n, s in zip(unit.names, unit.shapes, strict=True)
-                        ]
-                    )
-                    / world
+            present = [n for n in unit.names if n in grads]
+            if not present:
+                continue
+            flat = (
+                unit.flatten(
+                    [
+                        grads[n] if n in grads else grads[present[0]].new_zeros(s)
+                        for n, s in zip(unit.names, unit.shapes, strict=True)
+                    ]
                 )
-                if self.stage == 1:
-                    chunk = unit.my_chunk(all_reduce(flat, topo.data_group), topo.shard_rank)
-                else:
-                    chunk = reduce_scatter(flat, topo.shard_group)
-            if self.stage == 3:
-                chunk = chunk / world
+                / world
+            )
+            if self.stage == 1:
+                chunk = unit.my_chunk(all_reduce(flat, topo.data_group), topo.shard_rank)
+            else:
+                chunk = reduce_scatter(flat, topo.shard_group)
             if topo.replicate_group is not None and self.stage != 1:
                 chunk = all_reduce(chunk, topo.replicate_group)
             # Only the parameters that got a gradient are updated (torch.optim skips a
             # .grad of None); the unit's chunk still travels whole.
-            for name in with_grads:
+            for name in present:
                 seg = self.segment_of[name]
                 out[name] = chunk[seg.start : seg.stop]
         return out, extra
@@ -253,9 +223,6 @@ class Sharded(ShardedOptimizerState, Strategy):
             if not any(n in updated for n in unit.names):
                 continue
             pieces = [updated.get(n, old[n]) for n in unit.names]
-            if self.stage == 3:
-                new[unit.key] = self.chunk_of(unit, pieces)
-                continue
             new.update(self.gather_unit(unit, pieces))
         return new
 
