@@ -180,3 +180,17 @@ def test_zero_with_a_transformation_is_a_clear_error_that_changes_nothing() -> N
                 parallel=functacc.parallel.ZeRO(stage),
             )
         assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")
+
+
+def test_compile_step_of_a_transformation_checks_its_model_first() -> None:
+    # The transformation becomes as_optimizer(model.named_parameters(), ...): a model that is
+    # no module is compile_step's own error, not an AttributeError from that call.
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module; got str"):
+        functacc.compile_step("model", nn.CrossEntropyLoss(), fo.sgd(0.1))
+    # A wrapped model: the state is keyed by the inner module's names, as the step's are.
+    model = model_with_a_frozen_layer()
+    step = functacc.compile_step(
+        torch.compile(model), nn.CrossEntropyLoss(), fo.sgd(0.1), backend="eager"
+    )
+    step(*batches(1)[0])
+    assert step.optimizer.names == [n for n, p in model.named_parameters() if p.requires_grad]

@@ -112,10 +112,14 @@ def compile_step(
         ...                              backend="eager")
         >>> loss = step(torch.randn(32, 8), torch.randint(0, 4, (32,)))
     """
-    if isinstance(opt, GradientTransformation):  # as a torch optimizer, stepped in place
+    if isinstance(opt, GradientTransformation) and isinstance(model, nn.Module):
+        # As a torch optimizer, stepped in place, over the names the step uses (a model
+        # wrapped in DDP or torch.compile: its inner module's); a model that is no module is
+        # Step's clear error.
+        from ..core.functional import unwrap
         from ..optim import as_optimizer
 
-        opt = as_optimizer(model.named_parameters(), opt)
+        opt = as_optimizer(unwrap(model).named_parameters(), opt)
     return Step(
         model,
         loss_fn,
