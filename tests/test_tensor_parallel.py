@@ -308,6 +308,14 @@ def test_splits_that_cannot_work_are_clear_errors() -> None:
             torch.optim.SGD(model.parameters()),
             parallel=TensorParallel({"": "colwise"}, size=2),
         )
+    # Hybrid sharding beside TensorParallel: an error, not a shard_size silently ignored.
+    with pytest.raises(ValueError, match=r"ZeRO\(shard_size=2\) beside TensorParallel"):
+        functacc.compile_step(
+            model,
+            torch.nn.MSELoss(),
+            torch.optim.SGD(model.parameters()),
+            parallel=[TensorParallel({"": "colwise"}), functacc.parallel.ZeRO(1, shard_size=2)],
+        )
     tp = TensorParallel({"": "colwise"})
     with pytest.raises(ValueError, match="one TensorParallel and one DataParallel or ZeRO"):
         functacc.jit(lambda: None, modules=[model], parallel=[tp, tp])

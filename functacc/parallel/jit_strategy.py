@@ -163,6 +163,13 @@ def _across_tensor_parallel(parallel: Any, capture: Any, setup: Any) -> Any:
     from ..parallel.zero_jit import ShardedOptimizer
 
     zero = parallel if isinstance(parallel, ZeRO) else None
+    if zero is not None and zero.shard_size not in (None, setup.replicas):
+        # The shard group is every tensor-parallel group's rank of the same slices.
+        raise ValueError(
+            f"ZeRO(shard_size={zero.shard_size}) beside TensorParallel: ZeRO shards over all "
+            f"{setup.replicas} tensor-parallel groups (shard_size=None); hybrid sharding "
+            "within the data-parallel axis is not supported yet"
+        )
     if zero is not None and zero.stage == 3:
         check_zero3_optimizers(capture.optimizers)
     parallel = DataParallel(bucket_mb=zero.bucket_mb) if zero else (parallel or DataParallel())
