@@ -340,6 +340,23 @@ def test_a_checkpoint_of_a_transformation_under_tensor_parallel_is_a_clear_error
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_checkpoint_of_tensor_parallel_beside_zero_is_a_clear_error(tmp_path) -> None:
+    # Not supported yet (the pure step refused it too): an error, nothing written.
+    model = tp_worker.mlp()
+    step = functacc.compile_step(
+        model,
+        torch.nn.CrossEntropyLoss(),
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        backend="eager",
+        parallel=[TensorParallel(tp_worker.MLP_PLAN), functacc.parallel.ZeRO(1)],
+    )
+    x, y, _ = tp_worker.batches()[0]
+    step(x, y)
+    with pytest.raises(functacc.CheckpointError, match="TensorParallel and ZeRO together"):
+        functacc.save(step, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_one_process_with_a_plan_trains_as_without() -> None:
     # The same program on one process as on many: size 1, nothing split, bit for bit.
     results = []

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..data import DeviceLoader
 from ..optim import TransformOptimizer
+from ..parallel import ZeRO
 from .layout import Layout
 from .safe_io import CheckpointError
 
@@ -53,6 +54,12 @@ class BodyLayout(Layout):
         # TensorParallel: a split parameter, and its optimizer state, stored whole (gathered
         # over its group), so that a run of another layout loads it.
         self.split = getattr(model, "_functacc_tensor_parallel", None)
+        if self.split is not None and any(isinstance(p, ZeRO) for p in _listed(step.parallel)):
+            raise CheckpointError(
+                "checkpoints of a step with TensorParallel and ZeRO together are not supported "
+                "yet; save with [TensorParallel(...), DataParallel()], or gather the weights with "
+                "model._functacc_tensor_parallel.full_state_dict(model)"
+            )
         if self.split is not None and isinstance(opt, TransformOptimizer):
             # Its state is one tree under the first parameter, not a state per parameter:
             # which slice belongs to which split parameter is not known here.
@@ -199,3 +206,7 @@ class BodyLayout(Layout):
             step.scaler.load_state_dict(saved["scaler"])
         step._calls = saved["count"]
         step._skipped = torch.tensor(saved["skipped"]) if saved["skipped"] else None
+
+
+def _listed(parallel: Any) -> list:
+    return list(parallel) if isinstance(parallel, (list, tuple)) else [parallel]
