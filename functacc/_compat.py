@@ -27,6 +27,7 @@ __all__ = [
     "COMPILE_TAKES_RECOMPILE_LIMIT",
     "INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING",
     "INDUCTOR_KEEPS_RANDOM_ORDER",
+    "INDUCTOR_PRINTS_FLOAT_MINMAX",
     "INDUCTOR_ROUNDS_16BIT_LIKE_EAGER",
     "SUPPORTED",
     "TORCH",
@@ -36,6 +37,7 @@ __all__ = [
     "make_fx_traces_generators",
     "optimization_hint",
     "reduce_scatter_single",
+    "symbolic_max_min",
     "warn_where_inductor_differs",
 ]
 
@@ -182,6 +184,15 @@ model and broke another (a data-parallel dropout MLP), so nothing is switched: o
 step with several dropouts draws eager's distribution, not eager's numbers. 2.14 and 2.15
 keep the order."""
 
+INDUCTOR_PRINTS_FLOAT_MINMAX = TORCH > (2, 11)
+"""Whether Inductor's C++ kernels compute ``max``/``min`` of Python floats the graph holds as
+symbols (``torch.sym_max``) as floats. A version gate: torch 2.11 prints them as
+``std::max(static_cast<int64_t>(a), static_cast<int64_t>(b))``, truncating both, so
+Adafactor's ``max(eps2, p.norm().item() / ...)`` became 0 and its traced step moved the
+weights 1% away from eager's (found on the H100 machine's torch 2.11; 2.14 and 2.15 print
+floats). On 2.11 the optimizer's ``max``/``min`` of floats are traced as float64 tensor ops
+instead (:func:`symbolic_max_min`)."""
+
 INDUCTOR_ROUNDS_16BIT_LIKE_EAGER = TORCH > (2, 11)
 """Whether Inductor, with ``emulate_precision_casts`` (functacc sets it), rounds each bf16 or
 fp16 op's result inside a fused kernel as eager rounds it. A version gate: torch 2.11 keeps a
@@ -252,3 +263,30 @@ def make_fx_traces_generators() -> bool:
     except NotImplementedError:
         return False
     return True
+
+
+def symbolic_max_min() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
+    """``max`` and ``min`` of Python numbers a traced optimizer step holds as symbols:
+    ``torch.sym_max`` / ``torch.sym_min``, except floats on a torch whose Inductor truncates
+    them (:data:`INDUCTOR_PRINTS_FLOAT_MINMAX`): there the same choice is made by
+    ``torch.maximum`` / ``torch.minimum`` on float64 0-dim tensors and read back with
+    ``.item()``, exact since both values are doubles already.
+
+    Example:
+        >>> [f(2, 3) for f in symbolic_max_min()]
+        [3, 2]
+    """
+    if INDUCTOR_PRINTS_FLOAT_MINMAX:
+        return torch.sym_max, torch.sym_min
+
+    def through_tensors(sym: Callable, op: Callable) -> Callable[[Any, Any], Any]:
+        def call(a: Any, b: Any) -> Any:
+            if not any(isinstance(v, (float, torch.SymFloat)) for v in (a, b)):
+                return sym(a, b)
+            return op(*(torch.scalar_tensor(v, dtype=torch.float64) for v in (a, b))).item()
+
+        return call
+
+    return through_tensors(torch.sym_max, torch.maximum), through_tensors(
+        torch.sym_min, torch.minimum
+    )

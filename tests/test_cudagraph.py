@@ -395,8 +395,16 @@ def test_jit_cuda_graph_matches_the_eager_body_on_gpu(case: str) -> None:
     assert case != "distillation" or noise
     for key, value in got.items():
         if isinstance(value, torch.Tensor) and not any(key.startswith(k) for k in noise):
+            # Adam's step count: eager keeps it on the host, the step on the GPU (as torch
+            # does with capturable=True) so that a replay advances it; the value must agree.
+            count = key.startswith("opt") and key.endswith(".step")
             torch.testing.assert_close(
-                value, expected[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+                value,
+                expected[key],
+                rtol=1e-4,
+                atol=1e-5,
+                check_device=not count,
+                msg=lambda m, key=key: f"{key}: {m}",
             )
 
 

@@ -30,6 +30,7 @@ from test_jit import assert_same, tensors_of
 from torch import nn
 
 import functacc
+from functacc import _compat
 
 
 class SignMomentum(torch.optim.Optimizer):
@@ -133,6 +134,14 @@ def run(name: str, front: str, backend: str) -> tuple[list, list, Any, Any]:
     else:
         step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend=backend)
     eager = body_of(ref, ref_opt)
+    if "buffer" in opt.param_groups[0]:  # timm 1.0.20's AdaBelief (the GPU image's timm)
+        with pytest.raises(TypeError, match=r"param_groups\[0\]\['buffer'\]"):
+            step(*batches()[0])  # the first trace (not the state made ahead) writes it
+        pytest.skip(
+            "this timm's AdaBelief writes its step sizes inside param_groups['buffer']: a "
+            "clear error (checked above), as test_an_optimizer_writing_inside_a_param_groups"
+            "_list_is_a_clear_error tests on any timm; timm 1.0.31's is compared with eager"
+        )
     got, expected = [], []
     for i, (x, y) in enumerate(batches()):
         torch.manual_seed(100 + i)
@@ -169,9 +178,15 @@ INDUCTOR = sorted(n for n in OPTIMIZERS if n not in ("SGD", "Adam", "AdamW"))
 @pytest.mark.parametrize("name", INDUCTOR)
 def test_matches_eager_under_inductor(name: str) -> None:
     got, expected, (model, _, step), (ref, _) = run(name, "jit", "inductor")
-    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-4, atol=1e-6)
+    # Fused kernels reorder float32 sums: 1e-4. Muon orthogonalises in bfloat16, which
+    # torch 2.11's Inductor rounds later than eager (_compat.INDUCTOR_ROUNDS_16BIT_LIKE_EAGER):
+    # there a bf16 rounding carried through Newton-Schulz (measured on 2.11.0: losses
+    # 1.6e-4 apart, weights 0.008 of 0.42).
+    loose = name == "Muon" and not _compat.INDUCTOR_ROUNDS_16BIT_LIKE_EAGER
+    rtol, atol = (1e-3, 2e-2) if loose else (1e-4, 1e-6)
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=rtol, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
     assert step.num_traces == OPTIMIZERS[name][1]
 
 
@@ -235,6 +250,75 @@ def test_an_optimizer_that_branches_on_tensor_values_is_a_clear_error() -> None:
     with pytest.raises(functacc.TraceError, match="branch on tensor values"):
         step(*batches(1)[0])
     assert_same(tensors_of([model], [opt]), before)
+
+
+def test_float_max_min_through_tensors_where_inductor_truncates_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch 2.11's Inductor printed Adafactor's max(eps2, norm.item() / ...) and
+    # min(lr, 1 / sqrt(step)) as int64 maxima (_compat.INDUCTOR_PRINTS_FLOAT_MINMAX: its
+    # weights 1% off eager after one step). There the step takes them as float64 tensor
+    # ops; forced here on any torch, that path is eager's numbers bit for bit.
+    monkeypatch.setattr(_compat, "INDUCTOR_PRINTS_FLOAT_MINMAX", False)
+    got, expected, (model, opt, step), (ref, ref_opt) = run("Adafactor", "jit", "eager")
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), (got, expected)
+    assert_same(tensors_of([model], [opt]), tensors_of([ref], [ref_opt]))
+    ops = {n.target for p in step._engine.cache.programs() for n in p.graph.graph.nodes}
+    assert {torch.ops.aten.maximum.default, torch.ops.aten.minimum.default} <= ops
+
+
+class BufferedSGD(torch.optim.Optimizer):
+    """Keeps numbers inside a list of param_groups, as timm 1.0.20's AdaBelief and RAdam
+    cache their step sizes in ``group['buffer']``."""
+
+    def __init__(self, params: Any, lr: float = 0.1):
+        super().__init__(params, {"lr": lr, "buffer": [[None, None] for _ in range(2)]})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                slot = group["buffer"][state["step"] % 2]
+                slot[0], slot[1] = state["step"], group["lr"] / state["step"]
+                p.add_(p.grad, alpha=-slot[1])
+
+
+def test_an_optimizer_writing_inside_a_param_groups_list_is_a_clear_error() -> None:
+    # The traced step() would write the list once, at the trace, leaving the graph's
+    # symbols in it (timm 1.0.20's AdaBelief on the GPU machine: its state_dict showed
+    # FloatTrueDiv(...) expressions, and Inductor then failed on an undefined symbol).
+    model, _, _ = build("SGD")
+    opt = BufferedSGD(model.parameters())
+    step = functacc.jit(body_of(model, opt), modules=[model], optimizers=[opt], backend="eager")
+    before = tensors_of([model], [opt]), str(opt.state_dict())
+    with pytest.raises(TypeError, match=r"writes inside .*param_groups\[0\]\['buffer'\]"):
+        step(*batches(1)[0])
+    assert_same(tensors_of([model], [opt]), before[0])
+    assert str(opt.state_dict()) == before[1]  # the list holds no symbol
+    assert opt.param_groups[0]["buffer"] == [[None, None]] * 2  # nor the state made ahead
+    # The advice works: the step outside the jitted function, as in eager.
+    ref, ref_opt = build("SGD")[0], None
+    ref_opt = BufferedSGD(ref.parameters())
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    jitted = functacc.jit(forward_backward, modules=[model], optimizers=[opt], backend="eager")
+    for i, (x, y) in enumerate(batches()):
+        torch.manual_seed(i)
+        loss = jitted(x, y)
+        opt.step()
+        torch.manual_seed(i)
+        assert torch.equal(loss, body_of(ref, ref_opt)(x, y))
+    assert_same(tensors_of([model], [opt]), tensors_of([ref], [ref_opt]))
+    assert str(opt.state_dict()) == str(ref_opt.state_dict())
 
 
 @pytest.mark.distributed

@@ -154,15 +154,22 @@ def _clone(optimizer: torch.optim.Optimizer) -> tuple[Any, dict[int, Tensor]]:
         for g in optimizer.param_groups
         for p in g["params"]
     }
+    # Entries deep-copied: a list kept in a group (timm 1.0.20's AdaBelief caches step
+    # sizes in group["buffer"]) would otherwise take this copy's step.
     clone.param_groups = [
-        {**g, "params": [copies[id(p)] for p in g["params"]]} for g in optimizer.param_groups
+        {**_entries_copy(g), "params": [copies[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
     ]
-    clone.defaults = dict(optimizer.defaults)
+    clone.defaults = _entries_copy(optimizer.defaults)
     clone.state = defaultdict(dict)
     for p, entries in optimizer.state.items():
         if id(p) in copies:
             clone.state[copies[id(p)]] = {k: _copy(v) for k, v in entries.items()}
     return clone, copies
+
+
+def _entries_copy(group: dict) -> dict:
+    return {k: v if k == "params" else copy.deepcopy(v) for k, v in group.items()}
 
 
 def _copy(value: Any) -> Any:

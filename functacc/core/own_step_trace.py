@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import math
 import sys
 from collections import defaultdict
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._compat import symbolic_max_min
 from ..errors import argument_error
 from .own_step import OwnStepLink, ScalarOf, _fed
 from .python_reach import Location
@@ -91,7 +93,7 @@ def symbolic_builtins(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
     for module in modules:
         scope = vars(module)
-        for name, sym in (("max", torch.sym_max), ("min", torch.sym_min)):
+        for name, sym in zip(("max", "min"), symbolic_max_min(), strict=True):
             if name not in scope:  # the builtin, not the module's own
                 patch(scope, name, _symbolic(getattr(builtins, name), sym))
     for name in ("sqrt", "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "tanh"):
@@ -213,9 +215,11 @@ class OwnStepTrace:
         if owners is not None:  # ZeRO-1: this rank steps the parameters it owns
             for group, names in zip(opt.param_groups, self.link.groups, strict=True):
                 group["params"] = [self.leaf_of(n) for n in names if owners.owns(n)]
+        nested = _nested_entries(opt)
         try:
             with torch.no_grad(), _Scalars(sources, fed, symbols), symbolic_builtins(opt):
                 result = type(opt).step(opt)
+            _check_nested_unchanged(opt, nested, self.link.label)
         finally:
             if owners is not None:
                 for group, names in zip(opt.param_groups, self.link.groups, strict=True):
@@ -305,6 +309,60 @@ class OwnStepTrace:
 
 
 _ABSENT = object()
+_CONTAINERS = (list, dict)
+
+
+def _nested_entries(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], Any]:
+    """Copies of the mutable containers among ``param_groups``' entries (a list of lists,
+    a dict), to see whether ``step()`` writes inside them."""
+    return {
+        (i, k): copy.deepcopy(v)
+        for i, group in enumerate(optimizer.param_groups)
+        for k, v in group.items()
+        if k != "params" and type(v) in _CONTAINERS and not _holds_tensor(v)
+    }
+
+
+def _check_nested_unchanged(
+    optimizer: torch.optim.Optimizer, saved: dict[tuple[int, str], Any], label: str
+) -> None:
+    """A traced ``step()`` that wrote inside a container of ``param_groups`` (timm <= 1.0.20's
+    AdaBelief and RAdam cache step sizes in ``group['buffer']``, a list of lists) would write
+    there once, at the trace, and leave the graph's symbols there: restore the containers
+    and refuse, naming the entry (the body's own Python state is followed; an optimizer's
+    nested containers are not)."""
+    for (i, k), before in saved.items():
+        now = optimizer.param_groups[i].get(k)
+        if _has_symbol(now) or now != before:
+            if type(now) is list:
+                now[:] = before
+            elif type(now) is dict:
+                now.clear()
+                now.update(before)
+            raise argument_error(
+                f"{label}.step() writes inside {label}.param_groups[{i}][{k!r}] (a "
+                f"{type(now).__name__} it keeps between steps), which a traced step would "
+                "write once, when traced, not on every call. functacc.jit follows numbers "
+                "kept in param_groups' entries and in the state, not inside containers. Fix: "
+                "an optimizer that keeps such numbers in its state or as entries (for timm's "
+                "AdaBelief or RAdam: timm 1.0.31 or later, or rectify=False), or call its "
+                "step() after the jitted function (still listed in optimizers=).",
+                TypeError,
+            )
+
+
+def _has_symbol(value: Any) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if type(value) in (list, tuple):
+        return any(_has_symbol(v) for v in value)
+    if type(value) is dict:
+        return any(_has_symbol(v) for v in value.values())
+    return False
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(v, Tensor) for v in torch.utils._pytree.tree_leaves(value))
 
 
 def _write(placeholder: Tensor, value: Any, where: str) -> None:

@@ -32,7 +32,7 @@ from .eager_inplace import mark_inplace, restore_inplace, traced_node_by_node
 from .graph_passes import bernoulli_in_place, direct_writes
 from .packed import HostPacking
 from .recurrent import recurrent_layers
-from .watches import AttributeWatch, HeldRandomWatch, HostRandomWatch
+from .watches import AttributeWatch, GradWatch, HeldRandomWatch, HostRandomWatch
 
 __all__ = ["Traced", "symbolic_fakes", "trace"]
 
@@ -110,6 +110,7 @@ def trace(
         with contextlib.ExitStack() as stack:
             for watch in (
                 AttributeWatch(holder),
+                GradWatch(holder),
                 HostRandomWatch(),
                 HeldRandomWatch(holder),
                 *([HostPacking()] if recurrent_layers(holder) else []),

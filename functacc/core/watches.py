@@ -20,10 +20,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..errors import attribute_change_error, host_random_error
+from ..errors import argument_error, attribute_change_error, host_random_error
 from .model_watch import HELD_DEPTH, held_items
 
-__all__ = ["AttributeWatch", "HeldRandomWatch", "HostRandomWatch"]
+__all__ = ["AttributeWatch", "GradWatch", "HeldRandomWatch", "HostRandomWatch"]
 
 _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
 
@@ -90,6 +90,40 @@ class AttributeWatch:
                     del attrs[k]
         if changed and kind is None:
             raise attribute_change_error(changed)
+
+
+class GradWatch:
+    """Refuses a step that sets ``.grad`` of the modules' parameters themselves while traced.
+
+    The trace runs the body over tensors that stand for the parameters; code that reaches
+    the parameters another way, an optimizer missing from ``optimizers=`` (its
+    ``zero_grad()``) or a list taken before the call, writes the real ``.grad`` once, at
+    the trace: eager clears them every step, the traced step then accumulated into them
+    and left them ``None``. The gradients are put back and the error names the fix.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.before = {n: (p, p.grad) for n, p in self.model.named_parameters()}
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        changed = [n for n, (p, grad) in self.before.items() if p.grad is not grad]
+        for n in changed:
+            p, grad = self.before[n]
+            p.grad = grad
+        if changed and kind is None:
+            raise argument_error(
+                f"the step set .grad of the parameters {', '.join(changed[:3])}"
+                f"{' ...' if len(changed) > 3 else ''} themselves while traced, not of what "
+                "the traced step holds in their place: an optimizer missing from "
+                "optimizers= (its zero_grad()), or a parameter list taken before the call. "
+                "Eager does that every step; the traced step would do it once. Fix: pass "
+                "every optimizer the body touches in optimizers=(...), also one whose "
+                "step() runs outside the jitted function, and read parameters through the "
+                "module inside the step."
+            )
 
 
 class HostRandomWatch:
