@@ -23,8 +23,10 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/functacc-inductor
 end=$((SECONDS + ${BUDGET:-560}))
 
 nvidia-smi -L
-python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__,
-"triton", triton.__version__, torch.cuda.get_device_name())'
+# The third parties the tests trace too: the GPU image's timm differed from ours (2026-11-27).
+python3 -c 'import sys, torch, triton, timm, transformers; print(sys.version.split()[0], "torch",
+torch.__version__, "triton", triton.__version__, "timm", timm.__version__, "transformers",
+transformers.__version__, torch.cuda.get_device_name())'
 
 if [ -z "${ONLY:-}" ]; then
     timeout $((end - SECONDS)) python3 -m pytest -q -rfEs -n 12 -p no:cacheprovider \
