@@ -567,47 +567,66 @@ def test_a_donated_tensor_others_still_reach_is_refused_before_the_run() -> None
     assert torch.equal(out["a"], torch.ones(3))
 
 
-def test_an_optimizer_missing_from_optimizers_is_a_clear_error_not_lost_gradients() -> None:
-    # A body that only runs forward and backward, with opt.step() after the call: its
-    # opt.zero_grad() reached the real parameters at the trace (the optimizer is not
-    # linked), so the second call traced a body that accumulated into the old gradients
-    # and left .grad None: opt.step() then did nothing, silently (found while writing
-    # test_optimizers' container test). Now the second call, the first to see gradients,
-    # is an error that puts them back; with the optimizer listed, it equals eager.
+def test_an_optimizer_missing_from_optimizers_is_a_clear_error_not_lost_steps() -> None:
+    # Unlisted, an optimizer's zero_grad() and step() reached the real parameters at the
+    # trace: the first call never stepped (their .grad was None, so step() skipped them)
+    # and, with step() after the call, the second call traced a body that left .grad None.
+    # Both silently. Now jit() refuses the body; listed, it equals eager.
     def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def forward_backward(model: nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    def body_of(model: nn.Module, opt: torch.optim.Optimizer, step: bool) -> Callable:
         def body(x: Tensor, y: Tensor) -> Tensor:
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if step:
+                opt.step()
             return loss.detach()
 
         return body
 
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
     model, opt = make()
-    step = functacc.jit(forward_backward(model, opt), modules=[model], backend="eager")
-    step(x, y)
-    opt.step()
+    for stepped in (True, False):
+        with pytest.raises(ValueError, match=r"holds a SGD .* not in optimizers="):
+            functacc.jit(body_of(model, opt, stepped), modules=[model], backend="eager")
+    for stepped in (True, False):  # the advice works, step() inside the body or after it
+        model, opt = make()
+        ref, ref_opt = make()
+        step = functacc.jit(
+            body_of(model, opt, stepped), modules=[model], optimizers=[opt], backend="eager"
+        )
+        eager = body_of(ref, ref_opt, stepped)
+        for _ in range(3):
+            assert torch.equal(step(x, y), eager(x, y))
+            if not stepped:
+                opt.step(), ref_opt.step()
+        assert_same(tensors_of([model], [opt]), tensors_of([ref], [ref_opt]))
+        assert step.num_traces == 1
+
+
+def test_clearing_gradients_through_a_list_taken_before_is_a_clear_error() -> None:
+    # A list of the parameters taken before the call holds the real tensors, not what the
+    # trace holds in their place: clearing their .grad in the body happened once, at the
+    # trace (eager: every call), so the next call's trace accumulated into stale gradients.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    params = list(model.parameters())
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        for p in params:
+            p.grad = None
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], backend="eager")
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    step(x, y)  # no gradients yet: nothing to clear, nothing differs
     grads = [p.grad for p in model.parameters()]
-    before = tensors_of([model], [opt])
-    with pytest.raises(ValueError, match=r"\.grad of the parameters weight, bias .*optimizers="):
+    with pytest.raises(ValueError, match=r"\.grad of the parameters weight, bias themselves"):
         step(x, y)
     assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
-    assert_same(tensors_of([model], [opt]), before)
-
-    model, opt = make()
-    ref, ref_opt = make()
-    step = functacc.jit(
-        forward_backward(model, opt), modules=[model], optimizers=[opt], backend="eager"
-    )
-    eager = forward_backward(ref, ref_opt)
-    for _ in range(3):
-        assert torch.equal(step(x, y), eager(x, y))
-        opt.step(), ref_opt.step()
-    assert_same(tensors_of([model], [opt]), tensors_of([ref], [ref_opt]))
-    assert step.num_traces == 1

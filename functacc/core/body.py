@@ -47,7 +47,7 @@ from .graph_passes import (
     written_inputs,
 )
 from .graph_passes import fingerprint as graph_fingerprint
-from .held_objects import library_objects, restore_objects
+from .held_objects import check_declared_optimizers, library_objects, restore_objects
 from .python_effects import build
 from .python_state import PythonPlan, PythonState
 from .signature import (
@@ -120,6 +120,8 @@ class StepBody:
         self.python = PythonState(fn, capture.optimizers)
         # GradScalers the body holds: their step() selects instead of branching.
         self.scalers = attach_grad_scalers(capture, self.python.roots)
+        declared = [linked.optimizer for linked in capture.optimizers]
+        check_declared_optimizers(self.python.roots, declared, capture.params.values())
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
         self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
         self._values = ValueGuard()

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .python_reach import Root, plain_objects
+from .held_objects import held_values
+from .python_reach import Root
 
 __all__ = [
     "attach_grad_scalers",
@@ -42,19 +43,7 @@ _TORCH_MAYBE_OPT_STEP = torch.amp.GradScaler._maybe_opt_step
 def find_grad_scalers(roots: list[Root]) -> list[torch.amp.GradScaler]:
     """The enabled GradScalers the body holds: in its closure or globals, or as an attribute
     of a plain object it reaches (a trainer's ``self.scaler``)."""
-    values = []
-    for root in roots:
-        try:
-            values.append(root.get())
-        except Exception:  # a cell not yet filled
-            continue
-    for _, value in plain_objects(roots).values():
-        if isinstance(value, dict):
-            values.extend(value.values())
-        elif isinstance(value, list):
-            values.extend(value)
-        else:
-            values.extend(vars(value).values())
+    values = held_values(roots)
     found: dict[int, torch.amp.GradScaler] = {}
     for value in values:
         if isinstance(value, torch.amp.GradScaler) and value.is_enabled():

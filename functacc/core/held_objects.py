@@ -21,15 +21,16 @@ from __future__ import annotations
 import collections
 import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .python_reach import Root, is_plain_object
+from ..errors import argument_error
+from .python_reach import Root, is_plain_object, plain_objects
 
-__all__ = ["library_objects", "restore_objects"]
+__all__ = ["check_declared_optimizers", "held_values", "library_objects", "restore_objects"]
 
 
 def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> list[tuple[Any, dict]]:
@@ -78,3 +79,44 @@ def restore_objects(saved: list[tuple[Any, dict[str, Any]]]) -> None:
         for name in [n for n in current if n not in attributes]:
             del current[name]
         current.update(_containers_copied(attributes))
+
+
+def held_values(roots: list[Root]) -> list[Any]:
+    """What the body holds: its roots' values (closure cells, globals, ``self``), and the
+    attributes and items of the plain objects it reaches (a trainer's ``self.opt``)."""
+    values = []
+    for root in roots:
+        try:
+            values.append(root.get())
+        except Exception:  # a cell not yet filled
+            continue
+    for _, value in plain_objects(roots).values():
+        if isinstance(value, dict):
+            values.extend(value.values())
+        elif isinstance(value, list):
+            values.extend(value)
+        else:
+            values.extend(vars(value).values())
+    return values
+
+
+def check_declared_optimizers(
+    roots: list[Root], declared: Sequence[Any], params: Iterable[Tensor]
+) -> None:
+    """Refuse a body that holds an optimizer of its modules' parameters that is not in
+    ``optimizers=``. Unlisted, its ``zero_grad()`` and ``step()`` act on the
+    parameters themselves, once, at the trace: the traced step never updated them (their
+    ``.grad`` is ``None`` then, so ``step()`` skipped them), silently."""
+    ids = {id(p) for p in params}
+    known = {id(d) for d in declared}
+    for value in held_values(roots):
+        if not isinstance(value, torch.optim.Optimizer) or id(value) in known:
+            continue
+        if any(id(p) in ids for group in value.param_groups for p in group["params"]):
+            raise argument_error(
+                f"the step body holds a {type(value).__name__} of its modules' parameters "
+                "that is not in optimizers=: its zero_grad() and step() would act on the "
+                "parameters themselves once, while traced, not on every call (eager steps "
+                "every call). Fix: pass it in optimizers=(...), also when its step() runs "
+                "after the jitted function."
+            )
