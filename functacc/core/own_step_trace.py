@@ -319,7 +319,7 @@ def _nested_entries(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], A
         (i, k): copy.deepcopy(v)
         for i, group in enumerate(optimizer.param_groups)
         for k, v in group.items()
-        if k != "params" and type(v) in _CONTAINERS and not _holds_tensor(v)
+        if k != "params" and type(v) in _CONTAINERS and not _holds(v, (Tensor,))
     }
 
 
@@ -333,7 +333,7 @@ def _check_nested_unchanged(
     nested containers are not)."""
     for (i, k), before in saved.items():
         now = optimizer.param_groups[i].get(k)
-        if _has_symbol(now) or now != before:
+        if _holds(now, (torch.SymInt, torch.SymFloat, torch.SymBool)) or now != before:
             if type(now) is list:
                 now[:] = before
             elif type(now) is dict:
@@ -351,18 +351,8 @@ def _check_nested_unchanged(
             )
 
 
-def _has_symbol(value: Any) -> bool:
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    if type(value) in (list, tuple):
-        return any(_has_symbol(v) for v in value)
-    if type(value) is dict:
-        return any(_has_symbol(v) for v in value.values())
-    return False
-
-
-def _holds_tensor(value: Any) -> bool:
-    return any(isinstance(v, Tensor) for v in torch.utils._pytree.tree_leaves(value))
+def _holds(value: Any, kinds: tuple[type, ...]) -> bool:
+    return any(isinstance(v, kinds) for v in torch.utils._pytree.tree_leaves(value))
 
 
 def _write(placeholder: Tensor, value: Any, where: str) -> None:
