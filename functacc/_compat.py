@@ -187,9 +187,9 @@ keep the order."""
 INDUCTOR_PRINTS_FLOAT_MINMAX = TORCH > (2, 11)
 """Whether Inductor's C++ kernels compute ``max``/``min`` of Python floats the graph holds as
 symbols (``torch.sym_max``) as floats. A version gate: torch 2.11 prints them as
-``std::max(static_cast<int64_t>(a), static_cast<int64_t>(b))``, truncating both, so
-Adafactor's ``max(eps2, p.norm().item() / ...)`` became 0 and its traced step moved the
-weights 1% away from eager's (found on the H100 machine's torch 2.11; 2.14 and 2.15 print
+``std::max(static_cast<int64_t>(a), static_cast<int64_t>(b))``, truncating both (Adafactor's
+``max(eps2, p.norm().item() / ...)`` among them): its traced step moved the weights 1% away
+from eager's (found on the H100 machine's torch 2.11; 2.14 and 2.15 print
 floats). On 2.11 the optimizer's ``max``/``min`` of floats are traced as float64 tensor ops
 instead (:func:`symbolic_max_min`)."""
 

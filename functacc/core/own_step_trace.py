@@ -326,7 +326,7 @@ def _nested_entries(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], A
 def _check_nested_unchanged(
     optimizer: torch.optim.Optimizer, saved: dict[tuple[int, str], Any], label: str
 ) -> None:
-    """A traced ``step()`` that wrote inside a container of ``param_groups`` (timm <= 1.0.20's
+    """A traced ``step()`` that wrote inside a container of ``param_groups`` (timm 1.0.20's
     AdaBelief and RAdam cache step sizes in ``group['buffer']``, a list of lists) would write
     there once, at the trace, and leave the graph's symbols there: restore the containers
     and refuse, naming the entry (the body's own Python state is followed; an optimizer's
