@@ -11,6 +11,7 @@ With ``backend="eager"`` losses and parameters are compared bit for bit.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -191,3 +192,239 @@ def test_a_grad_scaler_passed_in_is_a_clear_error_that_leaves_it_as_it_was() -> 
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q)
     assert scaler.get_scale() == ref_scaler.get_scale()
+
+
+class MoCoQueue(nn.Module):
+    """facebookresearch/moco's moco/builder.py on one process: the key encoder follows the
+    query encoder by momentum and the keys of each batch replace the oldest in a queue."""
+
+    def __init__(self, position_as_number: bool, size: int = 12, m: float = 0.9) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.size, self.m, self.position_as_number = size, m, position_as_number
+        self.encoder_q = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+        self.encoder_k = copy.deepcopy(self.encoder_q).requires_grad_(False)
+        self.register_buffer("queue", F.normalize(torch.randn(4, size), dim=0))
+        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+
+    @torch.no_grad()
+    def _dequeue_and_enqueue(self, keys: torch.Tensor) -> None:
+        n = keys.shape[0]
+        if self.position_as_number:  # as moco writes it
+            ptr = int(self.queue_ptr)
+            self.queue[:, ptr : ptr + n] = keys.T
+            self.queue_ptr[0] = (ptr + n) % self.size
+        else:  # what functacc's error advises: the position stays a tensor
+            self.queue[:, (self.queue_ptr + torch.arange(n)) % self.size] = keys.T
+            self.queue_ptr.add_(n).remainder_(self.size)
+
+    def forward(self, im_q: torch.Tensor, im_k: torch.Tensor) -> torch.Tensor:
+        q = F.normalize(self.encoder_q(im_q), dim=1)
+        with torch.no_grad():
+            for param_q, param_k in zip(
+                self.encoder_q.parameters(), self.encoder_k.parameters(), strict=True
+            ):
+                param_k.mul_(self.m).add_(param_q.mul(1.0 - self.m))
+            k = F.normalize(self.encoder_k(im_k), dim=1)
+        l_pos = torch.einsum("nc,nc->n", [q, k]).unsqueeze(-1)
+        l_neg = torch.einsum("nc,ck->nk", [q, self.queue.clone().detach()])
+        logits = torch.cat([l_pos, l_neg], dim=1) / 0.07
+        self._dequeue_and_enqueue(k)
+        return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long))
+
+
+def moco_step(model: MoCoQueue, opt: torch.optim.Optimizer):
+    def body(im_q: torch.Tensor, im_k: torch.Tensor) -> torch.Tensor:
+        loss = model(im_q, im_k)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return body
+
+
+def test_a_queue_position_read_as_a_number_gets_advice_that_works() -> None:
+    model = MoCoQueue(position_as_number=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-4)
+    before = copy.deepcopy(model.state_dict())
+    step = functacc.jit(moco_step(model, opt), modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError) as raised:
+        step(torch.randn(4, 8), torch.randn(4, 8))
+    message = str(raised.value)
+    assert "ptr = int(self.queue_ptr)" in message and "an index, a slice" in message
+    assert "ptr.add_(n).remainder_(size)" in message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    # The advice, done (MoCoQueue's other branch), against eager over the queue's wrap.
+    model = MoCoQueue(position_as_number=False)
+    ref = MoCoQueue(position_as_number=True)  # eager runs moco's own code
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-4)
+    step = functacc.jit(moco_step(model, opt), modules=[model], optimizers=[opt], backend="eager")
+    eager = moco_step(ref, ref_opt)
+    g = torch.Generator().manual_seed(1)
+    for i in range(5):
+        im_q, im_k = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        assert torch.equal(step(im_q, im_k), eager(im_q, im_k)), i
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert int(model.queue_ptr) == 20 % 12 and step.num_traces == 1
+
+
+def nanogpt_lr(it: int, warmup: int = 3, decay_iters: int = 10) -> float:
+    # karpathy/nanoGPT train.py's get_lr: linear warmup, then cosine decay to min_lr.
+    if it < warmup:
+        return 1e-3 * (it + 1) / (warmup + 1)
+    if it > decay_iters:
+        return 1e-4
+    ratio = (it - warmup) / (decay_iters - warmup)
+    return 1e-4 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1e-3 - 1e-4)
+
+
+def nanogpt_run(jit: bool, steps: int, backend: str = "eager") -> tuple:
+    # nanoGPT's loop body: the learning rate of the iteration set in every param group,
+    # gradient accumulation, clipping, AdamW, the iteration counter advanced in the step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    run = {"iter_num": 0}
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> float:
+        lr = nanogpt_lr(run["iter_num"])
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for micro in range(x.shape[0]):
+            loss = F.cross_entropy(model(x[micro]).view(-1, 50), y[micro].view(-1)) / x.shape[0]
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        run["iter_num"] += 1
+        return loss.item() * x.shape[0]
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend=backend) if jit else body
+    g = torch.Generator().manual_seed(2)
+    losses = [
+        step(
+            torch.randint(0, 50, (2, 4, 8), generator=g),
+            torch.randint(0, 50, (2, 4, 8), generator=g),
+        )
+        for _ in range(steps)
+    ]
+    return losses, list(model.parameters()), run, step
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_cosine_schedule_of_the_step_counter_is_computed_not_retraced(backend: str) -> None:
+    # math.cos of the fed counter used to fix the counter's value in the graph: one trace
+    # per step through the whole decay (9 traces in 14 steps here). Now math's functions
+    # compute with the counter's symbol: traces at the first call and at each branch of
+    # get_lr that turns (it < warmup, it > decay_iters).
+    steps = 14 if backend == "eager" else 6
+    losses, params, run, step = nanogpt_run(True, steps, backend)
+    ref_losses, ref_params, ref_run, _ = nanogpt_run(False, steps)
+    assert run == ref_run
+    if backend == "eager":  # the FX interpreter runs eager's kernels: bit for bit
+        assert losses == ref_losses
+        assert all(torch.equal(p, q) for p, q in zip(params, ref_params, strict=True))
+        assert step.num_traces == 3, [t.reason for t in step.traces]
+    else:  # Inductor's fused kernels round differently (float32; 6 steps)
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for p, q in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert step.num_traces == 2, [t.reason for t in step.traces]
+
+
+def swa_run(jit: bool, average_inside: bool) -> tuple:
+    # torch.optim.swa_utils as its docs' example writes the loop: a cosine schedule first,
+    # then the weights averaged and SWALR stepped after each update.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    swa_model = torch.optim.swa_utils.AveragedModel(model)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    swa_sched = torch.optim.swa_utils.SWALR(opt, swa_lr=0.05, anneal_epochs=2)
+    run = {"epoch": 0}
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if run["epoch"] >= 3:
+            if average_inside:
+                swa_model.update_parameters(model)
+            swa_sched.step()
+        else:
+            sched.step()
+        run["epoch"] += 1
+        return loss.detach()
+
+    modules = [model, swa_model] if average_inside else [model]
+    step = functacc.jit(body, modules=modules, optimizers=[opt], backend="eager") if jit else body
+    return step, model, swa_model, opt
+
+
+def test_averaged_model_updated_in_the_step_is_a_clear_error_whose_advice_works() -> None:
+    step, model, swa_model, opt = swa_run(jit=True, average_inside=True)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)) for _ in range(7)]
+    for x, y in batches[:3]:
+        step(x, y)
+    before = copy.deepcopy((model.state_dict(), swa_model.state_dict(), opt.state_dict()))
+    with pytest.raises(functacc.TraceError) as raised:  # AveragedModel: `if n_averaged == 0`
+        step(*batches[3])
+    message = str(raised.value)
+    assert "AveragedModel.update_parameters reads a tensor's value" in message
+    assert "swa_model.update_parameters(model)" in message and "outside the jitted step" in message
+    after = (model.state_dict(), swa_model.state_dict(), opt.state_dict())
+    assert all(
+        torch.equal(a, b) for a, b in zip(before[0].values(), after[0].values(), strict=True)
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(before[1].values(), after[1].values(), strict=True)
+    )
+    assert before[2]["param_groups"] == after[2]["param_groups"]
+
+    # The advice, done: the average taken after each call, against eager's own loop.
+    step, model, swa_model, _ = swa_run(jit=True, average_inside=False)
+    eager, _, ref_swa, _ = swa_run(jit=False, average_inside=True)
+    for i, (x, y) in enumerate(batches):
+        assert torch.equal(step(x, y), eager(x, y)), i
+        if i >= 3:
+            swa_model.update_parameters(model)
+    assert int(swa_model.n_averaged) == int(ref_swa.n_averaged) == 4
+    for p, q in zip(swa_model.parameters(), ref_swa.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_reduce_lr_on_plateau_stepped_with_the_loss_in_the_step_runs_as_in_eager() -> None:
+    def build(jit: bool) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step(loss.detach())  # float(metrics): the graph's loss, on the host
+            return loss.detach()
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        return (step if jit else body), opt, sched
+
+    step, opt, sched = build(True)
+    eager, ref_opt, ref_sched = build(False)
+    g = torch.Generator().manual_seed(0)
+    lrs = []
+    for i in range(8):
+        x, y = torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+        assert torch.equal(step(x, y), eager(x, y)), i
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"], i
+        assert (sched.best, sched.num_bad_epochs) == (ref_sched.best, ref_sched.num_bad_epochs)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert len(set(lrs)) > 2 and step.num_traces == 1  # the plateau lowered it, no retrace

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..errors import TraceError
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
+from .own_step_trace import symbolic_builtins
 from .python_reach import Location, Root, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
@@ -122,6 +123,7 @@ class TracedBody:
                 remat.active() if remat is not None else contextlib.nullcontext(),
                 scalers_step_in_graph() if self.step.scalers else contextlib.nullcontext(),
                 no_checkpoint_draws(),
+                symbolic_builtins(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)

@@ -141,16 +141,29 @@ def translate(
             "in optimizers=. Fix: create the scaler outside the step and refer to it by name "
             f"there, and pass its optimizer in optimizers=. Inputs were: {signature}."
         )
+    utility = _optim_utility(exc) if _is_data_dependent(exc) else None
+    if utility is not None:
+        return TraceError(
+            f"{utility} reads a tensor's value as a Python number {where}\n"
+            "That is torch's own code for between steps, which a graph traced once cannot "
+            "run (the value decides what it does). Fix: call it outside the jitted step, "
+            "right after each call (return what it needs, e.g. the loss, from the step): "
+            "between calls the modules and optimizers hold the step's results, as in eager. "
+            f"Inputs were: {signature}."
+        )
     if _is_data_dependent(exc):
         return TraceError(
             "functacc traces the whole training step once into a graph, so Python code "
-            "cannot branch on tensor values (if/while on a tensor or on its .item() or "
-            ".tolist(), data-dependent shapes such as nonzero(); returning or storing "
-            f"loss.item() is fine), but the step does so {where}\n"
-            "Expected: control flow that depends only on shapes, dtypes and Python values. "
-            "Fix: replace the branch with tensor ops, e.g. torch.where(cond, a, b) or "
-            "torch.cond(pred, true_fn, false_fn, operands), or move the check out of "
-            f"forward(). Inputs were: {signature}."
+            "cannot branch on tensor values or use them as Python numbers (if/while on a "
+            "tensor; its .item(), int() or .tolist() as a condition, an index, a slice or a "
+            "size; data-dependent shapes such as nonzero(); returning or storing loss.item() "
+            f"is fine), but the step does so {where}\n"
+            "Expected: control flow, indices and sizes that depend only on shapes, dtypes "
+            "and Python values. Fix: keep the value a tensor: torch.where(cond, a, b) or "
+            "torch.cond(pred, true_fn, false_fn, operands) for a branch; a tensor index for "
+            "a position kept in a tensor (x[:, (ptr + torch.arange(n)) % size] = y, then "
+            "ptr.add_(n).remainder_(size)); or move the check out of forward(). Inputs "
+            f"were: {signature}."
         )
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if (
@@ -172,6 +185,22 @@ def translate(
         f"Inputs were: {signature}. Check that the inputs have the shapes, dtypes and "
         f"devices the model expects (the same call must work in eager PyTorch: {eager_call})."
     )
+
+
+def _optim_utility(exc: BaseException) -> str | None:
+    """``torch.optim``'s helper (not an optimizer) that ``exc`` was raised in, named as
+    called: ``AveragedModel.update_parameters``, ``ReduceLROnPlateau.step``."""
+    tb = exc.__traceback__
+    optim_dir = os.path.join(_TORCH_DIR, "optim") + os.sep
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        owner = tb.tb_frame.f_locals.get("self")
+        if os.path.abspath(code.co_filename).startswith(optim_dir) and owner is not None:
+            if isinstance(owner, torch.optim.Optimizer):
+                return None  # its step() is traced (functacc.core.own_step)
+            return f"{type(owner).__name__}.{code.co_name}"
+        tb = tb.tb_next
+    return None
 
 
 def _in_function(exc: BaseException, name: str) -> bool:

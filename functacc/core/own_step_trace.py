@@ -77,25 +77,26 @@ class _Scalars(torch.overrides.TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def symbolic_builtins(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """While its step() is traced: ``max``/``min`` in the optimizer's module and ``math``'s
-    functions compute with symbols instead of branching on them (Adafactor's
-    ``max(eps2, p.norm().item() / ...)``, RAdam's ``math.sqrt``); on plain numbers they are
-    Python's own, so the graph computes what eager computes, on the host, in double."""
-    cls = type(optimizer)
-    names = {cls.__module__, getattr(cls.step, "__module__", None)}
-    modules = [sys.modules[n] for n in sorted(filter(None, names)) if n in sys.modules]
+def symbolic_builtins(optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """While a step is traced: ``math``'s functions compute with symbols instead of fixing
+    them to their value (nanoGPT's ``math.cos`` of a fed step counter in its learning-rate
+    schedule, RAdam's ``math.sqrt``), and so do ``max``/``min`` in the optimizer's module
+    (Adafactor's ``max(eps2, p.norm().item() / ...)``); on plain numbers they are Python's
+    own, so the graph computes what eager computes, on the host, in double."""
     patched: list[tuple[Any, str, Any]] = []
 
     def patch(owner: dict, name: str, value: Any) -> None:
         patched.append((owner, name, owner.get(name, _ABSENT)))
         owner[name] = value
 
-    for module in modules:
-        scope = vars(module)
-        for name, sym in zip(("max", "min"), symbolic_max_min(), strict=True):
-            if name not in scope:  # the builtin, not the module's own
-                patch(scope, name, _symbolic(getattr(builtins, name), sym))
+    if optimizer is not None:
+        cls = type(optimizer)
+        names = {cls.__module__, getattr(cls.step, "__module__", None)}
+        for n in sorted(filter(None, names)):
+            scope = vars(sys.modules[n]) if n in sys.modules else {}
+            for name, sym in zip(("max", "min"), symbolic_max_min(), strict=True):
+                if scope and name not in scope:  # the builtin, not the module's own
+                    patch(scope, name, _symbolic(getattr(builtins, name), sym))
     for name in ("sqrt", "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "tanh"):
         sym = getattr(torch, f"_sym_{name}", None)
         if sym is not None:
