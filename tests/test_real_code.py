@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -428,3 +429,64 @@ def test_reduce_lr_on_plateau_stepped_with_the_loss_in_the_step_runs_as_in_eager
         assert (sched.best, sched.num_bad_epochs) == (ref_sched.best, ref_sched.num_bad_epochs)
         lrs.append(opt.param_groups[0]["lr"])
     assert len(set(lrs)) > 2 and step.num_traces == 1  # the plateau lowered it, no retrace
+
+
+class MinGPTTrainer:
+    """karpathy/minGPT's mingpt/trainer.py run loop, one iteration as a method: the loss
+    kept on the trainer, callbacks, clipping, the iteration counter and its timing."""
+
+    def __init__(self, model: nn.Module, timed_inside: bool) -> None:
+        self.model, self.timed_inside = model, timed_inside
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.iter_num, self.iter_time, self.iter_dt = 0, time.time(), 0.0
+        self.callbacks = [lambda t: t.losses.append(t.loss.item()) if t.iter_num % 2 == 0 else None]
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.loss = F.cross_entropy(self.model(x), y)
+        self.model.zero_grad(set_to_none=True)
+        self.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        for callback in self.callbacks:
+            callback(self)
+        self.iter_num += 1
+        if self.timed_inside:
+            tnow = time.time()
+            self.iter_dt = tnow - self.iter_time
+            self.iter_time = tnow
+
+
+def test_a_clock_read_in_the_step_is_a_clear_error_and_timing_around_the_call_works() -> None:
+    # Before, the trace's time was replayed: iter_time went back and iter_dt was negative.
+    torch.manual_seed(0)
+    trainer = MinGPTTrainer(nn.Linear(4, 3), timed_inside=True)
+    step = functacc.jit(
+        trainer.step, modules=[trainer.model], optimizers=[trainer.optimizer], backend="eager"
+    )
+    before = copy.deepcopy(trainer.model.state_dict())
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(RuntimeError, match=r"reads the clock \(time.time\(\) at .*test_real_code"):
+        step(x, y)
+    assert trainer.iter_num == 0 and trainer.losses == [] and not trainer.optimizer.state
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+    # The advice, done: the clock read around the call; the rest against eager's trainer.
+    torch.manual_seed(0)
+    trainer = MinGPTTrainer(nn.Linear(4, 3), timed_inside=False)
+    torch.manual_seed(0)
+    reference = MinGPTTrainer(nn.Linear(4, 3), timed_inside=True)
+    step = functacc.jit(
+        trainer.step, modules=[trainer.model], optimizers=[trainer.optimizer], backend="eager"
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+        start = time.time()
+        step(x, y)
+        trainer.iter_dt, trainer.iter_time = time.time() - start, time.time()
+        reference.step(x, y)
+        assert trainer.iter_dt > 0
+    assert trainer.iter_num == reference.iter_num == 5 and trainer.losses == reference.losses
+    for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -32,7 +32,7 @@ from .eager_inplace import mark_inplace, restore_inplace, traced_node_by_node
 from .graph_passes import bernoulli_in_place, direct_writes
 from .packed import HostPacking
 from .recurrent import recurrent_layers
-from .watches import AttributeWatch, GradWatch, HeldRandomWatch, HostRandomWatch
+from .watches import AttributeWatch, ClockWatch, GradWatch, HeldRandomWatch, HostRandomWatch
 
 __all__ = ["Traced", "symbolic_fakes", "trace"]
 
@@ -112,6 +112,7 @@ def trace(
                 AttributeWatch(holder),
                 GradWatch(holder),
                 HostRandomWatch(),
+                ClockWatch(),
                 HeldRandomWatch(holder),
                 *([HostPacking()] if recurrent_layers(holder) else []),
                 _quiet_fake_tensor_log(),

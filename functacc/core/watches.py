@@ -14,16 +14,18 @@ import os
 import random
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..errors import argument_error, attribute_change_error, host_random_error
 from .model_watch import HELD_DEPTH, held_items
 
-__all__ = ["AttributeWatch", "GradWatch", "HeldRandomWatch", "HostRandomWatch"]
+__all__ = ["AttributeWatch", "ClockWatch", "GradWatch", "HeldRandomWatch", "HostRandomWatch"]
 
 _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
 
@@ -280,6 +282,46 @@ def _caller_level() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FUNCTACC_DIR):
         frame, level = frame.f_back, level + 1
     return level
+
+
+class ClockWatch:
+    """Refuses a step whose own code reads the clock (``time.time()``, ``perf_counter()``,
+    ...): its Python runs once, at the trace, so the time read there would be every call's
+    (minGPT's trainer, ``tnow = time.time(); self.iter_dt = tnow - self.iter_time``, then
+    went back in time on every call). Only calls from the user's code on the tracing thread
+    count: torch, functacc and other threads (a loader's, tqdm's) read clocks meanwhile."""
+
+    _READS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns")
+
+    def __enter__(self) -> None:
+        self.tracer = threading.get_ident()
+        self.patched = [(name, getattr(time, name)) for name in self._READS]
+        for name, original in self.patched:
+            setattr(time, name, self._refusing(name, original))
+
+    def _refusing(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        internal = (_FUNCTACC_DIR, os.path.dirname(torch.__file__), os.path.dirname(os.__file__))
+
+        @functools.wraps(original)
+        def read(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            where = os.path.abspath(caller.f_code.co_filename)
+            if threading.get_ident() == self.tracer and not where.startswith(internal):
+                raise argument_error(
+                    f"the step reads the clock (time.{name}() at {where}:{caller.f_lineno}); "
+                    "functacc runs a step's Python once, when it traces, so every call would "
+                    "see the time of the trace (an iteration time computed in the step goes "
+                    "wrong from the second call). Fix: read the clock outside the step, around "
+                    "the call: t0 = time.time(); step(x, y); dt = time.time() - t0.",
+                    RuntimeError,
+                )
+            return original(*args, **kwargs)
+
+        return read
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self.patched:
+            setattr(time, name, original)
 
 
 # The module functions that draw from the global generators (NumPy's legacy RandomState).
