@@ -490,3 +490,56 @@ def test_a_clock_read_in_the_step_is_a_clear_error_and_timing_around_the_call_wo
     assert trainer.iter_num == reference.iter_num == 5 and trainer.losses == reference.losses
     for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def timm_run(jit: bool) -> tuple:
+    # timm's train.py train_one_epoch, its pieces as timm builds them: create_optimizer_v2,
+    # NativeScaler (a GradScaler kept as `_scaler`, with clipping), ModelEmaV3 with warmup.
+    timm = pytest.importorskip("timm")
+    from timm.loss import LabelSmoothingCrossEntropy
+    from timm.optim import create_optimizer_v2
+    from timm.utils import ModelEmaV3, NativeScaler
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t", num_classes=5, pretrained=False)
+    optimizer = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+    model_ema = ModelEmaV3(model, decay=0.99, use_warmup=True)
+    loss_scaler = NativeScaler(device="cpu")
+    criterion = LabelSmoothingCrossEntropy(0.1)
+    run = {"num_updates": 0}
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = criterion(model(x), y)
+        optimizer.zero_grad()
+        loss_scaler(loss, optimizer, clip_grad=1.0, parameters=model.parameters())
+        run["num_updates"] += 1
+        model_ema.update(model, step=run["num_updates"])
+        return loss.detach()
+
+    modules = [model, model_ema]
+    step = functacc.jit(body, modules=modules, optimizers=[optimizer], backend="eager")
+    return (step if jit else body), model, model_ema, loss_scaler._scaler
+
+
+def test_timms_native_scaler_and_model_ema_run_as_in_eager() -> None:
+    # Before, the GradScaler inside timm's NativeScaler was not found: a TraceError.
+    step, model, ema, scaler = timm_run(jit=True)
+    eager, ref, ref_ema, ref_scaler = timm_run(jit=False)
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 5, (2,), generator=g)
+        if i == 2:  # a scale that overflows the gradients: the update is skipped
+            scaler._scale.fill_(2.0**127)
+            ref_scaler._scale.fill_(2.0**127)
+        before = [p.clone() for p in model.parameters()]
+        assert torch.equal(step(x, y), eager(x, y)), i
+        if i == 2:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert scaler.get_scale() == ref_scaler.get_scale(), i
+        for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
+            assert torch.equal(a, b), i
+        for a, b in zip(ema.state_dict().values(), ref_ema.state_dict().values(), strict=True):
+            assert torch.equal(a, b), i
+    # Halved at each overflow (2**127 and 2**126 both overflow here), as eager's.
+    assert scaler.get_scale() == 2.0**125 and step.num_traces == 2

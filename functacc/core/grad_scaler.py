@@ -21,13 +21,14 @@ Example (the whole loop is in docs/jit.md, "Mixed precision"):
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .held_objects import held_values
-from .python_reach import Root
+from .python_reach import Root, is_plain_object
 
 __all__ = [
     "attach_grad_scalers",
@@ -42,13 +43,31 @@ _TORCH_MAYBE_OPT_STEP = torch.amp.GradScaler._maybe_opt_step
 
 def find_grad_scalers(roots: list[Root]) -> list[torch.amp.GradScaler]:
     """The enabled GradScalers the body holds: in its closure or globals, or as an attribute
-    of a plain object it reaches (a trainer's ``self.scaler``)."""
+    of a plain object it reaches (a trainer's ``self.scaler``) or of a library's object it
+    holds (timm's ``NativeScaler`` keeps one as ``_scaler``)."""
     values = held_values(roots)
+    values += [
+        inner
+        for value in list(values)
+        if library_object(value)
+        for inner in vars(value).values()
+        if isinstance(inner, torch.amp.GradScaler)
+    ]
     found: dict[int, torch.amp.GradScaler] = {}
     for value in values:
         if isinstance(value, torch.amp.GradScaler) and value.is_enabled():
             found.setdefault(id(value), value)
     return list(found.values())
+
+
+def library_object(value: Any) -> bool:
+    """An object of a library (not a tensor, module, optimizer or container) with
+    attributes: ``vars()`` of it may hold a GradScaler."""
+    if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    if inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value):
+        return False
+    return hasattr(value, "__dict__") and not is_plain_object(value)
 
 
 def prepare_grad_scaler(scaler: torch.amp.GradScaler, device: torch.device) -> list[str]:
