@@ -165,21 +165,43 @@ def test_compile_step_with_it_under_inductor_matches_eager() -> None:
     assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
 
 
-def test_zero_with_a_transformation_is_a_clear_error_that_changes_nothing() -> None:
-    # Its state is one tree under the first parameter: ZeRO cannot split it by parameter.
-    # The advice: the torch.optim optimizer it mirrors (ZeRO 1-3), or DataParallel.
+def test_zero3_with_a_transformation_is_a_clear_error_that_changes_nothing() -> None:
+    # ZeRO-1 and ZeRO-2 give each rank whole parameters and their state (2 ranks:
+    # tests/test_parallel.py); ZeRO-3 shards the parameters of torch.optim's SGD, Adam, AdamW.
     model = model_with_a_frozen_layer()
     before = copy.deepcopy(model.state_dict())
-    for stage in (1, 3):
-        with pytest.raises(ValueError, match=rf"ZeRO\({stage}\) with opt, .*as_optimizer.*AdamW"):
-            functacc.compile_step(
-                model,
-                nn.CrossEntropyLoss(),
-                fo.adamw(1e-3),
-                backend="eager",
-                parallel=functacc.parallel.ZeRO(stage),
-            )
-        assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")
+    with pytest.raises(ValueError, match=r"ZeRO\(3\) with opt .*Use ZeRO\(1\) or ZeRO\(2\)"):
+        functacc.compile_step(
+            model,
+            nn.CrossEntropyLoss(),
+            fo.adamw(1e-3),
+            backend="eager",
+            parallel=functacc.parallel.ZeRO(3),
+        )(*batches(1)[0])
+    assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")
+
+
+def test_its_state_is_kept_per_parameter_as_torch_keeps_it() -> None:
+    # Adam's moments under each parameter, the step count and hyperparameters in the group:
+    # what lets ZeRO give each rank its parameters' state, and state_dict() look like torch's.
+    model = model_with_a_frozen_layer()
+    opt = fo.as_optimizer(
+        model.named_parameters(), fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-3))
+    )
+    eager_step(model, opt, *batches(1)[0], 0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert [sorted(opt.state[p]) for p in trained] == [
+        ["[1].exp_avg", "[1].exp_avg_sq", "[1].step"]
+    ] * len(trained)
+    group = opt.param_groups[0]
+    assert group["state[1].count"].dtype == torch.int64 and int(group["state[1].count"]) == 1
+    assert group["state[1].hyperparams['lr']"].dtype == torch.float64
+    saved = opt.state_dict()
+    other = fo.as_optimizer(model.named_parameters(), fo.adamw(1e-3))  # another transformation
+    kept = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=r"lacks \['state.count'.*same functacc.optim trans"):
+        other.load_state_dict(saved)
+    assert_close(other.state_dict(), kept, rtol=0, atol=0, what="the optimizer, unchanged")
 
 
 def test_compile_step_of_a_transformation_checks_its_model_first() -> None:
@@ -194,3 +216,37 @@ def test_compile_step_of_a_transformation_checks_its_model_first() -> None:
     )
     step(*batches(1)[0])
     assert step.optimizer.names == [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def test_a_step_a_grad_scaler_skips_leaves_its_count_and_state_as_eager() -> None:
+    # The step count lives in the param group: the skipped step must leave it too.
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(768, 16), nn.ReLU(), nn.Linear(16, 5))
+        opt = fo.as_optimizer(model.named_parameters(), fo.adamw(fo.cosine_decay(1e-3, 10)))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach()
+
+        return model, opt, scaler, body
+
+    model, opt, scaler, body = build()
+    ref, ref_opt, ref_scaler, eager = build()
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2:  # a non-finite input: the gradients are NaN, this update is skipped
+            x = x.clone()
+            x[0, 0, 0, 0] = float("inf")
+        torch.testing.assert_close(step(x, y), eager(x, y), rtol=0, atol=0, equal_nan=True)
+        assert scaler.get_scale() == ref_scaler.get_scale(), i
+    assert int(opt.param_groups[0]["state.count"]) == int(ref_opt.param_groups[0]["state.count"])
+    assert int(opt.param_groups[0]["state.count"]) < 4  # a step was skipped
+    assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=0, atol=0, what="optimizer")
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")

@@ -324,7 +324,7 @@ def test_splits_that_cannot_work_are_clear_errors() -> None:
 def test_a_checkpoint_of_a_transformation_under_tensor_parallel_is_a_clear_error(
     tmp_path,
 ) -> None:
-    # Its state is one tree, not per parameter: which slice is whose is not known.
+    # Not supported yet: a clear error, nothing written.
     model = tp_worker.mlp()
     step = functacc.compile_step(
         model,

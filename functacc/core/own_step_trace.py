@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .._compat import symbolic_max_min
 from ..errors import argument_error
+from ..optim import TransformOptimizer
 from .own_step import OwnStepLink, ScalarOf, _fed
 from .python_reach import Location
 
@@ -213,7 +214,9 @@ class OwnStepTrace:
                 self.python.symbols[value.node.expr] = scalar
         symbols = self.python.symbols if self.python is not None else {}
         owners = self.link.owners
-        if owners is not None:  # ZeRO-1: this rank steps the parameters it owns
+        # ZeRO-1: this rank steps the parameters it owns (as_optimizer's own() narrows itself)
+        narrow = owners is not None and not isinstance(opt, TransformOptimizer)
+        if narrow:
             for group, names in zip(opt.param_groups, self.link.groups, strict=True):
                 group["params"] = [self.leaf_of(n) for n in names if owners.owns(n)]
         nested = _nested_entries(opt)
@@ -222,7 +225,7 @@ class OwnStepTrace:
                 result = type(opt).step(opt)
             _check_nested_unchanged(opt, nested, self.link.label)
         finally:
-            if owners is not None:
+            if narrow:
                 for group, names in zip(opt.param_groups, self.link.groups, strict=True):
                     group["params"] = [self.leaf_of(n) for n in names]
         if owners is not None:
@@ -238,6 +241,7 @@ class OwnStepTrace:
         (a GradScaler's found inf) is true: each tensor takes ``where(skip, before,
         after)``, written in place or assigned as the step left it."""
         params = [self.leaf_of(n) for n in self.link.params]
+        params += [t for group in self._hyper for _, t in group.values()]  # written in place
         entries = {n: dict(d) for n, d in self.state.items()}
         before = [p.detach().clone() for p in params]
         old = {

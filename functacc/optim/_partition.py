@@ -35,7 +35,8 @@ def partition(
 
     def init(params: Params) -> tuple:
         return tuple(
-            t.init({n: params[n] for n in g}) for t, g in zip(transforms, groups, strict=True)
+            t.init({n: params[n] for n in g if n in params})
+            for t, g in zip(transforms, groups, strict=True)
         )
 
     def run(grads: Updates, state: tuple, params: Params, *, new_params: bool) -> tuple:
@@ -43,7 +44,7 @@ def partition(
         new_state = []
         for t, group, sub_state in zip(transforms, groups, state, strict=True):
             sub_grads = {n: grads[n] for n in group if n in grads}
-            sub_params = {n: params[n] for n in group}
+            sub_params = {n: params[n] for n in group if n in params}  # ZeRO: this rank's
             if new_params:
                 sub_out, sub_state = step_params(t, sub_grads, sub_state, sub_params)
                 sub_out = {n: sub_out[n] for n in sub_grads}

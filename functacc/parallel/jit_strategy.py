@@ -26,28 +26,9 @@ __all__ = ["jit_strategy"]
 def jit_strategy(parallel: Any, capture: Any, tensor_parallel: Any) -> Any:
     """The gradient policy of a jitted step (``None``: plain local gradients); sets up
     the sharding of ``capture``'s optimizers (and parameters, ZeRO-3) as it goes."""
-    _check_zero_optimizers(parallel, capture)
     if tensor_parallel is not None:
         return _across_tensor_parallel(parallel, capture, tensor_parallel)
     return _strategy(parallel, capture)
-
-
-def _check_zero_optimizers(parallel: Any, capture: Any) -> None:
-    from ..optim import TransformOptimizer
-    from ..parallel import ZeRO
-
-    if not isinstance(parallel, ZeRO):
-        return
-    for linked in capture.optimizers:
-        if isinstance(linked.optimizer, TransformOptimizer):
-            raise ValueError(
-                f"parallel=ZeRO({parallel.stage}) with {linked.label}, an optimizer from "
-                "functacc.optim.as_optimizer (compile_step runs a functacc.optim "
-                "transformation as one): its state is one tree held under its first "
-                "parameter, which ZeRO cannot split by parameter. Use the torch.optim "
-                "optimizer the transformation mirrors (torch.optim.AdamW(...), SGD, Adam: ZeRO "
-                "1, 2 and 3), or parallel=DataParallel()."
-            )
 
 
 def _strategy(parallel: Any, capture: Any) -> Any:
@@ -97,6 +78,7 @@ def _strategy(parallel: Any, capture: Any) -> Any:
         )
     for linked in whole:  # each rank owns whole parameters (parallel/owned_params.py)
         linked.shard(ParameterOwners(linked.params))
+        _own_transform(linked)
     if whole and zero.stage == 2:
         return OwnedGradients(AveragedGradients(replicated), [w.owners for w in whole])
     shards = [ShardedOptimizer(zero, holder, linked.link.groups) for linked in twins]
@@ -105,6 +87,20 @@ def _strategy(parallel: Any, capture: Any) -> Any:
     if zero.stage == 2:
         return ShardedGradients(replicated, shards)
     return AveragedGradients(replicated)
+
+
+def _own_transform(linked: Any) -> None:
+    """A ``functacc.optim`` transformation (``as_optimizer``) keeps and steps the state of
+    the parameters this rank owns, its global norm summed over the ranks."""
+    import torch.distributed as dist
+
+    from ..optim import TransformOptimizer
+
+    opt = linked.optimizer
+    if isinstance(opt, TransformOptimizer):
+        names = {id(p): n for n, p in opt._named().items()}
+        mine = [names[id(p)] for n, p in linked.params.items() if linked.owners.owns(n)]
+        opt.own(mine, linked.owners.group or dist.group.WORLD)
 
 
 def _replicated(parallel: Any, capture: Any) -> Any:

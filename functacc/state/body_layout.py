@@ -61,12 +61,10 @@ class BodyLayout(Layout):
                 "model._functacc_tensor_parallel.full_state_dict(model)"
             )
         if self.split is not None and isinstance(opt, TransformOptimizer):
-            # Its state is one tree under the first parameter, not a state per parameter:
-            # which slice belongs to which split parameter is not known here.
+            # Not supported yet (its per-parameter state under a split is not written or tested).
             raise CheckpointError(
                 "checkpoints of a TensorParallel step with a functacc.optim transformation "
-                "(as_optimizer) are not supported yet: its state is one tree, not a state per "
-                "parameter, so its slices cannot be stored whole. Use a torch.optim optimizer "
+                "(as_optimizer) are not supported yet. Use a torch.optim optimizer "
                 "(torch.optim.AdamW, SGD, ...) for a resumable tensor-parallel run, or gather the "
                 "weights with model._functacc_tensor_parallel.full_state_dict(model)"
             )

@@ -76,6 +76,9 @@ def train(model_name: str, opt_name: str, parallel, *, seed_by_rank: bool = Fals
     model = make()
     if opt_name == "transform_adamw":  # functacc.optim's AdamW: torch's, purely
         opt = functacc.optim.adamw(1e-3, weight_decay=0.05)
+    elif opt_name == "transform_clip_adamw":  # clip_grad_norm_(0.1), then AdamW
+        adamw = functacc.optim.adamw(1e-3, weight_decay=0.05)
+        opt = functacc.optim.chain(functacc.optim.clip_by_global_norm(0.1), adamw)
     else:
         opt = OPTS[opt_name](model)
     step = functacc.compile_step(
@@ -88,6 +91,7 @@ def train(model_name: str, opt_name: str, parallel, *, seed_by_rank: bool = Fals
     held, held_opt = _held(step)
     return {
         "state": copy.deepcopy(model.state_dict()),
+        "optimizer": copy.deepcopy(step.optimizer.state_dict()),  # ZeRO: gathered whole
         "losses": torch.stack(losses),
         "stats": step.stats(),
         "held": {"params": held, "optimizer": held_opt},
@@ -132,6 +136,10 @@ def scenario_parity(out: dict) -> None:
         out[f"single/{model_name}"] = single_process(model_name, "adamw", world)
         out[f"dp/{model_name}/adamw"] = train(model_name, "adamw", None, seed_by_rank=True)
     out["dp/mlp/transform_adamw"] = train("mlp", "transform_adamw", None, seed_by_rank=True)
+    out["single_clip_adamw/mlp"] = single_process("mlp", "adamw", world, max_grad_norm=0.1)
+    for stage in (1, 2):  # each rank steps whole parameters, the global norm summed over ranks
+        parallel = ZeRO(stage, wrap_layer_cls=None)
+        out[f"zero{stage}/mlp/transform_clip"] = train("mlp", "transform_clip_adamw", parallel)
     out["single_clip/mlp"] = single_process("mlp", "sgd_momentum", world, max_grad_norm=0.1)
     for stage in (None, 1, 2, 3):
         parallel = None if stage is None else ZeRO(stage, wrap_layer_cls=None)
