@@ -37,6 +37,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_trace",
         "core/python_recording",
         "core/python_effects",
+        "core/python_output",
         "core/torch_checkpoint",
         "core/grad_scaler",
         "core/held_objects",

@@ -7,12 +7,15 @@ A trace (:mod:`.python_trace`) turns the body's Python writes into *effects*:
 - ``("append", location, [template, ...])``: ``history.append(loss.item())``;
 - :class:`SchedulerEvent`: ``lr_scheduler.step()``, run for real before the graph (where the
   body steps it before the optimizer) or after it;
-- :class:`Seed`: ``torch.manual_seed(...)`` before any draw, run before the graph.
+- :class:`Seed`: ``torch.manual_seed(...)`` before any draw, run before the graph;
+- ``("call", function, [template, ...], {name: template})``: ``print``, logging, ``tqdm``
+  (:mod:`.python_output`), run after the graph.
 
 A *template* says how a written value is made after each call: ``("const", value)``, ``("out",
 k)`` (the graph's ``k``-th Python output: a tensor, or a number such as ``loss.item()`` or a
-counter's ``u0 + 1``), a tuple, list or dict of templates, or ``("lr", marker)`` (a
-scheduler's learning rate after its replayed steps).
+counter's ``u0 + 1``), a tuple, list or dict of templates, ``("lr", marker)`` (a
+scheduler's learning rate after its replayed steps), or ``("fmt", text)`` (a string the
+body formatted traced numbers into).
 
 Example:
     >>> build(("tuple", [("const", 1), ("out", 0)]), [2.5], {})
@@ -90,6 +93,10 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
         return lrs[id(marker.scheduler)][marker.count][marker.index]
     if kind == "dict":
         return {k: build(t, outputs, lrs) for k, t in template[1].items()}
+    if kind == "fmt":
+        from .python_output import fill
+
+        return fill(template[1], outputs)
     items = [build(t, outputs, lrs) for t in template[1]]
     return tuple(items) if kind == "tuple" else items
 

@@ -314,6 +314,11 @@ class Replay:
                 target.delete()
             elif kind == "append":
                 target.get().extend(build(t, outputs, lrs) for t in effect[2])
+            elif kind == "call":  # print, logging, tqdm: with this call's values
+                target(
+                    *[build(t, outputs, lrs) for t in effect[2]],
+                    **{k: build(t, outputs, lrs) for k, t in effect[3].items()},
+                )
 
 
 def _is_group(location: Location) -> bool:

@@ -34,6 +34,7 @@ from .python_effects import (
     Template,
     list_effect,
 )
+from .python_output import has_tokens
 from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, RecordingList, recording
 
@@ -137,8 +138,10 @@ class Recorder:
             ]
             self._undo.append(lambda opt=opt, originals=originals: _put_groups(opt, originals))
         from .python_effects import patch_random_and_schedulers
+        from .python_output import patch_output
 
         self._undo.append(patch_random_and_schedulers(self))
+        self._undo.append(patch_output(self))
         ACTIVE.append(self)
         self._undo.append(ACTIVE.pop)
         self.recording = True
@@ -257,6 +260,8 @@ class Recorder:
             return ("out", len(self.outputs) - 1)
         if isinstance(value, LastLR):
             return ("lr", value)
+        if isinstance(value, str) and has_tokens(value):  # f"{loss.item():.4f}"
+            return ("fmt", value)
         if type(value) in (tuple, list):
             items = [self.template(v, where) for v in value]
             if all(t[0] == "const" for t in items):

@@ -1,0 +1,132 @@
+"""What a step body prints, logs or shows in a progress bar, replayed after each call.
+
+Eager runs ``print(f"loss {loss.item():.4f}")`` on every step; a traced body's Python runs
+once, and the number is a symbol then (it printed ``loss zuf0``, once). While the body is
+traced, ``print``, ``logging``'s loggers and ``tqdm``'s ``update`` / ``set_postfix`` /
+``set_description`` called from the user's code are noted as ``("call", function, args,
+kwargs)`` effects (:mod:`.python_effects`) and run after each call with that call's values.
+A number the graph computes that the body formats into a string (an f-string, ``format``,
+``str``) becomes a token in the string, replaced by the formatted value when the string is
+used after the call (:func:`fill`), so f-strings print eager's text.
+
+Example:
+    >>> fill("loss \\x00functacc0:.2f\\x00", [0.12345])
+    'loss 0.12'
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["fill", "has_tokens", "patch_output"]
+
+_TOKEN = re.compile("\x00functacc([0-9]+):([^\x00]*)\x00")
+_INTERNAL = (
+    os.path.dirname(os.path.dirname(__file__)),  # functacc
+    os.path.dirname(torch.__file__),
+    os.path.dirname(os.__file__),  # the standard library, logging included
+)
+_TQDM_METHODS = ("update", "set_postfix", "set_postfix_str", "set_description", "refresh")
+
+
+def has_tokens(text: str) -> bool:
+    return "\x00functacc" in text
+
+
+def fill(text: str, outputs: Sequence[Any]) -> str:
+    """``text`` with each token replaced by its number, formatted as the body asked."""
+    return _TOKEN.sub(lambda m: format(outputs[int(m.group(1))], m.group(2)), text)
+
+
+def _from_user(depth: int) -> bool:
+    """Whether the code ``depth`` frames up (past ``logging``'s own) is the user's."""
+    frame = sys._getframe(depth + 1)
+    logging_dir = os.path.dirname(logging.__file__)
+    while frame is not None and frame.f_code.co_filename.startswith(logging_dir):
+        frame = frame.f_back
+    return frame is not None and not os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL)
+
+
+def patch_output(recorder: Any) -> Callable[[], None]:
+    """While the body is traced: output calls from its code are noted by ``recorder``
+    instead of run, and traced numbers format as tokens. Returns the undo."""
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        patches.append((owner, name, vars(owner).get(name, _ABSENT)))
+        setattr(owner, name, value)
+
+    def note(function: Any, args: Sequence[Any], kwargs: dict, what: str) -> None:
+        where = f"the arguments of {what}"
+        recorder.effects.append(
+            (
+                "call",
+                function,
+                [recorder.template(a, where) for a in args],
+                {k: recorder.template(v, where) for k, v in kwargs.items()},
+            )
+        )
+
+    real_print = builtins.print
+
+    def print_(*args: Any, **kwargs: Any) -> None:
+        if not _from_user(1):
+            return real_print(*args, **kwargs)
+        return note(real_print, args, kwargs, "print()")
+
+    patch(builtins, "print", print_)
+    real_log = logging.Logger._log
+
+    def log_(self: logging.Logger, level: int, msg: Any, args: Any, **kwargs: Any) -> None:
+        if not _from_user(1):
+            return real_log(self, level, msg, args, **kwargs)
+        return note(real_log, (self, level, msg, args), kwargs, "a logging call")
+
+    patch(logging.Logger, "_log", log_)
+    tqdm = sys.modules.get("tqdm.std")
+    for name in _TQDM_METHODS if tqdm is not None else ():
+        real = vars(tqdm.tqdm)[name]
+        patch(tqdm.tqdm, name, _noting(real, note, f"tqdm.{name}()"))
+    for cls in (torch.SymFloat, torch.SymInt):
+        real_format, real_str = cls.__format__, cls.__str__
+        patch(cls, "__format__", _formatting(real_format, recorder))
+        patch(cls, "__str__", _formatting(lambda v, spec, f=real_str: f(v), recorder))
+
+    def undo() -> None:
+        for owner, name, value in reversed(patches):
+            if value is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    return undo
+
+
+_ABSENT = object()
+
+
+def _noting(real: Callable, note: Callable, what: str) -> Callable:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _from_user(1):
+            return real(self, *args, **kwargs)
+        return note(real, (self, *args), kwargs, what)
+
+    return method
+
+
+def _formatting(real: Callable, recorder: Any) -> Callable:
+    def format_(value: Any, spec: str = "") -> str:
+        if not _from_user(1):
+            return real(value, spec)
+        index = recorder.template(value, "a number formatted into a string")[1]
+        return f"\x00functacc{index}:{spec}\x00"
+
+    return format_
