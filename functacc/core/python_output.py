@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fill", "has_tokens", "patch_output"]
+__all__ = ["fill", "has_tokens", "is_user_code", "patch_output"]
 
 _TOKEN = re.compile("\x00functacc([0-9]+):([^\x00]*)\x00")
 _INTERNAL = (
@@ -52,7 +52,15 @@ def _from_user(depth: int) -> bool:
     logging_dir = os.path.dirname(logging.__file__)
     while frame is not None and frame.f_code.co_filename.startswith(logging_dir):
         frame = frame.f_back
-    return frame is not None and not os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL)
+    return frame is not None and is_user_code(frame.f_code.co_filename)
+
+
+def is_user_code(filename: str) -> bool:
+    """Code of the user's, not of torch, functacc, the standard library or an installed
+    package (whose output eager may make once: transformers' ``warning_once``)."""
+    path = os.path.abspath(filename)
+    installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+    return not (path.startswith(_INTERNAL) or installed or filename.startswith("<"))
 
 
 def patch_output(recorder: Any) -> Callable[[], None]:

@@ -19,7 +19,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import argument_error, attribute_change_error, host_random_error
@@ -289,7 +288,8 @@ class ClockWatch:
     ...): its Python runs once, at the trace, so the time read there would be every call's
     (minGPT's trainer, ``tnow = time.time(); self.iter_dt = tnow - self.iter_time``, then
     went back in time on every call). Only calls from the user's code on the tracing thread
-    count: torch, functacc and other threads (a loader's, tqdm's) read clocks meanwhile."""
+    count: torch, functacc, installed packages and other threads (a loader's, tqdm's) read
+    clocks meanwhile."""
 
     _READS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns")
 
@@ -300,13 +300,13 @@ class ClockWatch:
             setattr(time, name, self._refusing(name, original))
 
     def _refusing(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        internal = (_FUNCTACC_DIR, os.path.dirname(torch.__file__), os.path.dirname(os.__file__))
+        from .python_output import is_user_code
 
         @functools.wraps(original)
         def read(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1)
             where = os.path.abspath(caller.f_code.co_filename)
-            if threading.get_ident() == self.tracer and not where.startswith(internal):
+            if threading.get_ident() == self.tracer and is_user_code(where):
                 raise argument_error(
                     f"the step reads the clock (time.{name}() at {where}:{caller.f_lineno}); "
                     "functacc runs a step's Python once, when it traces, so every call would "
