@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import types
 
 import pytest
 import torch
@@ -543,3 +544,43 @@ def test_timms_native_scaler_and_model_ema_run_as_in_eager() -> None:
             assert torch.equal(a, b), i
     # Halved at each overflow (2**127 and 2**126 both overflow here), as eager's.
     assert scaler.get_scale() == 2.0**125 and step.num_traces == 2
+
+
+def best_loss_run(jit: bool, backend: str = "eager") -> tuple:
+    # A trainer's running numbers, as loops keep them: an EMA of the loss, the best loss so
+    # far with min(), a rounded history.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = types.SimpleNamespace(ema=0.0, best=float("inf"), history=[])
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        stats.ema = 0.9 * stats.ema + 0.1 * loss.item()
+        stats.best = min(stats.best, loss.item())
+        stats.history.append(round(loss.item(), 3))
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend=backend) if jit else body
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        step(torch.randn(4, 3, generator=g))
+    return stats, step
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_min_and_max_of_the_loss_kept_in_python_are_computed_not_a_branch(backend: str) -> None:
+    # min(best, loss.item()) was a TraceError (a branch on the loss): min and max in the
+    # body's module compute with the symbol, as math's functions do.
+    stats, step = best_loss_run(True, backend)
+    ref, _ = best_loss_run(False)
+    if backend == "eager":
+        assert vars(stats) == vars(ref)
+    else:  # Inductor's kernels may round the loss in the last bits
+        assert stats.best == pytest.approx(ref.best, rel=1e-5)
+        assert stats.ema == pytest.approx(ref.ema, rel=1e-5)
+        assert stats.history == pytest.approx(ref.history, abs=1e-3)
+    assert stats.best < stats.history[0] and step.num_traces == 1

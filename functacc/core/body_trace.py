@@ -123,7 +123,7 @@ class TracedBody:
                 remat.active() if remat is not None else contextlib.nullcontext(),
                 scalers_step_in_graph() if self.step.scalers else contextlib.nullcontext(),
                 no_checkpoint_draws(),
-                symbolic_builtins(),
+                symbolic_builtins(scopes=_module_scopes(self.step.fn)),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)
@@ -192,6 +192,14 @@ class TracedBody:
             for placeholder, value in writes:
                 placeholder.copy_(value)  # functionalized: a write at the very end
         return produced
+
+
+def _module_scopes(fn: Any) -> list[dict]:
+    """The globals of the body's module (of a bound method's function; none for a callable
+    object without them)."""
+    function = getattr(fn, "__func__", fn)
+    scope = getattr(function, "__globals__", None)
+    return [scope] if isinstance(scope, dict) else []
 
 
 def _shares_memory(a: Tensor, b: Tensor) -> bool:

@@ -19,7 +19,7 @@ import copy
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -78,27 +78,32 @@ class _Scalars(torch.overrides.TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def symbolic_builtins(optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+def symbolic_builtins(
+    optimizer: torch.optim.Optimizer | None = None, scopes: Sequence[dict] = ()
+) -> Iterator[None]:
     """While a step is traced: ``math``'s functions compute with symbols instead of fixing
     them to their value (nanoGPT's ``math.cos`` of a fed step counter in its learning-rate
     schedule, RAdam's ``math.sqrt``), and so do ``max``/``min`` in the optimizer's module
-    (Adafactor's ``max(eps2, p.norm().item() / ...)``); on plain numbers they are Python's
-    own, so the graph computes what eager computes, on the host, in double."""
+    (Adafactor's ``max(eps2, p.norm().item() / ...)``) and in ``scopes`` (the body's module:
+    ``self.best = min(self.best, loss.item())``); on plain numbers they are Python's own,
+    so the graph computes what eager computes, on the host, in double."""
     patched: list[tuple[Any, str, Any]] = []
 
     def patch(owner: dict, name: str, value: Any) -> None:
         patched.append((owner, name, owner.get(name, _ABSENT)))
         owner[name] = value
 
+    scopes = list(scopes)
     if optimizer is not None:
         cls = type(optimizer)
         names = {cls.__module__, getattr(cls.step, "__module__", None)}
-        for n in sorted(filter(None, names)):
-            scope = vars(sys.modules[n]) if n in sys.modules else {}
-            for name, sym in zip(("max", "min"), symbolic_max_min(), strict=True):
-                if scope and name not in scope:  # the builtin, not the module's own
-                    patch(scope, name, _symbolic(getattr(builtins, name), sym))
-    for name in ("sqrt", "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "tanh"):
+        scopes += [vars(sys.modules[n]) for n in sorted(filter(None, names)) if n in sys.modules]
+    for scope in {id(s): s for s in scopes}.values():
+        for name, sym in zip(("max", "min"), symbolic_max_min(), strict=True):
+            if name not in scope:  # the builtin, not the module's own
+                patch(scope, name, _symbolic(getattr(builtins, name), sym))
+    names = ("sqrt", "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "tanh", "log2")
+    for name in names:
         sym = getattr(torch, f"_sym_{name}", None)
         if sym is not None:
             patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
