@@ -97,3 +97,48 @@ def run_both(capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, ba
         bars = "".join(stream.bars).replace("\r", "")
         outputs[jit] = (printed, logged, bar.n, bar.postfix, bars, dict(run))
     return outputs
+
+
+def checkpointing_run(jit: bool, folder) -> nn.Module:
+    # A checkpoint every other step, written in the step (at the trace it wrote fake tensors
+    # to disk and failed; now torch.save runs after each call that takes the branch).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    run = {"step": 0}
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        if run["step"] % 2 == 0:
+            torch.save(model.state_dict(), folder / f"model-{run['step']}.pt")
+            torch.save({"step": run["step"], "loss": loss.item()}, folder / "last.pt")
+        run["step"] += 1
+        return loss.detach()
+
+    if jit:
+        body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        body(torch.randn(6, 3, generator=g))
+    return model
+
+
+def test_torch_save_in_the_step_writes_eagers_checkpoints(tmp_path) -> None:
+    (tmp_path / "eager").mkdir()
+    (tmp_path / "jit").mkdir()
+    checkpointing_run(False, tmp_path / "eager")
+    model = checkpointing_run(True, tmp_path / "jit")
+    names = sorted(p.name for p in (tmp_path / "eager").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "jit").iterdir())
+    assert names == ["last.pt", "model-0.pt", "model-2.pt", "model-4.pt"]
+    for name in names:
+        want = torch.load(tmp_path / "eager" / name)
+        got = torch.load(tmp_path / "jit" / name)
+        assert list(got) == list(want), name
+        for key, value in want.items():
+            same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
+            assert same, (name, key)
+    model.load_state_dict(torch.load(tmp_path / "jit" / "model-2.pt"))  # loads as eager's

@@ -15,7 +15,7 @@ A *template* says how a written value is made after each call: ``("const", value
 k)`` (the graph's ``k``-th Python output: a tensor, or a number such as ``loss.item()`` or a
 counter's ``u0 + 1``), a tuple, list or dict of templates, ``("lr", marker)`` (a
 scheduler's learning rate after its replayed steps), or ``("fmt", text)`` (a string the
-body formatted traced numbers into).
+body formatted traced numbers into; ``("path", cls, text)`` for a path made of one).
 
 Example:
     >>> build(("tuple", [("const", 1), ("out", 0)]), [2.5], {})
@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,10 +94,17 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
         return lrs[id(marker.scheduler)][marker.count][marker.index]
     if kind == "dict":
         return {k: build(t, outputs, lrs) for k, t in template[1].items()}
-    if kind == "fmt":
+    if kind == "odict":
+        made = OrderedDict((k, build(t, outputs, lrs)) for k, t in template[1].items())
+        if template[2] is not None:
+            made._metadata = template[2]  # type: ignore[attr-defined]
+        return made
+    if kind in ("fmt", "path"):
         from .python_output import fill
 
-        return fill(template[1], outputs)
+        return (
+            fill(template[1], outputs) if kind == "fmt" else template[1](fill(template[2], outputs))
+        )
     items = [build(t, outputs, lrs) for t in template[1]]
     return tuple(items) if kind == "tuple" else items
 

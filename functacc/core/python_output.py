@@ -1,10 +1,11 @@
-"""What a step body prints, logs or shows in a progress bar, replayed after each call.
+"""What a step body prints, logs, shows in a progress bar or saves, replayed after each call.
 
 Eager runs ``print(f"loss {loss.item():.4f}")`` on every step; a traced body's Python runs
 once, and the number is a symbol then (it printed ``loss zuf0``, once). While the body is
-traced, ``print``, ``logging``'s loggers and ``tqdm``'s ``update`` / ``set_postfix`` /
-``set_description`` called from the user's code are noted as ``("call", function, args,
-kwargs)`` effects (:mod:`.python_effects`) and run after each call with that call's values.
+traced, ``print``, ``logging``'s loggers, ``tqdm``'s ``update`` / ``set_postfix`` /
+``set_description`` and ``torch.save`` (a checkpoint every N steps: at the trace it wrote
+fake tensors) called from the user's code are noted as ``("call", function, args, kwargs)``
+effects (:mod:`.python_effects`) and run after each call with that call's values.
 A number the graph computes that the body formats into a string (an f-string, ``format``,
 ``str``) becomes a token in the string, replaced by the formatted value when the string is
 used after the call (:func:`fill`), so f-strings print eager's text.
@@ -99,6 +100,14 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         return note(real_log, (self, level, msg, args), kwargs, "a logging call")
 
     patch(logging.Logger, "_log", log_)
+    real_save = torch.save
+
+    def save_(*args: Any, **kwargs: Any) -> None:
+        if not _from_user(1):
+            return real_save(*args, **kwargs)
+        return note(real_save, args, kwargs, "torch.save()")
+
+    patch(torch, "save", save_)
     tqdm = sys.modules.get("tqdm.std")
     for name in _TQDM_METHODS if tqdm is not None else ():
         real = vars(tqdm.tqdm)[name]

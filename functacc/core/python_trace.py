@@ -19,7 +19,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -262,6 +264,8 @@ class Recorder:
             return ("lr", value)
         if isinstance(value, str) and has_tokens(value):  # f"{loss.item():.4f}"
             return ("fmt", value)
+        if isinstance(value, PurePath) and has_tokens(str(value)):  # folder / f"{step}.pt"
+            return ("path", type(value), str(value))
         if type(value) in (tuple, list):
             items = [self.template(v, where) for v in value]
             if all(t[0] == "const" for t in items):
@@ -272,6 +276,11 @@ class Recorder:
             if all(t[0] == "const" for t in items.values()):
                 return ("const", value)
             return ("dict", items)
+        if type(value) is OrderedDict:  # model.state_dict() (torch.save in the step)
+            items = {k: self.template(v, where) for k, v in value.items()}
+            if all(t[0] == "const" for t in items.values()):
+                return ("const", value)
+            return ("odict", items, getattr(value, "_metadata", None))
         if _holds_traced(value):
             raise TraceError(
                 f"{where} holds {type(value).__name__} object made while tracing, with traced "
