@@ -22,12 +22,14 @@ import logging
 import os
 import re
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import PurePath
 from typing import Any
 
 import torch
 
-__all__ = ["fill", "has_tokens", "is_user_code", "patch_output"]
+__all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output"]
 
 _TOKEN = re.compile("\x00functacc([0-9]+):([^\x00]*)\x00")
 _INTERNAL = (
@@ -45,6 +47,22 @@ def has_tokens(text: str) -> bool:
 def fill(text: str, outputs: Sequence[Any]) -> str:
     """``text`` with each token replaced by its number, formatted as the body asked."""
     return _TOKEN.sub(lambda m: format(outputs[int(m.group(1))], m.group(2)), text)
+
+
+def output_template(value: Any, template: Callable[[Any], tuple]) -> tuple | None:
+    """The template (:mod:`.python_effects`) of a value output calls take that the body
+    made from traced values: a string or a path with numbers formatted in, the
+    ``OrderedDict`` of ``state_dict()`` (``template`` makes its items'); else ``None``."""
+    if isinstance(value, str) and has_tokens(value):  # f"{loss.item():.4f}"
+        return ("fmt", value)
+    if isinstance(value, PurePath) and has_tokens(str(value)):  # folder / f"{step}.pt"
+        return ("path", type(value), str(value))
+    if type(value) is OrderedDict:  # model.state_dict(), for torch.save
+        items = {k: template(v) for k, v in value.items()}
+        if all(t[0] == "const" for t in items.values()):
+            return ("const", value)
+        return ("odict", items, getattr(value, "_metadata", None))
+    return None
 
 
 def _from_user(depth: int) -> bool:

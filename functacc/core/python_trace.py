@@ -19,9 +19,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -36,7 +34,7 @@ from .python_effects import (
     Template,
     list_effect,
 )
-from .python_output import has_tokens
+from .python_output import output_template
 from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, RecordingList, recording
 
@@ -262,10 +260,9 @@ class Recorder:
             return ("out", len(self.outputs) - 1)
         if isinstance(value, LastLR):
             return ("lr", value)
-        if isinstance(value, str) and has_tokens(value):  # f"{loss.item():.4f}"
-            return ("fmt", value)
-        if isinstance(value, PurePath) and has_tokens(str(value)):  # folder / f"{step}.pt"
-            return ("path", type(value), str(value))
+        made = output_template(value, lambda v: self.template(v, where))
+        if made is not None:  # a formatted string or path, a state_dict()
+            return made
         if type(value) in (tuple, list):
             items = [self.template(v, where) for v in value]
             if all(t[0] == "const" for t in items):
@@ -276,11 +273,6 @@ class Recorder:
             if all(t[0] == "const" for t in items.values()):
                 return ("const", value)
             return ("dict", items)
-        if type(value) is OrderedDict:  # model.state_dict() (torch.save in the step)
-            items = {k: self.template(v, where) for k, v in value.items()}
-            if all(t[0] == "const" for t in items.values()):
-                return ("const", value)
-            return ("odict", items, getattr(value, "_metadata", None))
         if _holds_traced(value):
             raise TraceError(
                 f"{where} holds {type(value).__name__} object made while tracing, with traced "
