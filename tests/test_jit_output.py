@@ -142,3 +142,25 @@ def test_torch_save_in_the_step_writes_eagers_checkpoints(tmp_path) -> None:
             same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
             assert same, (name, key)
     model.load_state_dict(torch.load(tmp_path / "jit" / "model-2.pt"))  # loads as eager's
+
+
+def test_a_body_written_in_a_notebook_cell_prints_every_call(capsys) -> None:
+    # IPython compiles a cell under a name such as "<ipython-input-3-...>".
+    source = (
+        "def body(x):\n"
+        "    loss = model(x).pow(2).mean()\n"
+        "    print(f'loss {loss.item():.4f}')\n"
+        "    return loss.detach()\n"
+    )
+    torch.manual_seed(0)
+    scope = {"model": nn.Linear(3, 2)}
+    exec(compile(source, "<ipython-input-3-0123456789ab>", "exec"), scope)
+    step = functacc.jit(scope["body"], modules=[scope["model"]], backend="eager")
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    capsys.readouterr()
+    for x in xs:
+        scope["body"](x)
+    eager = capsys.readouterr().out
+    for x in xs:
+        step(x)
+    assert capsys.readouterr().out == eager and eager.count("loss ") == 3

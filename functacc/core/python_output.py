@@ -75,11 +75,12 @@ def _from_user(depth: int) -> bool:
 
 
 def is_user_code(filename: str) -> bool:
-    """Code of the user's, not of torch, functacc, the standard library or an installed
-    package (whose output eager may make once: transformers' ``warning_once``)."""
+    """Code of the user's (a notebook's cells included), not of torch, functacc, the
+    standard library or an installed package (whose output eager may make once:
+    transformers' ``warning_once``)."""
     path = os.path.abspath(filename)
     installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
-    return not (path.startswith(_INTERNAL) or installed or filename.startswith("<"))
+    return not (path.startswith(_INTERNAL) or installed)
 
 
 def patch_output(recorder: Any) -> Callable[[], None]:
