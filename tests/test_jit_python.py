@@ -17,6 +17,7 @@ silently, before functacc followed Python state (47f8e2f).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -630,3 +631,29 @@ def test_clearing_gradients_through_a_list_taken_before_is_a_clear_error() -> No
     with pytest.raises(ValueError, match=r"\.grad of the parameters weight, bias themselves"):
         step(x, y)
     assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+
+
+def test_a_scheduler_of_an_optimizer_traced_whole_keeps_its_step_wrapper() -> None:
+    # The trace put RMSprop's own step() back by deleting the instance attribute, which
+    # also deleted the wrapper an lr_scheduler installs there: torch then warned "Seems
+    # like optimizer.step() has been overridden" at the scheduler's first replayed step.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        for _ in range(2):
+            step(torch.randn(3, 4))
+    assert getattr(opt.step, "_wrapped_by_lr_sched", False)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)

@@ -172,6 +172,7 @@ class OwnStepTrace:
         opt = self.link.optimizer
         self._saved_params = [g["params"] for g in opt.param_groups]
         self._saved_state = opt.state
+        self._saved_step = vars(opt).get("step")  # an lr_scheduler's wrapper, kept
         for group, names in zip(opt.param_groups, self.link.groups, strict=True):
             group["params"] = [self.leaf_of(n) for n in names]
         state: Any = defaultdict(dict)
@@ -284,7 +285,10 @@ class OwnStepTrace:
         for group, params in zip(opt.param_groups, self._saved_params, strict=True):
             group["params"] = params
         opt.state = self._saved_state
-        vars(opt).pop("step", None)
+        if self._saved_step is None:
+            vars(opt).pop("step", None)
+        else:
+            opt.step = self._saved_step
 
     def write_back(self) -> None:
         """At the end of the traced body: new state values go into the state's inputs (the
