@@ -44,6 +44,7 @@ __all__ = [
     "build",
     "list_effect",
     "patch_random_and_schedulers",
+    "restorer",
 ]
 
 Template = tuple
@@ -325,19 +326,26 @@ def patch_random_and_schedulers(recorder: Any) -> Callable[[], None]:
             real = vars(cls)["get_last_lr"]
             patch(cls, "get_last_lr", last_lr_stand_in)
             cls.get_last_lr_real = real
-            patches.append((cls, "get_last_lr_real", _ABSENT))
+            patches.append((cls, "get_last_lr_real", ABSENT))
+
+    return restorer(patches)
+
+
+ABSENT = object()  # a patched attribute the owner did not have before
+
+
+def restorer(patches: list[tuple[Any, str, Any]]) -> Callable[[], None]:
+    """The function that puts back ``patches`` (owner, name, the value before; ``ABSENT``:
+    none), the last first."""
 
     def undo() -> None:
         for owner, name, value in reversed(patches):
-            if value is _ABSENT:
+            if value is ABSENT:
                 delattr(owner, name)
             else:
                 setattr(owner, name, value)
 
     return undo
-
-
-_ABSENT = object()
 
 
 def _subclasses(cls: type) -> list[type]:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .python_effects import ABSENT, restorer
+
 __all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output"]
 
 _TOKEN = re.compile("\x00functacc([0-9]+):([^\x00]*)\x00")
@@ -89,7 +91,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
     patches: list[tuple[Any, str, Any]] = []
 
     def patch(owner: Any, name: str, value: Any) -> None:
-        patches.append((owner, name, vars(owner).get(name, _ABSENT)))
+        patches.append((owner, name, vars(owner).get(name, ABSENT)))
         setattr(owner, name, value)
 
     def note(function: Any, args: Sequence[Any], kwargs: dict, what: str) -> None:
@@ -103,30 +105,9 @@ def patch_output(recorder: Any) -> Callable[[], None]:
             )
         )
 
-    real_print = builtins.print
-
-    def print_(*args: Any, **kwargs: Any) -> None:
-        if not _from_user(1):
-            return real_print(*args, **kwargs)
-        return note(real_print, args, kwargs, "print()")
-
-    patch(builtins, "print", print_)
-    real_log = logging.Logger._log
-
-    def log_(self: logging.Logger, level: int, msg: Any, args: Any, **kwargs: Any) -> None:
-        if not _from_user(1):
-            return real_log(self, level, msg, args, **kwargs)
-        return note(real_log, (self, level, msg, args), kwargs, "a logging call")
-
-    patch(logging.Logger, "_log", log_)
-    real_save = torch.save
-
-    def save_(*args: Any, **kwargs: Any) -> None:
-        if not _from_user(1):
-            return real_save(*args, **kwargs)
-        return note(real_save, args, kwargs, "torch.save()")
-
-    patch(torch, "save", save_)
+    patch(builtins, "print", _noting(builtins.print, note, "print()"))
+    patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
+    patch(torch, "save", _noting(torch.save, note, "torch.save()"))
     tqdm = sys.modules.get("tqdm.std")
     for name in _TQDM_METHODS if tqdm is not None else ():
         real = vars(tqdm.tqdm)[name]
@@ -136,26 +117,19 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         patch(cls, "__format__", _formatting(real_format, recorder))
         patch(cls, "__str__", _formatting(lambda v, spec, f=real_str: f(v), recorder))
 
-    def undo() -> None:
-        for owner, name, value in reversed(patches):
-            if value is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-
-    return undo
-
-
-_ABSENT = object()
+    return restorer(patches)
 
 
 def _noting(real: Callable, note: Callable, what: str) -> Callable:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _from_user(1):
-            return real(self, *args, **kwargs)
-        return note(real, (self, *args), kwargs, what)
+    """``real`` (a function, or a method set on its class), noted instead of run when the
+    user's code calls it."""
 
-    return method
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not _from_user(1):
+            return real(*args, **kwargs)
+        return note(real, args, kwargs, what)
+
+    return call
 
 
 def _formatting(real: Callable, recorder: Any) -> Callable:
