@@ -38,6 +38,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_recording",
         "core/python_effects",
         "core/python_output",
+        "core/python_percent",
         "core/torch_checkpoint",
         "core/grad_scaler",
         "core/held_objects",

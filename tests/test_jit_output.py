@@ -3,8 +3,12 @@ eagerly: the same text on every call (before, the trace printed once, with symbo
 ``loss zuf0``, and never again). Compared as text, exactly: the eager backend computes
 eager's numbers bit for bit."""
 
+# ruff: noqa: UP031  (the "%" formats users write are tested here)
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import logging
 import re
 
@@ -43,6 +47,7 @@ def build(jit: bool, stream: Stream, backend: str = "eager") -> tuple:
         loss.backward()
         opt.step()
         print(f"step {run['step']}: loss {loss.item():.5f}", "raw", loss.item())
+        print("%%: %.4f, %e" % (loss.item(), loss.item()))  # noqa: UP031
         log.info("loss %.4f after %d steps", loss.item(), run["step"] + 1)
         bar.update(1)
         bar.set_postfix(loss=loss.item())
@@ -164,3 +169,60 @@ def test_a_body_written_in_a_notebook_cell_prints_every_call(capsys) -> None:
     for x in xs:
         step(x)
     assert capsys.readouterr().out == eager and eager.count("loss ") == 3
+
+
+def percent_run(jit: bool) -> tuple[str, dict, torch.Tensor]:
+    # '%' formats as older code writes them (pytorch/examples' DCGAN prints its losses with
+    # '%.4f'): str.__mod__ asks the traced number for a real float, which it has only
+    # after the call.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"step": 0, "msg": ""}
+    fmt = "%s: %+.3f (%5.1e)"
+
+    def body(x: torch.Tensor, epoch: int) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        value = loss.item()
+        print("[%d/%d][%x] Loss: %.4f %8.3e %g" % (epoch, 3, state["step"], value, value, value))
+        print("%(loss).2f after %(n)04d" % {"loss": value, "n": state["step"]}, "%%")
+        print(fmt % ("loss", value, value), "%s" % value)
+        state["msg"] = "last %.6f, %.0f%%" % (value, 100 * value)  # kept between calls
+        state["step"] += 1
+        return loss.detach()
+
+    if jit:
+        body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for i in range(4):
+            body(torch.randn(4, 3), i // 2)
+    assert not jit or body.num_traces == 1
+    return out.getvalue(), state, model.weight.detach().clone()
+
+
+def test_percent_formatting_of_traced_numbers_prints_eagers_text() -> None:
+    eager, jitted = percent_run(False), percent_run(True)
+    assert jitted[0] == eager[0] and eager[0].count("Loss: ") == 4
+    assert jitted[1] == eager[1] and eager[1]["msg"].startswith("last 0.")
+    assert torch.equal(jitted[2], eager[2])
+
+
+def test_a_percent_format_not_written_at_the_operator_is_a_clear_error() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    before = copy.deepcopy(model.state_dict())
+    formats = {"loss": "loss %.4f"}
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        print(formats["loss"] % loss.item())
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"formats a traced number with '%'.*f-string"):
+        step(torch.randn(4, 3))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

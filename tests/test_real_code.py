@@ -584,3 +584,67 @@ def test_min_and_max_of_the_loss_kept_in_python_are_computed_not_a_branch(backen
         assert stats.ema == pytest.approx(ref.ema, rel=1e-5)
         assert stats.history == pytest.approx(ref.history, abs=1e-3)
     assert stats.best < stats.history[0] and step.num_traces == 1
+
+
+def dcgan(jit: bool, capsys: pytest.CaptureFixture) -> tuple[str, list[torch.Tensor], int]:
+    # pytorch/examples dcgan/main.py's loop body (smaller networks): two Adam optimizers,
+    # the label tensor refilled in place, D(x) read with .item() between the backward
+    # passes, and the losses printed with '%' formats.
+    torch.manual_seed(0)
+    net_g = nn.Sequential(
+        nn.ConvTranspose2d(8, 16, 4, 1, 0, bias=False), nn.BatchNorm2d(16), nn.ReLU(True),
+        nn.ConvTranspose2d(16, 1, 4, 2, 1, bias=False), nn.Tanh(),
+    )  # fmt: skip
+    net_d = nn.Sequential(
+        nn.Conv2d(1, 8, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
+        nn.Conv2d(8, 1, 4, 1, 0, bias=False), nn.Sigmoid(), nn.Flatten(0),
+    )  # fmt: skip
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    criterion, real_label, fake_label = nn.BCELoss(), 1, 0
+
+    def train(real_cpu: torch.Tensor, epoch: int, i: int, n: int) -> None:
+        net_d.zero_grad()
+        batch_size = real_cpu.size(0)
+        label = torch.full((batch_size,), real_label, dtype=real_cpu.dtype)
+        output = net_d(real_cpu)
+        err_d_real = criterion(output, label)
+        err_d_real.backward()
+        d_x = output.mean().item()
+        noise = torch.randn(batch_size, 8, 1, 1)
+        fake = net_g(noise)
+        label.fill_(fake_label)
+        output = net_d(fake.detach())
+        err_d_fake = criterion(output, label)
+        err_d_fake.backward()
+        d_g_z1 = output.mean().item()
+        err_d = err_d_real + err_d_fake
+        opt_d.step()
+        net_g.zero_grad()
+        label.fill_(real_label)
+        output = net_d(fake)
+        err_g = criterion(output, label)
+        err_g.backward()
+        d_g_z2 = output.mean().item()
+        opt_g.step()
+        print(
+            "[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f"  # noqa: UP031
+            % (epoch, 2, i, n, err_d.item(), err_g.item(), d_x, d_g_z1, d_g_z2)
+        )
+
+    step = functacc.jit(train, modules=[net_g, net_d], optimizers=[opt_d, opt_g], backend="eager")
+    data = [torch.randn(4, 1, 8, 8).clamp(-1, 1) for _ in range(3)]
+    torch.manual_seed(1)
+    capsys.readouterr()
+    for epoch in range(2):
+        for i, real in enumerate(data):
+            (step if jit else train)(real, epoch, i, len(data))
+    tensors = [*net_g.state_dict().values(), *net_d.state_dict().values()]
+    return capsys.readouterr().out, tensors, step.num_traces
+
+
+def test_pytorch_examples_dcgan_prints_and_trains_as_in_eager(capsys) -> None:
+    eager, jitted = dcgan(False, capsys), dcgan(True, capsys)
+    assert jitted[0] == eager[0] and eager[0].count("Loss_D: ") == 6
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+    assert jitted[2] == 1  # epoch and i are fed, not a trace each

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .python_effects import ABSENT, restorer
+from .python_percent import patch_percent, untangle
 
 __all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output"]
 
@@ -39,6 +40,7 @@ _INTERNAL = (
     os.path.dirname(torch.__file__),
     os.path.dirname(os.__file__),  # the standard library, logging included
 )
+_PERCENT_SPEC = re.compile(r"%[-+ #0]*\d*(?:\.\d*)?[a-zA-Z]")
 _TQDM_METHODS = ("update", "set_postfix", "set_postfix_str", "set_description", "refresh")
 
 
@@ -47,18 +49,27 @@ def has_tokens(text: str) -> bool:
 
 
 def fill(text: str, outputs: Sequence[Any]) -> str:
-    """``text`` with each token replaced by its number, formatted as the body asked."""
-    return _TOKEN.sub(lambda m: format(outputs[int(m.group(1))], m.group(2)), text)
+    """``text`` with each token replaced by its number, formatted as the body asked (a
+    ``format`` spec, or a ``%`` conversion: :mod:`.python_percent`)."""
+
+    def number(m: re.Match) -> str:
+        value, spec = outputs[int(m.group(1))], m.group(2)
+        return spec % value if _PERCENT_SPEC.fullmatch(spec) else format(value, spec)
+
+    return _TOKEN.sub(number, text)
 
 
-def output_template(value: Any, template: Callable[[Any], tuple]) -> tuple | None:
+def output_template(
+    value: Any, template: Callable[[Any], tuple], rendered: dict[str, str]
+) -> tuple | None:
     """The template (:mod:`.python_effects`) of a value output calls take that the body
-    made from traced values: a string or a path with numbers formatted in, the
-    ``OrderedDict`` of ``state_dict()`` (``template`` makes its items'); else ``None``."""
-    if isinstance(value, str) and has_tokens(value):  # f"{loss.item():.4f}"
-        return ("fmt", value)
-    if isinstance(value, PurePath) and has_tokens(str(value)):  # folder / f"{step}.pt"
-        return ("path", type(value), str(value))
+    made from traced values: a string or a path with numbers formatted in (by a format
+    spec, or by ``%``: ``rendered``), the ``OrderedDict`` of ``state_dict()`` (``template``
+    makes its items'); else ``None``."""
+    if isinstance(value, str) and has_tokens(text := untangle(value, rendered)):
+        return ("fmt", text)  # f"{loss.item():.4f}", "%.4f" % loss.item()
+    if isinstance(value, PurePath) and has_tokens(text := untangle(str(value), rendered)):
+        return ("path", type(value), text)  # folder / f"{step}.pt"
     if type(value) is OrderedDict:  # model.state_dict(), for torch.save
         items = {k: template(v) for k, v in value.items()}
         if all(t[0] == "const" for t in items.values()):
@@ -116,6 +127,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         real_format, real_str = cls.__format__, cls.__str__
         patch(cls, "__format__", _formatting(real_format, recorder))
         patch(cls, "__str__", _formatting(lambda v, spec, f=real_str: f(v), recorder))
+    patch_percent(recorder, patch)
 
     return restorer(patches)
 

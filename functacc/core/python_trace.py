@@ -72,6 +72,7 @@ class Recorder:
         self.symbols: dict[Any, Location] = {}  # sympy symbol of a fed value -> location
         self.outputs: list[Tensor | SymInt | SymFloat | SymBool] = []
         self.effects: list[Effect] = []
+        self.rendered: dict[str, str] = {}  # a '%' stand-in's text -> its token (python_percent)
         self.schedulers: list[SchedulerEvent] = []
         self.seeds: list[Seed] = []
         self.steps_taken: dict[int, int] = {}  # id(optimizer) -> opt.step() calls so far
@@ -260,7 +261,7 @@ class Recorder:
             return ("out", len(self.outputs) - 1)
         if isinstance(value, LastLR):
             return ("lr", value)
-        made = output_template(value, lambda v: self.template(v, where))
+        made = output_template(value, lambda v: self.template(v, where), self.rendered)
         if made is not None:  # a formatted string or path, a state_dict()
             return made
         if type(value) in (tuple, list):
