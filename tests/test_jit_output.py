@@ -47,7 +47,7 @@ def build(jit: bool, stream: Stream, backend: str = "eager") -> tuple:
         loss.backward()
         opt.step()
         print(f"step {run['step']}: loss {loss.item():.5f}", "raw", loss.item())
-        print("%%: %.4f, %e" % (loss.item(), loss.item()))  # noqa: UP031
+        print("%%: %.4f, %e" % (loss.item(), loss.item()))
         log.info("loss %.4f after %d steps", loss.item(), run["step"] + 1)
         bar.update(1)
         bar.set_postfix(loss=loss.item())

@@ -648,3 +648,68 @@ def test_pytorch_examples_dcgan_prints_and_trains_as_in_eager(capsys) -> None:
     assert jitted[0] == eager[0] and eager[0].count("Loss_D: ") == 6
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
     assert jitted[2] == 1  # epoch and i are fed, not a trace each
+
+
+class Sequence(nn.Module):
+    """pytorch/examples time_sequence_prediction's model (smaller): two LSTM cells unrolled
+    over the sequence, in double."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm1, self.lstm2, self.linear = nn.LSTMCell(1, 8), nn.LSTMCell(8, 8), nn.Linear(8, 1)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        h_t, c_t, h_t2, c_t2 = (torch.zeros(input.size(0), 8, dtype=torch.double) for _ in "1234")
+        outputs = []
+        for input_t in input.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            outputs += [self.linear(h_t2)]
+        return torch.cat(outputs, dim=1)
+
+
+def test_lbfgs_refused_with_advice_that_gives_eagers_time_sequence_prediction(capsys) -> None:
+    data = torch.sin(torch.arange(60, dtype=torch.double).view(5, 12) / 3)
+    input, target, criterion = data[:, :-1], data[:, 1:], nn.MSELoss()
+
+    def run(jit: bool) -> tuple[str, list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        seq = Sequence().double()
+        optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8)
+
+        def closure(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            seq.zero_grad()  # the advice: the model's zero_grad, the batch as arguments
+            loss = criterion(seq(input), target)
+            print("loss:", loss.item())
+            loss.backward()
+            return loss
+
+        run_closure = functacc.jit(closure, modules=[seq], backend="eager") if jit else closure
+        capsys.readouterr()
+        for i in range(3):
+            print("STEP: ", i)
+            optimizer.step(lambda: run_closure(input, target))
+        traces = run_closure.num_traces if jit else 0
+        return capsys.readouterr().out, [p.detach().clone() for p in seq.parameters()], traces
+
+    eager, jitted = run(False), run(True)
+    assert jitted[0] == eager[0] and eager[0].count("loss:") > 10  # the line search's calls
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+    assert jitted[2] == 1
+
+    # As the example writes it (opt.zero_grad() in the closure): both ways of jitting it
+    # are errors that give the advice above.
+    seq = Sequence().double()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8)
+
+    def example_closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = criterion(seq(input), target)
+        loss.backward()
+        return loss
+
+    advice = r"model.zero_grad\(\).*opt.step\(lambda: closure\(x, y\)\)"
+    with pytest.raises(TypeError, match=r"LBFGS.*line search.*" + advice):
+        functacc.jit(example_closure, modules=[seq], optimizers=[optimizer])
+    with pytest.raises(ValueError, match=r"holds a torch.optim.LBFGS.*" + advice):
+        functacc.jit(example_closure, modules=[seq])

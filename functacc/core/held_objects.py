@@ -112,11 +112,20 @@ def check_declared_optimizers(
     for value in held_values(roots):
         if not isinstance(value, torch.optim.Optimizer) or id(value) in known:
             continue
-        if any(id(p) in ids for group in value.param_groups for p in group["params"]):
+        if not any(id(p) in ids for group in value.param_groups for p in group["params"]):
+            continue
+        if isinstance(value, torch.optim.LBFGS):  # optimizers= refuses it: its step() loops
+            from .own_step import LBFGS_ADVICE
+
             raise argument_error(
-                f"the step body holds a {type(value).__name__} of its modules' parameters "
-                "that is not in optimizers=: its zero_grad() and step() would act on the "
-                "parameters themselves once, while traced, not on every call (eager steps "
-                "every call). Fix: pass it in optimizers=(...), also when its step() runs "
-                "after the jitted function."
+                "the step body holds a torch.optim.LBFGS of its modules' parameters (an "
+                "LBFGS closure that calls opt.zero_grad()?), whose zero_grad() would act on "
+                f"the parameters once, while traced, not on every call. Fix: {LBFGS_ADVICE}"
             )
+        raise argument_error(
+            f"the step body holds a {type(value).__name__} of its modules' parameters "
+            "that is not in optimizers=: its zero_grad() and step() would act on the "
+            "parameters themselves once, while traced, not on every call (eager steps "
+            "every call). Fix: pass it in optimizers=(...), also when its step() runs "
+            "after the jitted function."
+        )

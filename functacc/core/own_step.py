@@ -39,7 +39,15 @@ from ..optim._torch import check_owned_parameters
 from .own_step_state import _NotAhead, initial_state
 from .python_reach import Location, Root
 
-__all__ = ["OwnStepLink", "ScalarOf", "check_traceable"]
+__all__ = ["LBFGS_ADVICE", "OwnStepLink", "ScalarOf", "check_traceable"]
+
+# Tested: pytorch/examples' time_sequence_prediction this way equals its eager loop.
+LBFGS_ADVICE = (
+    "jit only the closure, with the batch as its arguments and the model's zero_grad() "
+    "in place of the optimizer's, and step LBFGS outside: closure = functacc.jit(lambda x, "
+    "y: ..., modules=[model]) (model.zero_grad(); loss = criterion(model(x), y); "
+    "loss.backward(); return loss), then opt.step(lambda: closure(x, y))."
+)
 
 
 def check_traceable(optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str) -> None:
@@ -50,9 +58,7 @@ def check_traceable(optimizer: torch.optim.Optimizer, names: Mapping[int, str], 
         raise argument_error(
             f"{label} is torch.optim.LBFGS, whose step(closure) re-runs the forward and "
             "backward a number of times that depends on the values (its line search), which "
-            "one traced graph cannot do. Fix: run LBFGS eagerly, or compile only the closure "
-            "(functacc.jit of the forward and backward, returning the loss) and call "
-            "opt.step(closure) with it outside the jitted step.",
+            f"one traced graph cannot do. Fix: {LBFGS_ADVICE}",
             TypeError,
         )
     if isinstance(optimizer, torch.optim.SparseAdam):
