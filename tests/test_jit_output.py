@@ -226,3 +226,39 @@ def test_a_percent_format_not_written_at_the_operator_is_a_clear_error() -> None
     with pytest.raises(functacc.TraceError, match=r"formats a traced number with '%'.*f-string"):
         step(torch.randn(4, 3))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def tensor_text_run(jit: bool) -> tuple[str, torch.Tensor]:
+    # Tensors put in text as tutorials do: print(loss) shows its grad_fn; str() and repr();
+    # an f-string of a 0-dim tensor is its number, of a vector its repr; '%' takes both.
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        out = model(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        print("loss", loss, [loss.detach()], out)
+        print(str(loss), repr(norm), f"{loss} {norm:.3f} {out.detach()} {out.shape[0]}")
+        print("%.4f %s|%r %d" % (norm, loss, out, norm > 0))
+
+    if jit:
+        body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for _ in range(3):
+            body(torch.randn(3, 2))
+    return out.getvalue(), model.weight.detach().clone()
+
+
+def test_tensors_printed_or_formatted_in_the_step_read_as_in_eager() -> None:
+    # Before: print(loss) lost ", grad_fn=<MeanBackward0>", str(loss) printed
+    # "FakeTensor(..., size=())", f"{norm:.3f}" and "%.4f" % norm were errors.
+    eager, jitted = tensor_text_run(False), tensor_text_run(True)
+    assert jitted[0] == eager[0] and eager[0].count("grad_fn=<MeanBackward0>") == 9
+    assert "grad_fn=<AddmmBackward0>" in eager[0] and "FakeTensor" not in jitted[0]
+    assert torch.equal(jitted[1], eager[1])

@@ -8,7 +8,8 @@ fake tensors) called from the user's code are noted as ``("call", function, args
 effects (:mod:`.python_effects`) and run after each call with that call's values.
 A number the graph computes that the body formats into a string (an f-string, ``format``,
 ``str``) becomes a token in the string, replaced by the formatted value when the string is
-used after the call (:func:`fill`), so f-strings print eager's text.
+used after the call (:func:`fill`), so f-strings print eager's text; a tensor printed or
+formatted becomes its token too, its ``repr`` given the ``grad_fn`` it had in the trace.
 
 Example:
     >>> fill("loss \\x00functacc0:.2f\\x00", [0.12345])
@@ -28,6 +29,7 @@ from pathlib import PurePath
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .python_effects import ABSENT, restorer
 from .python_percent import patch_percent, untangle
@@ -54,6 +56,8 @@ def fill(text: str, outputs: Sequence[Any]) -> str:
 
     def number(m: re.Match) -> str:
         value, spec = outputs[int(m.group(1))], m.group(2)
+        if spec.startswith("!r"):  # a tensor's repr: eager's, grad_fn included
+            return _repr_with(value, spec[2:])
         return spec % value if _PERCENT_SPEC.fullmatch(spec) else format(value, spec)
 
     return _TOKEN.sub(number, text)
@@ -116,7 +120,14 @@ def patch_output(recorder: Any) -> Callable[[], None]:
             )
         )
 
-    patch(builtins, "print", _noting(builtins.print, note, "print()"))
+    def note_print(function: Any, args: Sequence[Any], kwargs: dict, what: str) -> None:
+        # print(loss) shows eager's grad_fn: each tensor becomes its repr's token
+        texts = [
+            _tensor_token(recorder, a, "!r") if isinstance(a, torch.Tensor) else a for a in args
+        ]
+        note(function, texts, kwargs, what)
+
+    patch(builtins, "print", _noting(builtins.print, note_print, "print()"))
     patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
     patch(torch, "save", _noting(torch.save, note, "torch.save()"))
     tqdm = sys.modules.get("tqdm.std")
@@ -127,6 +138,10 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         real_format, real_str = cls.__format__, cls.__str__
         patch(cls, "__format__", _formatting(real_format, recorder))
         patch(cls, "__str__", _formatting(lambda v, spec, f=real_str: f(v), recorder))
+    for cls in (torch.Tensor, FunctionalTensor):  # str(loss), f"{loss:.4f}", f"{loss}"
+        real_repr = vars(cls)["__repr__"]
+        patch(cls, "__repr__", _formatting(lambda t, spec, f=real_repr: f(t), recorder, "repr"))
+    patch(torch.Tensor, "__format__", _formatting(torch.Tensor.__format__, recorder, "format"))
     patch_percent(recorder, patch)
 
     return restorer(patches)
@@ -144,11 +159,43 @@ def _noting(real: Callable, note: Callable, what: str) -> Callable:
     return call
 
 
-def _formatting(real: Callable, recorder: Any) -> Callable:
+def _formatting(real: Callable, recorder: Any, tensor: str = "") -> Callable:
+    """``real`` (``__format__``, ``__str__`` or, for ``tensor="repr"``, a tensor's
+    ``__repr__``), giving a token when the user's code calls it."""
+
     def format_(value: Any, spec: str = "") -> str:
         if not _from_user(1):
             return real(value, spec)
+        if tensor:  # f"{loss}" is the number, f"{x}" of a vector its repr, as in eager
+            as_repr = tensor == "repr" or (value.dim() != 0 and not spec)
+            return _tensor_token(recorder, value, "!r" if as_repr else spec)
         index = recorder.template(value, "a number formatted into a string")[1]
         return f"\x00functacc{index}:{spec}\x00"
 
     return format_
+
+
+def _tensor_token(recorder: Any, tensor: torch.Tensor, spec: str) -> str:
+    """The token of a traced tensor in a string: ``format(t, spec)``, or for ``spec="!r"``
+    its ``repr`` with the ``grad_fn`` it has here (the graph's outputs come back detached)."""
+    index = recorder.template(tensor, "a tensor formatted into a string")[1]
+    if spec != "!r":
+        return f"\x00functacc{index}:{spec}\x00"
+    grad = tensor.grad_fn
+    name = None if grad is None else type(grad).__name__
+    if name == "CppFunction":
+        name = grad.name().rsplit("::", 1)[-1]
+    suffix = f"grad_fn=<{name}>" if name else "requires_grad=True" if tensor.requires_grad else ""
+    return f"\x00functacc{index}:!r{suffix}\x00"
+
+
+def _repr_with(tensor: torch.Tensor, suffix: str) -> str:
+    """``repr(tensor)`` with ``suffix`` (``grad_fn=<...>``) added as torch adds it."""
+    text = repr(tensor)
+    if not suffix:
+        return text
+    body = text[:-1]
+    last_line = len(body) - body.rfind("\n") + 1  # as torch._tensor_str._add_suffixes counts
+    if last_line + len(suffix) + 2 > torch._tensor_str.PRINT_OPTS.linewidth:
+        return f"{body},\n{' ' * len('tensor(')}{suffix})"
+    return f"{body}, {suffix})"

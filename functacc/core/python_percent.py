@@ -65,14 +65,17 @@ def patch_percent(recorder: Any, patch: Callable[[Any, str, Any], None]) -> None
     made = [0]  # stand-ins so far
 
     for cls, name, kinds, kind in (
+        (torch.Tensor, "__float__", _FLOAT_TYPES, float),  # "%.4f" % loss
+        (torch.Tensor, "__int__", _INT_TYPES, int),
+        (torch.Tensor, "__index__", _INT_TYPES, int),
         (torch.SymFloat, "__float__", _FLOAT_TYPES, float),
         (torch.SymInt, "__float__", _FLOAT_TYPES, float),
         (torch.SymFloat, "__int__", _INT_TYPES, int),
         (torch.SymInt, "__int__", _INT_TYPES, int),
         (torch.SymInt, "__index__", _INT_TYPES, int),
     ):
-        if name in vars(cls):
-            patch(cls, name, _converting(vars(cls)[name], recorder, kinds, kind, made))
+        if hasattr(cls, name):  # Tensor's are its C base class's
+            patch(cls, name, _converting(getattr(cls, name), recorder, kinds, kind, made))
 
 
 def _converting(real: Callable, recorder: Any, kinds: str, kind: type, made: list[int]) -> Any:
