@@ -262,3 +262,45 @@ def test_tensors_printed_or_formatted_in_the_step_read_as_in_eager() -> None:
     assert jitted[0] == eager[0] and eager[0].count("grad_fn=<MeanBackward0>") == 9
     assert "grad_fn=<AddmmBackward0>" in eager[0] and "FakeTensor" not in jitted[0]
     assert torch.equal(jitted[1], eager[1])
+
+
+def tensorboard_run(jit: bool, folder) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer, state = SummaryWriter(folder), {"step": 0}
+
+    def body(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        writer.add_scalar("Loss/train", loss.item(), state["step"])
+        writer.add_scalar("loss_tensor", loss, state["step"])
+        writer.add_histogram("weight", model.weight, state["step"])
+        state["step"] += 1
+
+    if jit:
+        body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    for _ in range(4):
+        body(torch.randn(4, 3))
+    writer.close()
+    events = EventAccumulator(str(folder), size_guidance={"histograms": 0})  # keep all
+    events.Reload()
+    scalars = {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+    histograms = [(e.step, e.histogram_value) for e in events.Histograms("weight")]
+    return {"scalars": scalars, "histograms": histograms}
+
+
+def test_tensorboard_logged_in_the_step_gets_eagers_points(tmp_path) -> None:
+    # Before: writer.add_scalar(...) ran once, while traced (one point, or an error).
+    eager, jitted = (
+        tensorboard_run(False, tmp_path / "eager"),
+        tensorboard_run(True, tmp_path / "jit"),
+    )
+    assert jitted == eager
+    assert [s for s, _ in eager["scalars"]["Loss/train"]] == [0, 1, 2, 3]
+    assert len(eager["histograms"]) == 4

@@ -2,10 +2,12 @@
 
 Eager runs ``print(f"loss {loss.item():.4f}")`` on every step; a traced body's Python runs
 once, and the number is a symbol then (it printed ``loss zuf0``, once). While the body is
-traced, ``print``, ``logging``'s loggers, ``tqdm``'s ``update`` / ``set_postfix`` /
-``set_description`` and ``torch.save`` (a checkpoint every N steps: at the trace it wrote
-fake tensors) called from the user's code are noted as ``("call", function, args, kwargs)``
-effects (:mod:`.python_effects`) and run after each call with that call's values.
+traced, ``print``, ``logging``'s loggers, TensorBoard's ``SummaryWriter.add_*``
+(``writer.add_scalar("loss", loss, step)`` logged one point), ``tqdm``'s ``update`` /
+``set_postfix`` / ``set_description`` and ``torch.save`` (a checkpoint every N steps: at the
+trace it wrote fake tensors) called from the user's code are noted as
+``("call", function, args, kwargs)`` effects (:mod:`.python_effects`) and run after each
+call with that call's values.
 A number the graph computes that the body formats into a string (an f-string, ``format``,
 ``str``) becomes a token in the string, replaced by the formatted value when the string is
 used after the call (:func:`fill`), so f-strings print eager's text; a tensor printed or
@@ -43,7 +45,16 @@ _INTERNAL = (
     os.path.dirname(os.__file__),  # the standard library, logging included
 )
 _PERCENT_SPEC = re.compile(r"%[-+ #0]*\d*(?:\.\d*)?[a-zA-Z]")
-_TQDM_METHODS = ("update", "set_postfix", "set_postfix_str", "set_description", "refresh")
+# Classes of output libraries whose methods the body's calls are noted, where imported:
+# (module, class, methods; None for every add_* method).
+_NOTED_METHODS = (
+    (
+        "tqdm.std",
+        "tqdm",
+        ("update", "set_postfix", "set_postfix_str", "set_description", "refresh"),
+    ),
+    ("torch.utils.tensorboard.writer", "SummaryWriter", None),  # writer.add_scalar(...)
+)
 
 
 def has_tokens(text: str) -> bool:
@@ -130,10 +141,14 @@ def patch_output(recorder: Any) -> Callable[[], None]:
     patch(builtins, "print", _noting(builtins.print, note_print, "print()"))
     patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
     patch(torch, "save", _noting(torch.save, note, "torch.save()"))
-    tqdm = sys.modules.get("tqdm.std")
-    for name in _TQDM_METHODS if tqdm is not None else ():
-        real = vars(tqdm.tqdm)[name]
-        patch(tqdm.tqdm, name, _noting(real, note, f"tqdm.{name}()"))
+    for module_name, class_name, methods in _NOTED_METHODS:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None)
+        if cls is None:
+            continue
+        for name in methods or [n for n in vars(cls) if n.startswith("add_")]:
+            real = vars(cls)[name]
+            patch(cls, name, _noting(real, note, f"{class_name}.{name}()"))
     for cls in (torch.SymFloat, torch.SymInt):
         real_format, real_str = cls.__format__, cls.__str__
         patch(cls, "__format__", _formatting(real_format, recorder))
