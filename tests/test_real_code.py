@@ -493,6 +493,31 @@ def test_a_clock_read_in_the_step_is_a_clear_error_and_timing_around_the_call_wo
         assert torch.equal(p, q)
 
 
+def test_a_time_stamp_read_in_the_step_is_a_clear_error_and_a_given_time_is_fine() -> None:
+    # pytorch/examples fast_neural_style logs "{time.ctime()}\tEpoch ..." in its loop: the
+    # trace's time stamp would have been printed on every call.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.localtime(0)
+
+    def body(x: torch.Tensor, stamp_now: bool) -> str:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        given = time.strftime("%Y", start)  # formats the time it is given: no clock read
+        stamp = time.ctime() if stamp_now else given
+        return "{}\t{}: {:.6f}".format(stamp, given, loss.item())  # noqa: UP032 (as it logs)
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"reads the clock \(time.ctime\(\) at .*test_real_code"):
+        step(torch.randn(4, 3), True)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert step(torch.randn(4, 3), False).startswith("1970\t1970: ")
+
+
 def timm_run(jit: bool) -> tuple:
     # timm's train.py train_one_epoch, its pieces as timm builds them: create_optimizer_v2,
     # NativeScaler (a GradScaler kept as `_scaler`, with clipping), ModelEmaV3 with warmup.
