@@ -324,7 +324,7 @@ def dropped_gradient_error(what: str, read: list[str]) -> TraceError:
 def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> TraceError | None:
     """The error for a body that read a tensor from outside its inputs (``exc``: what
     the trace raised), or ``None`` where ``exc`` is another error."""
-    if "convert all Tensors to FakeTensors" in str(exc) and "grad_fn=" in str(exc):
+    if "convert all Tensors to FakeTensors" in str(exc) and _real_with_history(str(exc)):
         return TraceError(
             "the step read a tensor computed before the call, with autograd history "
             f"(a grad_fn){held_by(roots)}: functacc.jit traces the step "
@@ -352,3 +352,19 @@ def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> Trace
             "through the module inside the step instead."
         )
     return None
+
+
+def _real_with_history(text: str) -> bool:
+    """Whether an op printed in ``text`` took a real tensor (``tensor(...)``, not the
+    trace's ``FakeTensor(...)``) that has a ``grad_fn``."""
+    start = text.find("tensor(")
+    while start >= 0:
+        depth, end = 0, start + len("tensor")
+        for end in range(start + len("tensor"), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        if "grad_fn=" in text[start : end + 1]:
+            return True
+        start = text.find("tensor(", end)
+    return False
