@@ -144,6 +144,15 @@ class LastLR:
 
 
 def _refuse(self: LastLR, *args: Any) -> Any:
+    if self.count == 0:  # not stepped in this call (yet): the rate kept on the scheduler
+        raise TraceError(
+            f"the step computes with (or formats) {type(self.scheduler).__name__}"
+            ".get_last_lr(), a learning rate kept on the scheduler, outside the graph: the "
+            "step may return it or store it (a list, an attribute), not compute with it. "
+            "Fix: read optimizer.param_groups[i]['lr'] (fed to the graph on every call: "
+            "f\"lr {opt.param_groups[0]['lr']:.2e}\"), or scheduler.get_last_lr() outside "
+            "the step."
+        )
     raise TraceError(
         "the step computes with scheduler.get_last_lr() after stepping the scheduler inside "
         "the step. functacc.jit steps the scheduler for real after the graph (as eager steps "
