@@ -338,6 +338,7 @@ def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> Trace
             "probabilities there; or leave this update eager."
         )
     if "convert all Tensors to FakeTensors" in str(exc):
+        held = _tensors_held(roots)
         return TraceError(
             "the step read a tensor that is none of its inputs: not an argument of the "
             f"call, not a parameter, buffer or tensor attribute of the modules "
@@ -345,13 +346,35 @@ def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> Trace
             "functacc.jit would have to bake it into the graph as a constant, where eager "
             "reads it afresh on every call.\n"
             f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
-            "Fix: pass the tensor as an argument of the call, or give the module that "
+            + (
+                f"The step's Python state holds tensors at {', '.join(held[:4])}: a tensor "
+                "kept on a plain object between calls (a meter's running sum, "
+                "self.sum += acc) is not an input either. Fix: keep Python numbers there "
+                "(meter.update(acc1[0].item(), n): fed to the graph and written back every "
+                "call), or pass the tensor as an argument and return its new value.\n"
+                if held
+                else ""
+            )
+            + "Fix: pass the tensor as an argument of the call, or give the module that "
             "holds it in modules=(...) (a teacher model, an EMA copy), or give its "
             "optimizer in optimizers=(...). A parameter list taken before the call "
             "(params = list(model.parameters())) holds the real tensors: read them "
             "through the module inside the step instead."
         )
     return None
+
+
+def _tensors_held(roots: Sequence[Any]) -> list[str]:
+    """Where the plain objects, dicts and lists the body reaches hold tensors, in words."""
+    found = []
+    for location, value in plain_objects(list(roots)).values():
+        if isinstance(value, list):
+            items = [("item", i, v) for i, v in enumerate(value)]
+        else:
+            kind = "item" if isinstance(value, dict) else "attr"
+            items = [(kind, k, v) for k, v in (value if kind == "item" else vars(value)).items()]
+        found += [location.child(k, n).label for k, n, v in items if isinstance(v, Tensor)]
+    return found
 
 
 def _real_with_history(text: str) -> bool:
