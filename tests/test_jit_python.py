@@ -657,3 +657,47 @@ def test_a_scheduler_of_an_optimizer_traced_whole_keeps_its_step_wrapper() -> No
             step(torch.randn(3, 4))
     assert getattr(opt.step, "_wrapped_by_lr_sched", False)
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+
+
+def arguments_run(jit: bool, branch: bool) -> tuple:
+    # A step counter, a float and a NumPy warmup table passed in as arguments; the table
+    # written into between calls (eager reads it afresh); optionally a branch on the counter.
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    table = np.linspace(0.1, 1.0, 10)
+
+    def body(x: Tensor, step: int, scale: float, table: Any) -> float:
+        opt.param_groups[0]["lr"] = 0.1 * table[step]
+        opt.zero_grad()
+        loss = model(x).pow(2).mean() * scale * min(1.0, (step + 1) / 4)
+        loss.backward()
+        opt.step()
+        return loss.item() + (1.0 if branch and step % 3 == 0 else 0.0)
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+    out = []
+    for i in range(8):
+        if i == 5:
+            table[6] = 7.0  # eager's next call reads it
+        out.append(step(torch.ones(2, 3) * (i + 1), i, 0.5 + i, table))
+    return out, model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("branch", [False, True])
+def test_number_arguments_are_fed_once_they_change(
+    monkeypatch: pytest.MonkeyPatch, branch: bool
+) -> None:
+    # Before: a number passed in was a constant of the graph: a trace per new value (about
+    # a second each for a small model; identical graphs were not counted by num_traces).
+    from functacc.core.engine import Engine
+
+    traces, real = [], Engine.trace
+    monkeypatch.setattr(Engine, "trace", lambda *a, **k: traces.append(1) or real(*a, **k))
+    eager, jitted = arguments_run(False, branch), arguments_run(True, branch)
+    assert jitted[0] == eager[0]
+    assert torch.equal(jitted[1], eager[1])
+    if not branch:  # the first call; step and scale fed; the table written into
+        assert len(traces) == 3

@@ -15,6 +15,7 @@ import math
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -668,11 +669,13 @@ def dcgan(jit: bool, capsys: pytest.CaptureFixture) -> tuple[str, list[torch.Ten
     return capsys.readouterr().out, tensors, step.num_traces
 
 
-def test_pytorch_examples_dcgan_prints_and_trains_as_in_eager(capsys) -> None:
-    eager, jitted = dcgan(False, capsys), dcgan(True, capsys)
+def test_pytorch_examples_dcgan_prints_and_trains_as_in_eager(capsys, monkeypatch) -> None:
+    eager, traces = dcgan(False, capsys), count_traces(monkeypatch)
+    jitted = dcgan(True, capsys)
     assert jitted[0] == eager[0] and eager[0].count("Loss_D: ") == 6
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
-    assert jitted[2] == 1  # epoch and i are fed, not a trace each
+    # i fed from the second call, epoch from the fourth (a trace per call before)
+    assert len(traces) == jitted[2] == 3
 
 
 class Sequence(nn.Module):
@@ -892,3 +895,83 @@ def test_imagenet_meters_kept_as_numbers_run_as_in_eager(capsys) -> None:
     assert jitted[0] == eager[0] and eager[0].count("Acc@5") == 3
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
     assert jitted[2] == eager[2]
+
+
+def cosine_scheduler(base: float, final: float, epochs: int, per_epoch: int, warmup: int = 0):
+    """facebookresearch/dino's utils.cosine_scheduler: the schedule as a NumPy array."""
+    warmup_schedule = np.linspace(0, base, warmup * per_epoch) if warmup else np.array([])
+    iters = np.arange(epochs * per_epoch - warmup * per_epoch)
+    schedule = final + 0.5 * (base - final) * (1 + np.cos(np.pi * iters / len(iters)))
+    return np.concatenate((warmup_schedule, schedule))
+
+
+def dino_run(jit: bool) -> tuple:
+    # facebookresearch/dino's train_one_epoch, its Python: the global iteration `it` as an
+    # argument, NumPy schedules indexed by it (lr, weight decay, teacher momentum), the last
+    # layer's gradients cancelled in the first epoch, the teacher an EMA of the student.
+    torch.manual_seed(0)
+    student = nn.ModuleDict({"body": nn.Linear(4, 8), "last_layer": nn.Linear(8, 3)})
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    optimizer = torch.optim.AdamW(student.parameters())
+    lr_schedule = cosine_scheduler(5e-4, 1e-6, 2, 4, warmup=1)
+    wd_schedule = cosine_scheduler(0.04, 0.4, 2, 4)
+    momentum_schedule = cosine_scheduler(0.996, 1, 2, 4)
+
+    def forward(m: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+        return m["last_layer"](F.gelu(m["body"](x)))
+
+    def train_one(images: torch.Tensor, it: int, epoch: int) -> float:
+        for i, param_group in enumerate(optimizer.param_groups):
+            param_group["lr"] = lr_schedule[it]
+            if i == 0:
+                param_group["weight_decay"] = wd_schedule[it]
+        teacher_output = forward(teacher, images[:2]).softmax(-1)
+        loss = -(teacher_output.repeat(2, 1) * forward(student, images).log_softmax(-1)).sum(-1)
+        loss = loss.mean()
+        optimizer.zero_grad()
+        loss.backward()
+        if epoch < 1:  # utils.cancel_gradients_last_layer
+            for n, p in student.named_parameters():
+                if "last_layer" in n:
+                    p.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            m = momentum_schedule[it]
+            for param_q, param_k in zip(student.parameters(), teacher.parameters(), strict=True):
+                param_k.data.mul_(m).add_((1 - m) * param_q.detach().data)
+        return loss.item()
+
+    modules, optimizers = [student, teacher], [optimizer]
+    step = functacc.jit(train_one, modules=modules, optimizers=optimizers, backend="eager")
+    losses = []
+    g = torch.Generator().manual_seed(1)
+    for epoch in range(2):
+        for i in range(4):
+            images = torch.randn(4, 4, generator=g)
+            losses.append((step if jit else train_one)(images, 4 * epoch + i, epoch))
+    tensors = [*student.parameters(), *teacher.parameters()]
+    return losses, [t.detach().clone() for t in tensors], optimizer.param_groups[0]["lr"]
+
+
+def count_traces(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every trace of a jitted body, a graph compiled or not (one identical to a compiled
+    one is reused, and ``num_traces`` does not count it)."""
+    from functacc.core.engine import Engine
+
+    traces, real = [], Engine.trace
+    monkeypatch.setattr(Engine, "trace", lambda *a, **k: traces.append(1) or real(*a, **k))
+    return traces
+
+
+def test_dinos_numpy_schedules_indexed_by_the_iteration_are_looked_up_not_retraced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: `it` was a constant of the graph and lr_schedule[it] a constant too: a trace
+    # per step, each a compile (the graphs differ), a RetraceError after 32 steps.
+    eager, traces = dino_run(False), count_traces(monkeypatch)
+    jitted = dino_run(True)
+    assert jitted[0] == eager[0] and jitted[2] == eager[2]
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+    # The first call; `it` fed; epoch changed, fed, then found branched on (traced again,
+    # guarded); 8 traces before, each a compile.
+    assert len(traces) == 4

@@ -48,6 +48,7 @@ from .graph_passes import (
 )
 from .graph_passes import fingerprint as graph_fingerprint
 from .held_objects import check_declared_optimizers, library_objects, restore_objects
+from .python_args import NumberArguments
 from .python_effects import build
 from .python_state import PythonPlan, PythonState
 from .signature import (
@@ -118,6 +119,7 @@ class StepBody:
         self.cache = self.engine.cache
         # What the body reads and writes in Python: guarded, fed or replayed.
         self.python = PythonState(fn, capture.optimizers)
+        self._numbers = NumberArguments(fn, self.python.roots)  # step(x, it): guarded, fed
         # GradScalers the body holds: their step() selects instead of branching.
         self.scalers = attach_grad_scalers(capture, self.python.roots)
         declared = [linked.optimizer for linked in capture.optimizers]
@@ -149,9 +151,7 @@ class StepBody:
             leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         donated = tuple(donated_positions(self.donate, args, leaves)) if self.donate else ()
-        constants = tuple(
-            hashable_constant(x) if not isinstance(x, Tensor) else None for x in leaves
-        )
+        constants = self._numbers.bind(leaves, spec, args, kwargs)
         # What the signature is made of; each part is the same object as at the last call
         # while unchanged (the state's and the batch's specs are checked in C++), so the
         # common call compares them by identity and skips building and hashing its key.

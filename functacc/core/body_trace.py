@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..errors import TraceError
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
+from .lookup_tables import as_lookup
 from .own_step_trace import symbolic_builtins
 from .python_reach import Location, Root, plain_objects
 from .python_state import generator_key
@@ -89,7 +90,7 @@ class TracedBody:
         self.n_state = n_state
         self.fed = fed
         self.is_tensor = [isinstance(x, Tensor) for x in leaves]
-        self.constants = [x for x in leaves if not isinstance(x, Tensor)]
+        self.leaves = leaves  # its numbers are the fed symbols while the body is traced
         self.spec = spec
         self.donated = donated
         self.grad_mode = torch.is_grad_enabled()
@@ -106,15 +107,18 @@ class TracedBody:
 
     def __call__(self, *flat: Tensor) -> tuple[Any, ...]:
         n_fixed = self.n_state + len(self.fed)
-        batch_in, consts = iter(flat[n_fixed:]), iter(self.constants)
-        call = [next(batch_in) if t else next(consts) for t in self.is_tensor]
-        call_args, call_kwargs = pytree.tree_unflatten(call, self.spec)
         python, capture = self.step.python, self.step.capture
         batch = {id(t): i for i, t in enumerate(flat[n_fixed:]) if isinstance(t, Tensor)}
         with (
             python.scope(self.fed, flat[self.n_state : n_fixed]) as recorder,
             mask_checks_on_values(batch, self.real_batch, self.value_guarded),
         ):
+            batch_in = iter(flat[n_fixed:])  # the numbers: fed symbols by now (python_args)
+            call = [
+                next(batch_in) if t else as_lookup(x)
+                for t, x in zip(self.is_tensor, self.leaves, strict=True)
+            ]
+            call_args, call_kwargs = pytree.tree_unflatten(call, self.spec)
             self.recorder = recorder
             remat = self.step.remat
             with (

@@ -151,6 +151,24 @@ def translate(
             "between calls the modules and optimizers hold the step's results, as in eager. "
             f"Inputs were: {signature}."
         )
+    frame = _user_frame(exc.__traceback__) if _is_data_dependent(exc) else None
+    if frame is not None and _formats_with_percent(exc.__traceback__):
+        return TraceError(
+            f"the step formats a tensor with '%' {where}\nstr.__mod__ asks the tensor for a "
+            "Python number, which exists only after the call. Fix: format its .item() "
+            "('loss %.4f' % loss.item()) or use an f-string (f'loss {loss:.4f}'): functacc "
+            f"fills either in after each call. Inputs were: {signature}."
+        )
+    if frame is not None and any(f"{c}(" in (frame.line or "") for c in _VALUE_CHECKS):
+        return TraceError(
+            f"the step checks a value on the host {where}\nfunctacc traces the whole step "
+            "once into a graph, so the check would be decided once, at the trace, where "
+            "eager decides it on every call (DINO's `if not math.isfinite(loss.item()): "
+            "sys.exit(1)`). Fix: return loss.item() from the step and check it after the "
+            "call (to stop: the update of that call is done by then); to skip the update "
+            "of a step whose gradients are not finite, use a torch.amp.GradScaler in the "
+            f"step, whose skip functacc runs inside the graph. Inputs were: {signature}."
+        )
     if _is_data_dependent(exc):
         return TraceError(
             "functacc traces the whole training step once into a graph, so Python code "
@@ -185,6 +203,22 @@ def translate(
         f"Inputs were: {signature}. Check that the inputs have the shapes, dtypes and "
         f"devices the model expects (the same call must work in eager PyTorch: {eager_call})."
     )
+
+
+_VALUE_CHECKS = ("isfinite", "isnan", "isinf")  # math's or torch's, on a loss
+
+
+def _formats_with_percent(tb: TracebackType | None) -> bool:
+    """Whether the user's innermost frame in ``tb`` was computing ``fmt % args``."""
+    from .python_percent import is_percent
+
+    found = False
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith((_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)):
+            found = is_percent(tb.tb_frame.f_code, tb.tb_lasti)
+        tb = tb.tb_next
+    return found
 
 
 def _optim_utility(exc: BaseException) -> str | None:

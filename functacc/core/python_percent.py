@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["conversions", "patch_percent", "untangle"]
+__all__ = ["conversions", "is_percent", "patch_percent", "untangle"]
 
 # One conversion of printf-style formatting: %[(key)][flags][width][.precision][length]type.
 _CONVERSION = re.compile(r"%%|%(?:\([^)]*\))?([-+ #0]*\d*(?:\.\d*)?)[hlL]?([a-zA-Z])")
@@ -64,18 +64,17 @@ def patch_percent(recorder: Any, patch: Callable[[Any, str, Any], None]) -> None
 
     made = [0]  # stand-ins so far
 
+    # Not Tensor's: torch's __torch_function__ handlers tell its methods by identity
+    # ("%.4f" % loss is a TraceError advising loss.item(): diagnostics).
     for cls, name, kinds, kind in (
-        (torch.Tensor, "__float__", _FLOAT_TYPES, float),  # "%.4f" % loss
-        (torch.Tensor, "__int__", _INT_TYPES, int),
-        (torch.Tensor, "__index__", _INT_TYPES, int),
         (torch.SymFloat, "__float__", _FLOAT_TYPES, float),
         (torch.SymInt, "__float__", _FLOAT_TYPES, float),
         (torch.SymFloat, "__int__", _INT_TYPES, int),
         (torch.SymInt, "__int__", _INT_TYPES, int),
         (torch.SymInt, "__index__", _INT_TYPES, int),
     ):
-        if hasattr(cls, name):  # Tensor's are its C base class's
-            patch(cls, name, _converting(getattr(cls, name), recorder, kinds, kind, made))
+        if name in vars(cls):
+            patch(cls, name, _converting(vars(cls)[name], recorder, kinds, kind, made))
 
 
 def _converting(real: Callable, recorder: Any, kinds: str, kind: type, made: list[int]) -> Any:
@@ -115,17 +114,20 @@ def _unread_error(frame: FrameType) -> Exception:
     )
 
 
+def is_percent(code: CodeType, at: int) -> bool:
+    """Whether the instruction at byte ``at`` of ``code`` is ``%`` (or ``%=``)."""
+    if code.co_code[at] not in _REMAINDER:
+        return False
+    return dis.opname[code.co_code[at]] != "BINARY_OP" or code.co_code[at + 1] in _NB_REMAINDER
+
+
 def _percent_format(frame: FrameType) -> list[str] | None:
     """The conversions of the format string when ``frame`` (the user's code) is computing
     ``fmt % args`` (``_UNREAD`` where its source does not show it); else ``None``."""
     from .python_output import is_user_code
 
     code, at = frame.f_code, frame.f_lasti
-    if code.co_code[at] not in _REMAINDER:
-        return None
-    if dis.opname[code.co_code[at]] == "BINARY_OP" and code.co_code[at + 1] not in _NB_REMAINDER:
-        return None
-    if not is_user_code(code.co_filename):
+    if not is_percent(code, at) or not is_user_code(code.co_filename):
         return None
     if (code, at) not in _LEFT:
         _LEFT[code, at] = _left_operand(code, at)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..errors import TraceError
+from .lookup_tables import table_key
 from .python_effects import SchedulerEvent, Seed, build
 from .python_reach import MISSING, Location, Root, find_roots
 from .python_trace import Recorder, Retry, groups_root
@@ -54,6 +55,8 @@ class Exact:
             self._key: Any = (float, "nan")
         elif isinstance(value, tuple):
             self._key = (tuple, tuple(Exact(v) for v in value))
+        elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):  # a table
+            self._key = table_key(value)
         else:
             self._key = (type(value), value)
 

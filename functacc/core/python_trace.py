@@ -26,6 +26,7 @@ import torch
 from torch import SymBool, SymFloat, SymInt, Tensor
 
 from ..errors import TraceError
+from .lookup_tables import install_tables
 from .python_effects import (
     Effect,
     LastLR,
@@ -97,6 +98,7 @@ class Recorder:
         self.snapshots: list[tuple[Location, Any, Any]] = []  # (location, object, contents)
         self.root_values = [(r, r.get()) for r in self.roots]
         self._undo.append(self._put_roots_back)
+        install_tables(self.root_values, self._originals, self.guards)  # lr_schedule[it]
         for location, obj in self.objects.values():
             if isinstance(obj, dict):
                 copy = RecordingDict(obj, location, self)

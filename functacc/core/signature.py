@@ -194,6 +194,10 @@ def positional_names(fn: Any) -> tuple[str, ...]:
 
 
 def hashable_constant(x: Any) -> Any:
+    if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):  # repr elides the middle
+        from .lookup_tables import table_key
+
+        return table_key(x)
     try:
         hash(x)
     except TypeError:
