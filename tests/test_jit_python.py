@@ -701,3 +701,16 @@ def test_number_arguments_are_fed_once_they_change(
     assert torch.equal(jitted[1], eager[1])
     if not branch:  # the first call; step and scale fed; the table written into
         assert len(traces) == 3
+
+
+def test_traces_that_reuse_a_compile_are_said(caplog: pytest.LogCaptureFixture) -> None:
+    # A value in the signature that the graph does not read (a run label passed in) traced
+    # again on every call, silently: num_traces counts compiles, and none was needed.
+    model = nn.Linear(3, 1)
+    step = functacc.jit(lambda x, label: model(x).sum(), modules=[model], backend="eager")
+    with caplog.at_level("INFO", logger="functacc"):
+        for i in range(4):
+            step(torch.ones(2, 3), f"run{i}")
+    again = [r for r in caplog.records if "again" in r.getMessage()]
+    assert step.num_traces == 1 and len(again) == 3
+    assert again[-1].levelname == "WARNING" and "'run2' -> 'run3'" in again[-1].getMessage()

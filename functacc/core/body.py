@@ -352,7 +352,6 @@ class StepBody:
         if reuse is not None:
             python.rebind(self._plans[fingerprint])  # the generators the compiled graph holds
             program.run = reuse
-            self.engine.reused += 1
             self.engine.alias(plan, program)
         else:
             self.engine.check_budget(plan)

@@ -30,7 +30,7 @@ from torch.fx import GraphModule
 from ..backends import Backend, Compiled, check_generators, compile_graph
 from ..backends.background import BackgroundCompiled
 from . import tracer
-from .cache import ProgramCache, SizeGuard, TraceRecord
+from .cache import WARN_FROM, ProgramCache, SizeGuard, TraceRecord, log
 from .diagnostics import run_error
 from .graph_passes import host_scalars
 from .recurrent import static_sizes
@@ -234,10 +234,27 @@ class Engine:
 
     def alias(self, plan: Plan, program: Program) -> None:
         """Serve ``plan``'s exact signature with a program whose compile was reused: not a
-        new trace in the account (nothing was compiled)."""
+        new trace in the account (nothing was compiled), but said: a trace per call with
+        identical graphs is host time lost on every call (a value baked in that changes)."""
         program.random = draws_random(program.graph)
         program.devices = plan.devices
         self.cache.alias(plan.key, program)
+        self.reused += 1
+        message = (
+            f"functacc: traced {self.cache.what} again ({time.perf_counter() - plan.started:.1f}"
+            f" s, the graph of an earlier trace: no compile): {plan.reason}"
+        )
+        if self.reused >= WARN_FROM:
+            log.warning(
+                "%s. %d traces so far gave a graph traced before: what changed is part of "
+                "the signature but not of the graph, and each new value costs a trace (host "
+                "time in that call). Keep it constant, or out of the step (a number argument "
+                "is fed once it changes, with no trace per value).",
+                message,
+                self.reused,
+            )
+        else:
+            log.info("%s", message)
 
     # -- 5. run ---------------------------------------------------------------------------
     def run(self, program: Program, inputs: list[Tensor], describe: Callable[[], str]) -> Any:
