@@ -975,3 +975,37 @@ def test_dinos_numpy_schedules_indexed_by_the_iteration_are_looked_up_not_retrac
     # The first call; `it` fed; epoch changed, fed, then found branched on (traced again,
     # guarded); 8 traces before, each a compile.
     assert len(traces) == 4
+
+
+@pytest.mark.parametrize("front_door", ["jit", "compile_step"])
+def test_a_torch_compiled_model_and_loss_in_the_step_are_traced_through(front_door: str) -> None:
+    # Code moving from torch.compile keeps `model = torch.compile(model)`: the trace failed
+    # ("using FX to symbolically trace a dynamo-optimized function"); now the compiled
+    # module and function run their Python in functacc's trace (the whole step compiles).
+    def run(jit: bool) -> tuple:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        model = torch.compile(net, backend="eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss_fn = torch.compile(lambda out, y: (out - y).pow(2).mean(), backend="eager")
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = body
+        if jit and front_door == "jit":
+            step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        elif jit:
+            step = functacc.compile_step(model, loss_fn, opt, backend="eager")
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in "abc"]
+        losses = [step(x, y) for x, y in batches]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    eager, jitted = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(jitted[0], eager[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))

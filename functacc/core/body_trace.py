@@ -127,6 +127,9 @@ class TracedBody:
                 remat.active() if remat is not None else contextlib.nullcontext(),
                 scalers_step_in_graph() if self.step.scalers else contextlib.nullcontext(),
                 no_checkpoint_draws(),
+                # A torch.compile'd module or function in the body is traced through (the
+                # whole step is compiled here); Dynamo refuses FX's trace by default.
+                torch._dynamo.config.patch(error_on_nested_fx_trace=False),
                 symbolic_builtins(scopes=_module_scopes(self.step.fn)),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
