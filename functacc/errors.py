@@ -81,7 +81,10 @@ def host_random_error(generators: list[str]) -> TraceError:
         "for the whole run), where eager PyTorch draws new ones at every step. Draw them with "
         "torch instead (torch.rand, torch.bernoulli, torch.randint): they are part of the "
         "graph, new at every step, and eager's numbers. A decision that skips a layer can be "
-        "a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep."
+        "a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep. Or draw them "
+        "before the call and pass them in, the same numbers as eager's (mixup's "
+        "step(x, y, lam=np.random.beta(a, a)): a number argument is fed to the graph, "
+        "without a trace per value)."
     )
 
 

@@ -1009,3 +1009,43 @@ def test_a_torch_compiled_model_and_loss_in_the_step_are_traced_through(front_do
     eager, jitted = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(jitted[0], eager[0], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+
+
+def mixup_run(jit: bool) -> tuple:
+    # facebookresearch/mixup-cifar10's mixup_data draws lam from NumPy in the step; the
+    # error's advice: draw it before the call and pass it in (fed, not a trace per value).
+    torch.manual_seed(0)
+    rng = np.random.RandomState(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor, y: torch.Tensor, lam: float) -> float:
+        index = torch.randperm(x.size()[0])
+        out = model(lam * x + (1 - lam) * x[index, :])
+        loss = lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[index])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(5):
+        x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+        losses.append(step(x, y, np.float64(rng.beta(1.0, 1.0))))  # as np.random.beta gives
+    return losses, model.weight.detach().clone(), getattr(step, "num_traces", 0)
+
+
+def test_mixups_numpy_draw_is_refused_with_advice_that_keeps_eagers_numbers() -> None:
+    model = nn.Linear(4, 3)
+
+    def drawing(x: torch.Tensor) -> torch.Tensor:
+        lam = np.random.beta(1.0, 1.0)
+        return model(lam * x).sum()
+
+    with pytest.raises(functacc.TraceError, match=r"(?s)NumPy.*pass them in.*lam=np.random"):
+        functacc.jit(drawing, modules=[model], backend="eager")(torch.randn(2, 4))
+    eager, jitted = mixup_run(False), mixup_run(True)
+    assert jitted[0] == eager[0] and torch.equal(jitted[1], eager[1])
+    assert jitted[2] == 2  # the first call, then lam fed

@@ -32,7 +32,8 @@ __all__ = ["NumberArguments", "is_number"]
 
 
 def is_number(value: Any) -> bool:
-    return type(value) in (int, float)
+    """An ``int`` or ``float`` (``np.float64`` too), not a ``bool``: as the state's numbers."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class NumberArguments:

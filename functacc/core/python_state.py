@@ -335,7 +335,7 @@ def _numeric(value: Any) -> bool:
 def _as_input(value: Any) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"a fed Python value must be an int or a float; got {value!r}")
-    return value
+    return float(value) if isinstance(value, float) else int(value)  # np.float64: a float
 
 
 def _data_dependent_symbols(exc: BaseException) -> set:
