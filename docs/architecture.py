@@ -39,6 +39,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_effects",
         "core/python_output",
         "core/python_percent",
+        "core/python_files",
         "core/python_args",
         "core/lookup_tables",
         "core/torch_checkpoint",

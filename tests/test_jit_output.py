@@ -368,3 +368,40 @@ def test_a_tensor_formatted_with_percent_is_an_error_whose_advice_works() -> Non
 
     x = torch.randn(4, 3)
     assert functacc.jit(advised, modules=[model], backend="eager")(x) == advised(x)
+
+
+def file_logging_run(jit: bool, folder) -> tuple[str, str]:
+    # karpathy/build-nanogpt appends its train line to a log file inside the step; a
+    # "last.txt" rewritten every call, and print(..., file=f) too.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log_file, last = folder / "log.txt", folder / "last.txt"
+    log_file.write_text("")
+
+    def body(x: torch.Tensor, step: int) -> float:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        with open(log_file, "a") as f:
+            f.write(f"{step} train {loss.item():.6f}\n")
+        with open(last, "w") as f:
+            print("step", step, "loss", loss.item(), file=f)
+            f.writelines([f"{loss.item():.2e}\n"])
+        return loss.item()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+    for i in range(3):
+        step(torch.ones(2, 3) * (i + 1), i)
+    return log_file.read_text(), last.read_text()
+
+
+def test_a_log_file_written_in_the_step_gets_eagers_lines(tmp_path) -> None:
+    # Before: one line, written at the trace, with tokens for the numbers
+    # ("0 train \x00functacc0:.6f\x00").
+    (tmp_path / "eager").mkdir()
+    (tmp_path / "jit").mkdir()
+    eager = file_logging_run(False, tmp_path / "eager")
+    jitted = file_logging_run(True, tmp_path / "jit")
+    assert jitted == eager and eager[0].count("train") == 3 and eager[1].startswith("step 2 ")

@@ -4,8 +4,9 @@ Eager runs ``print(f"loss {loss.item():.4f}")`` on every step; a traced body's P
 once, and the number is a symbol then (it printed ``loss zuf0``, once). While the body is
 traced, ``print``, ``logging``'s loggers, TensorBoard's ``SummaryWriter.add_*``
 (``writer.add_scalar("loss", loss, step)`` logged one point), ``tqdm``'s ``update`` /
-``set_postfix`` / ``set_description`` and ``torch.save`` (a checkpoint every N steps: at the
-trace it wrote fake tensors) called from the user's code are noted as
+``set_postfix`` / ``set_description``, ``torch.save`` (a checkpoint every N steps: at the
+trace it wrote fake tensors) and the writes to files it opens (:mod:`.python_files`) called
+from the user's code are noted as
 ``("call", function, args, kwargs)`` effects (:mod:`.python_effects`) and run after each
 call with that call's values.
 A number the graph computes that the body formats into a string (an f-string, ``format``,
@@ -34,6 +35,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .python_effects import ABSENT, restorer
+from .python_files import NotedFile, noting_open
 from .python_percent import patch_percent, untangle
 
 __all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output"]
@@ -136,9 +138,20 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         texts = [
             _tensor_token(recorder, a, "!r") if isinstance(a, torch.Tensor) else a for a in args
         ]
+        if isinstance(kwargs.get("file"), NotedFile):  # print(..., file=f): f's write
+            sep, end = kwargs.get("sep") or " ", kwargs.get("end", "\n")
+            words = [
+                f"\x00functacc{recorder.template(a, what)[1]}:\x00"
+                if isinstance(a, (torch.SymInt, torch.SymFloat))
+                else str(a)
+                for a in texts
+            ]
+            kwargs["file"].write(sep.join(words) + ("\n" if end is None else end))
+            return
         note(function, texts, kwargs, what)
 
     patch(builtins, "print", _noting(builtins.print, note_print, "print()"))
+    patch(builtins, "open", noting_open(builtins.open, note, _from_user))
     patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
     patch(torch, "save", _noting(torch.save, note, "torch.save()"))
     for module_name, class_name, methods in _NOTED_METHODS:
