@@ -405,3 +405,22 @@ def test_a_log_file_written_in_the_step_gets_eagers_lines(tmp_path) -> None:
     eager = file_logging_run(False, tmp_path / "eager")
     jitted = file_logging_run(True, tmp_path / "jit")
     assert jitted == eager and eager[0].count("train") == 3 and eager[1].startswith("step 2 ")
+
+
+def test_a_file_written_through_pathlib_in_the_step_is_eagers(tmp_path) -> None:
+    def run(jit: bool, folder) -> list[str]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        folder.mkdir()
+
+        def body(x: torch.Tensor, step: int) -> None:
+            loss = model(x).pow(2).mean()
+            (folder / f"metrics-{step}.txt").write_text(f"{loss.item():.4f}")
+            (folder / "last.bin").write_bytes(b"step")
+
+        step = functacc.jit(body, modules=[model], backend="eager") if jit else body
+        for i in range(3):
+            step(torch.ones(2, 3) * (i + 1), i)
+        return [p.name + ":" + p.read_text() for p in sorted(folder.iterdir())]
+
+    assert run(True, tmp_path / "jit") == run(False, tmp_path / "eager")

@@ -28,7 +28,7 @@ import re
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -152,6 +152,8 @@ def patch_output(recorder: Any) -> Callable[[], None]:
 
     patch(builtins, "print", _noting(builtins.print, note_print, "print()"))
     patch(builtins, "open", noting_open(builtins.open, note, _from_user))
+    for name in ("write_text", "write_bytes"):  # (folder / "metrics.txt").write_text(...)
+        patch(Path, name, _noting(getattr(Path, name), note, f"Path.{name}()"))
     patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
     patch(torch, "save", _noting(torch.save, note, "torch.save()"))
     for module_name, class_name, methods in _NOTED_METHODS:
