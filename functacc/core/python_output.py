@@ -38,7 +38,7 @@ from .python_effects import ABSENT, restorer
 from .python_files import NotedFile, noting_open
 from .python_percent import patch_percent, untangle
 
-__all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output"]
+__all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output", "token"]
 
 _TOKEN = re.compile("\x00functacc([0-9]+):([^\x00]*)\x00")
 _INTERNAL = (
@@ -141,9 +141,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         if isinstance(kwargs.get("file"), NotedFile):  # print(..., file=f): f's write
             sep, end = kwargs.get("sep") or " ", kwargs.get("end", "\n")
             words = [
-                f"\x00functacc{recorder.template(a, what)[1]}:\x00"
-                if isinstance(a, (torch.SymInt, torch.SymFloat))
-                else str(a)
+                token(recorder, a) if isinstance(a, (torch.SymInt, torch.SymFloat)) else str(a)
                 for a in texts
             ]
             kwargs["file"].write(sep.join(words) + ("\n" if end is None else end))
@@ -199,24 +197,30 @@ def _formatting(real: Callable, recorder: Any, tensor: str = "") -> Callable:
         if tensor:  # f"{loss}" is the number, f"{x}" of a vector its repr, as in eager
             as_repr = tensor == "repr" or (value.dim() != 0 and not spec)
             return _tensor_token(recorder, value, "!r" if as_repr else spec)
-        index = recorder.template(value, "a number formatted into a string")[1]
-        return f"\x00functacc{index}:{spec}\x00"
+        return token(recorder, value, spec)
 
     return format_
+
+
+def token(recorder: Any, value: Any, spec: str = "") -> str:
+    """The token standing for a traced ``value`` in a string, formatted with ``spec`` (a
+    ``format`` spec, a ``%`` conversion, or ``!r`` and a tensor's grad suffix) by
+    :func:`fill` after the call."""
+    index = recorder.template(value, "a value formatted into a string")[1]
+    return f"\x00functacc{index}:{spec}\x00"
 
 
 def _tensor_token(recorder: Any, tensor: torch.Tensor, spec: str) -> str:
     """The token of a traced tensor in a string: ``format(t, spec)``, or for ``spec="!r"``
     its ``repr`` with the ``grad_fn`` it has here (the graph's outputs come back detached)."""
-    index = recorder.template(tensor, "a tensor formatted into a string")[1]
     if spec != "!r":
-        return f"\x00functacc{index}:{spec}\x00"
+        return token(recorder, tensor, spec)
     grad = tensor.grad_fn
     name = None if grad is None else type(grad).__name__
     if name == "CppFunction":
         name = grad.name().rsplit("::", 1)[-1]
     suffix = f"grad_fn=<{name}>" if name else "requires_grad=True" if tensor.requires_grad else ""
-    return f"\x00functacc{index}:!r{suffix}\x00"
+    return token(recorder, tensor, f"!r{suffix}")
 
 
 def _repr_with(tensor: torch.Tensor, suffix: str) -> str:

@@ -91,9 +91,11 @@ def _converting(real: Callable, recorder: Any, kinds: str, kind: type, made: lis
             return real(value)
         stand_in = kind(10 ** (100 + made[0]))
         made[0] += 1
-        index = recorder.template(value, "a number formatted into a string")[1]
+        from .python_output import token  # (which imports this module)
+
+        made_token = token(recorder, value)  # the value's, with each conversion's spec below
         for spec in specs:  # the one the format applies to it is among them
-            recorder.rendered[spec % stand_in] = f"\x00functacc{index}:{spec}\x00"
+            recorder.rendered[spec % stand_in] = made_token.replace(":\x00", f":{spec}\x00")
         return stand_in
 
     return convert
