@@ -424,3 +424,49 @@ def test_a_file_written_through_pathlib_in_the_step_is_eagers(tmp_path) -> None:
         return [p.name + ":" + p.read_text() for p in sorted(folder.iterdir())]
 
     assert run(True, tmp_path / "jit") == run(False, tmp_path / "eager")
+
+
+@pytest.mark.inductor
+def test_this_sessions_python_features_under_inductor(tmp_path, capsys) -> None:
+    # A number argument fed, a NumPy schedule looked up in the graph, a tensor printed, a
+    # '%' format, a log file and a torch.compile'd loss, compiled by Inductor: eager's
+    # text with Inductor's numbers (rtol 1e-5: fused kernels round the last bits), 2 compiles.
+    import numpy as np
+
+    def run(jit: bool) -> tuple[str, str, torch.Tensor, int]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        schedule, log = np.linspace(0.1, 0.01, 8), tmp_path / f"log{int(jit)}.txt"
+        loss_fn = torch.compile(lambda out: out.pow(2).mean(), backend="eager")
+
+        def body(x: torch.Tensor, it: int) -> None:
+            opt.param_groups[0]["lr"] = schedule[it]
+            opt.zero_grad()
+            loss = loss_fn(model(x))
+            loss.backward()
+            opt.step()
+            print("step %d" % it, loss)
+            with open(log, "a") as f:
+                f.write(f"{it} {loss.item():.6f}\n")
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt]) if jit else body
+        capsys.readouterr()
+        for i in range(4):
+            step(torch.ones(2, 3) * (i + 1), i)
+        return (
+            capsys.readouterr().out,
+            log.read_text(),
+            model.weight.detach().clone(),
+            (step.num_traces if jit else 0),
+        )
+
+    eager, jitted = run(False), run(True)
+    number = re.compile(r"-?[0-9]+\.[0-9]+")
+    for got, want in zip(jitted[:2], eager[:2], strict=True):
+        assert number.sub("#", got) == number.sub("#", want)
+        values = [float(v) for v in number.findall(got)]
+        assert values == pytest.approx([float(v) for v in number.findall(want)], rel=1e-5)
+    assert jitted[0].count("grad_fn=<MeanBackward0>") == 4 and jitted[1].count("\n") == 4
+    torch.testing.assert_close(jitted[2], eager[2], rtol=1e-5, atol=1e-6)
+    assert jitted[3] == 2  # the first call, then `it` fed
