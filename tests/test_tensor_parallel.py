@@ -59,7 +59,7 @@ def run(nproc: int, folder: Path) -> dict:
     folder.mkdir(exist_ok=True)
     extras = []
     if nproc == 2:
-        for front in ("compile_step", "body"):
+        for front in ("compile_step", "body", "transform"):
             one = mlp_step(front)
             for batch in tp_worker.batches()[:2]:
                 one(*batch)
@@ -94,6 +94,8 @@ class mlp_step:
         opt = tp_worker.optimizer("mlp", self.model)
         if front == "body":
             opt = torch.optim.RMSprop(self.model.parameters(), lr=1e-3)
+        if front == "transform":  # a functacc.optim transformation (as_optimizer)
+            opt = functacc.optim.adamw(1e-2)
         self.compiled = functacc.compile_step(
             self.model, torch.nn.CrossEntropyLoss(), opt, backend="eager", max_grad_norm=0.5
         )
@@ -158,7 +160,7 @@ def test_vocabulary_parallel_cross_entropy_equals_the_whole_logits(two_ranks: di
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("front", ["compile_step", "body"])
+@pytest.mark.parametrize("front", ["compile_step", "body", "transform"])
 def test_checkpoints_move_between_one_process_and_tensor_parallel(
     two_ranks: dict, front: str
 ) -> None:

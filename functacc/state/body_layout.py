@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 
 from ..data import DeviceLoader
-from ..optim import TransformOptimizer
 from ..parallel import ZeRO
 from .layout import Layout
 from .safe_io import CheckpointError
@@ -59,14 +58,6 @@ class BodyLayout(Layout):
                 "checkpoints of a step with TensorParallel and ZeRO together are not supported "
                 "yet; save with [TensorParallel(...), DataParallel()], or gather the weights with "
                 "model._functacc_tensor_parallel.full_state_dict(model)"
-            )
-        if self.split is not None and isinstance(opt, TransformOptimizer):
-            # Not supported yet (its per-parameter state under a split is not written or tested).
-            raise CheckpointError(
-                "checkpoints of a TensorParallel step with a functacc.optim transformation "
-                "(as_optimizer) are not supported yet. Use a torch.optim optimizer "
-                "(torch.optim.AdamW, SGD, ...) for a resumable tensor-parallel run, or gather the "
-                "weights with model._functacc_tensor_parallel.full_state_dict(model)"
             )
         self.params = dict(model.named_parameters())
         self.entries: dict[str, Any] = {}

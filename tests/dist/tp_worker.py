@@ -290,8 +290,8 @@ def extras(folder: str, tp: int) -> dict:
     results["vocab_ce_grads"] = (torch.cat(grads, -1), logits.grad)
     # A checkpoint of one process resumed here, and one of here written for one process.
     batch = batches()
-    # "body": compile_step with RMSprop, on jit's pipeline.
-    for front in ("compile_step", "body"):
+    # "body": compile_step with RMSprop, on jit's pipeline; "transform": functacc.optim.adamw.
+    for front in ("compile_step", "body", "transform"):
         for source in ("one", "tp"):
             step, model, opt, compiled = build("mlp", front, tp)
             if source == "one":
