@@ -165,20 +165,46 @@ def test_compile_step_with_it_under_inductor_matches_eager() -> None:
     assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
 
 
-def test_zero3_with_a_transformation_is_a_clear_error_that_changes_nothing() -> None:
-    # ZeRO-1 and ZeRO-2 give each rank whole parameters and their state (2 ranks:
-    # tests/test_parallel.py); ZeRO-3 shards the parameters of torch.optim's SGD, Adam, AdamW.
+@pytest.mark.parametrize("door", ["compile_step", "jit"])
+def test_zero3_with_a_transformation_equals_eager_on_one_process(door: str) -> None:
+    # ZeRO-3 keeps the parameters as chunks of flat units and steps the transformation on
+    # this rank's segments (2 ranks: tests/test_parallel.py); on one process the segments
+    # are the whole flattened parameters, so eager's as_optimizer loop, bit for bit
+    # (clip_by_global_norm's norm over the flat segments included). The frozen layer stays
+    # whole and untouched. Before: a ValueError advising ZeRO(1) or ZeRO(2).
+    def transform() -> fo.GradientTransformation:
+        return fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(1e-3, weight_decay=0.01))
+
+    ref = model_with_a_frozen_layer()
+    ref_opt = fo.as_optimizer(ref.named_parameters(), transform())
     model = model_with_a_frozen_layer()
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"ZeRO\(3\) with opt .*Use ZeRO\(1\) or ZeRO\(2\)"):
-        functacc.compile_step(
-            model,
-            nn.CrossEntropyLoss(),
-            fo.adamw(1e-3),
-            backend="eager",
-            parallel=functacc.parallel.ZeRO(3),
-        )(*batches(1)[0])
-    assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")
+    zero3 = functacc.parallel.ZeRO(3)
+    if door == "compile_step":
+        step = functacc.compile_step(
+            model, nn.CrossEntropyLoss(), transform(), backend="eager", parallel=zero3
+        )
+        opt, sync = step.optimizer, step.sync_model
+    else:
+        opt = fo.as_optimizer(model.named_parameters(), transform())
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = functacc.jit(
+            body, modules=[model], optimizers=[opt], backend="eager", parallel=zero3
+        )
+        sync = step.sync_modules
+    for i, (x, y) in enumerate(batches()):
+        torch.manual_seed(i)
+        torch.testing.assert_close(step(x, y), eager_step(ref, ref_opt, x, y, i), rtol=0, atol=0)
+    sync()
+    assert_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0, what="model")
+    # state_dict() gathers the state whole, keyed as eager's.
+    assert_close(opt.state_dict(), ref_opt.state_dict(), rtol=0, atol=0, what="optimizer")
 
 
 def test_its_state_is_kept_per_parameter_as_torch_keeps_it() -> None:

@@ -354,6 +354,34 @@ def test_a_zero_checkpoint_of_an_optimizer_traced_whole_loads_anywhere(
 
 
 @pytest.mark.distributed
+def test_a_zero3_checkpoint_of_a_transformation_loads_into_one_process(workdir) -> None:  # noqa: F811
+    # A functacc.optim transformation under ZeRO-3 keeps its state as segments of flat units;
+    # its checkpoint holds it whole (state_dict() gathers), so one process resumes it: the
+    # five steps after it as the two ranks' own five (the reference trajectory).
+    import dist.worker as worker
+
+    folder = workdir / "transform_zero3_ckpt"
+    reference = run_torchrun(workdir, "reshard_save", 2, CKPT=str(folder), OPT="transform")
+    torch.manual_seed(0)
+    model = models.mlp()
+    step = functacc.compile_step(
+        model, nn.CrossEntropyLoss(), worker.transform_clip_adamw(), backend="eager"
+    )
+    functacc.load(step, folder)
+    assert step.count == 5
+    assert int(step.optimizer.transform_state()[1].count) == 5
+    for x, y in worker.batches("vector", world=1, n=10)[5:]:
+        step(x, y)
+    assert_close(model.state_dict(), reference["state"], **REDUCTION, what="1 process")
+    # And into ZeRO-3 on 2 ranks again (one unit now: the checkpoint's state is resharded).
+    result = run_torchrun(
+        workdir, "reshard_load", 2, CKPT=str(folder), LAYOUT="zero3", OPT="transform"
+    )
+    assert result["count"] == 5
+    assert_close(result["state"], reference["state"], **REDUCTION, what="ZeRO-3, one unit")
+
+
+@pytest.mark.distributed
 def test_crash_and_restart_under_torchrun(tmp_path) -> None:
     def launch(name: str, crash: bool) -> dict:
         ckpt = tmp_path / name

@@ -91,14 +91,18 @@ def test_data_parallel_equals_one_process_on_the_full_batch(parity) -> None:
         **REDUCTION_ADAM,
         what="DP mlp, functacc.optim.adamw",
     )
-    # ... and under ZeRO-1 and ZeRO-2, chained after clip_by_global_norm: each rank keeps
-    # and steps its whole parameters' state (less than data parallelism's), and its part
-    # of the global norm is summed over the ranks.
-    for stage in (1, 2):
+    # ... and under ZeRO-1, 2 and 3, chained after clip_by_global_norm: each rank keeps
+    # and steps its whole parameters' state (ZeRO-1/2; ZeRO-3: its segments of them, and
+    # of the parameters), less than data parallelism's, and its part of the global norm is
+    # summed over the ranks.
+    for stage in (1, 2, 3):
         zero = parity[f"zero{stage}/mlp/transform_clip"]
         what = f"ZeRO-{stage}, chain(clip_by_global_norm, adamw)"
         assert_close(zero["state"], parity["single_clip_adamw/mlp"], **REDUCTION_ADAM, what=what)
         assert zero["held"]["optimizer"] < parity["dp/mlp/transform_adamw"]["held"]["optimizer"]
+        if stage == 3:  # between calls each rank holds its chunk of the parameters
+            dp_params = parity["dp/mlp/transform_adamw"]["held"]["params"]
+            assert zero["held"]["params"] <= dp_params // 2 + 64, (zero["held"], dp_params)
         saved = zero["optimizer"]  # state_dict() under ZeRO: every parameter's, gathered
         assert len(saved["state"]) == len(zero["state"]) and all(
             sorted(e) == ["[1].exp_avg", "[1].exp_avg_sq", "[1].step"]

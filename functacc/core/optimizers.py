@@ -23,7 +23,13 @@ from ..errors import argument_error
 from ..optim._torch import TorchOptimizerLink, _check_supported, check_owned_parameters
 from ..optim._transform import step_params
 
-__all__ = ["LinkedOptimizer", "TracedOptimizer", "link_optimizer", "trace_optimizer"]
+__all__ = [
+    "LinkedOptimizer",
+    "TracedOptimizer",
+    "link_optimizer",
+    "segment_wise",
+    "trace_optimizer",
+]
 
 
 def link_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str) -> Any:
@@ -39,6 +45,19 @@ def link_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], l
     return OwnStepLink(optimizer, names, label)
 
 
+def segment_wise(linked: Any) -> Any:
+    """``linked`` as ZeRO-3 updates it, on this rank's segments of flat units: a
+    ``functacc.optim`` transformation (``as_optimizer``) is linked as the twins are
+    (:class:`~functacc.optim._transform_link.TransformLink`); any other link as it is."""
+    from ..optim import TransformOptimizer
+    from ..optim._transform_link import TransformLink
+    from .own_step import OwnStepLink
+
+    if isinstance(linked, OwnStepLink) and isinstance(linked.optimizer, TransformOptimizer):
+        return LinkedOptimizer(linked.optimizer, linked.names, linked.label, TransformLink)
+    return linked
+
+
 def trace_optimizer(linked: Any, placeholders: list[Tensor], leaf_of: Callable, python: Any) -> Any:
     """The optimizer while its body is traced (see :func:`link_optimizer`)."""
     from .own_step import OwnStepLink
@@ -52,11 +71,20 @@ def trace_optimizer(linked: Any, placeholders: list[Tensor], leaf_of: Callable, 
 class LinkedOptimizer:
     """One ``torch.optim`` optimizer of a jitted step and its live pure state.
 
-    ``names`` maps each parameter (by ``id``) to its name among the step's modules.
+    ``names`` maps each parameter (by ``id``) to its name among the step's modules;
+    ``link_class`` keeps the optimizer and its pure state in sync (a ``functacc.optim``
+    transformation's under ZeRO-3: :func:`segment_wise`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str):
-        _check_supported(optimizer)
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        names: Mapping[int, str],
+        label: str,
+        link_class: type = TorchOptimizerLink,
+    ):
+        if link_class is TorchOptimizerLink:
+            _check_supported(optimizer)
         if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
             raise argument_error(
                 f"{label} has step hooks (register_step_pre_hook / register_step_post_hook); "
@@ -68,11 +96,15 @@ class LinkedOptimizer:
         self.label = label
         self.names = names
         self.sharding: Any = None  # ZeRO: functacc.parallel.zero_jit.ShardedOptimizer
+        self._link_class = link_class
         self._link_up()
 
     def _link_up(self) -> None:
         """(Re)build the link: at the start, and after ``param_groups`` changed."""
-        self.link = TorchOptimizerLink(self.optimizer, self.names)
+        self.link = self._link_class(self.optimizer, self.names)
+        if self.sharding is not None and hasattr(self.link, "sum_group"):
+            # A transformation's global_norm: its squares summed over the shard group.
+            self.link.sum_group = self.sharding.sharded.topology.shard_group
         self.transform = self.link.transform()
         self._structure = self.link.structure_key()
         self._torch_state = self.optimizer.state

@@ -20,6 +20,7 @@ rank the state of the parameters it owns (:meth:`TransformOptimizer.own`).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -131,7 +132,14 @@ class TransformOptimizer(torch.optim.Optimizer):
                 f"{missing[:4]}{' ...' if len(missing) > 4 else ''}. Save and load with the "
                 "same functacc.optim transformation over the same parameters."
             )
-        super().load_state_dict({**state_dict, "state": {}})
+        # torch runs the post-hooks (ZeRO shards what was loaded) at the end of its own
+        # load_state_dict(): here, after the state below is in place.
+        hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+        try:
+            super().load_state_dict({**state_dict, "state": {}})
+        finally:
+            self._optimizer_load_state_dict_post_hooks = hooks
         params, group = self._named(), self.param_groups[0]
         first = params[self.names[0]]
         for key in [k for k in group if k.startswith("state")]:
@@ -141,6 +149,8 @@ class TransformOptimizer(torch.optim.Optimizer):
             p = params[name]
             self.state[p] = {k: v.to(device=p.device).clone() for k, v in entries.items()}
         self.stepped = True
+        for hook in hooks.values():
+            hook(self)
 
     def _named(self) -> dict[str, Tensor]:
         params = self.param_groups[0]["params"]

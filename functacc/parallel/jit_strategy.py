@@ -124,12 +124,15 @@ def _zero3(zero: Any, capture: Any) -> Any:
     """ZeRO-3: stage 2's gradients and optimizer state, and the optimizers' parameters kept
     as this rank's chunks between calls (:mod:`functacc.parallel.zero3_jit`); on one
     process too (the same program everywhere)."""
+    from ..core.optimizers import segment_wise
     from ..parallel import DataParallel
     from ..parallel.jit_grads import LocalGradients, ShardedGradients
     from ..parallel.mesh import world_size
     from ..parallel.zero3_jit import ShardedParameters, as_stage2, check_zero3_optimizers
     from ..parallel.zero_jit import ShardedOptimizer
 
+    # A functacc.optim transformation steps this rank's segments, as the twins do.
+    capture.optimizers = [segment_wise(linked) for linked in capture.optimizers]
     check_zero3_optimizers(capture.optimizers)
     several = world_size() > 1
     replicated = _replicated(DataParallel(bucket_mb=zero.bucket_mb), capture) if several else None

@@ -224,7 +224,8 @@ class ShardedParameters:
 
 
 def check_zero3_optimizers(optimizers: Sequence[Any]) -> None:
-    """ZeRO-3 under jit shards the state of functacc's twins (SGD, Adam, AdamW)."""
+    """ZeRO-3 under jit shards the state of functacc's twins (SGD, Adam, AdamW) and of
+    ``functacc.optim`` transformations."""
     from ..core.own_step import OwnStepLink
 
     for linked in optimizers:
@@ -232,6 +233,7 @@ def check_zero3_optimizers(optimizers: Sequence[Any]) -> None:
             raise ValueError(
                 f"parallel=ZeRO(3) with {linked.label} "
                 f"({type(linked.optimizer).__name__}), which the step traces through its own "
-                "step(): ZeRO-3 shards the parameters of torch.optim.SGD, Adam and AdamW. Use "
+                "step(): ZeRO-3 shards the parameters of torch.optim.SGD, Adam, AdamW and "
+                "functacc.optim transformations (as_optimizer). Use "
                 "ZeRO(1) or ZeRO(2) for this optimizer (each rank then owns whole parameters)."
             )

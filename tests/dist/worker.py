@@ -137,7 +137,9 @@ def scenario_parity(out: dict) -> None:
         out[f"dp/{model_name}/adamw"] = train(model_name, "adamw", None, seed_by_rank=True)
     out["dp/mlp/transform_adamw"] = train("mlp", "transform_adamw", None, seed_by_rank=True)
     out["single_clip_adamw/mlp"] = single_process("mlp", "adamw", world, max_grad_norm=0.1)
-    for stage in (1, 2):  # each rank steps whole parameters, the global norm summed over ranks
+    # ZeRO-1/2: each rank steps whole parameters; ZeRO-3: its segments of the flat units.
+    # Either way the global norm is summed over the ranks.
+    for stage in (1, 2, 3):
         parallel = ZeRO(stage, wrap_layer_cls=None)
         out[f"zero{stage}/mlp/transform_clip"] = train("mlp", "transform_clip_adamw", parallel)
     out["single_clip/mlp"] = single_process("mlp", "sgd_momentum", world, max_grad_norm=0.1)
@@ -447,14 +449,22 @@ SCENARIOS["accelerate"] = scenario_accelerate
 def _reshard_step(parallel):
     """An MLP + AdamW step (no BatchNorm: its batch statistics depend on the per-rank batch,
     so only parameters and optimizer state carry over between layouts); ``OPT=RMSprop``: an
-    optimizer traced through its own step() (compile_step on jit's pipeline)."""
+    optimizer traced through its own step() (compile_step on jit's pipeline); ``OPT=transform``:
+    a functacc.optim transformation (clip_by_global_norm, then AdamW)."""
     torch.manual_seed(0)
     model = models.mlp()
-    opt_cls = getattr(torch.optim, os.environ.get("OPT", "AdamW"))
-    opt = opt_cls(model.parameters(), lr=1e-2)
+    if os.environ.get("OPT") == "transform":
+        opt = transform_clip_adamw()
+    else:
+        opt = getattr(torch.optim, os.environ.get("OPT", "AdamW"))(model.parameters(), lr=1e-2)
     return model, functacc.compile_step(
         model, nn.CrossEntropyLoss(), opt, backend="eager", parallel=parallel
     )
+
+
+def transform_clip_adamw() -> functacc.optim.GradientTransformation:
+    adamw = functacc.optim.adamw(1e-2, weight_decay=0.05)
+    return functacc.optim.chain(functacc.optim.clip_by_global_norm(0.1), adamw)
 
 
 def reshard_train(step, start: int, stop: int) -> list:
@@ -479,7 +489,8 @@ def scenario_reshard_save(out: dict) -> None:
 
 
 def scenario_reshard_load(out: dict) -> None:
-    parallel = {"dp": DataParallel(), "zero1": ZeRO(1)}[os.environ["LAYOUT"]]
+    layouts = {"dp": DataParallel(), "zero1": ZeRO(1), "zero3": ZeRO(3)}
+    parallel = layouts[os.environ["LAYOUT"]]
     model, step = _reshard_step(parallel)
     functacc.load(step, os.environ["CKPT"])
     out["count"] = step.count
