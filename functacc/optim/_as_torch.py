@@ -67,6 +67,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         super().__init__(list(named_params.values()), {})
         self.owned: frozenset[str] | None = None  # ZeRO: the parameters this rank steps
         self._sum_group: Any = None
+        self._split: tuple[frozenset[str], Any] | None = None  # TensorParallel's slices
         self._make_state()
         self.stepped = False  # its state is still the transformation's init (see rebuild_state)
 
@@ -102,6 +103,12 @@ class TransformOptimizer(torch.optim.Optimizer):
         kept = {n: params[n].detach() for n in self._stepping()}
         with torch.no_grad():
             self._layout = _layout(self.transform.init(kept), kept)
+
+    def split_over(self, names: Collection[str], group: Any) -> None:
+        """Tensor parallelism: the parameters ``names`` hold this rank's slices, so
+        :func:`~functacc.optim.global_norm` sums their squares over ``group`` (the others
+        are whole on every rank of it)."""
+        self._split = (frozenset(names), group)
 
     def rebuild_state(self) -> None:
         """Make the transformation's state again from the parameters as they are now, before
@@ -199,7 +206,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         grads = {n: g for n, g in grads.items() if self.owned is None or n in self.owned}
         state = self.transform_state()
         self.stepped = True
-        with summed_over(self._sum_group, params[self.names[0]]):
+        with summed_over(self._sum_group, params[self.names[0]], self._split):
             new_params, new_state = step_params(
                 self.transform, grads, state, {n: params[n] for n in stepping}
             )

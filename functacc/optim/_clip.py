@@ -15,18 +15,22 @@ from ._transform import GradientTransformation, Params, Updates
 __all__ = ["clip_by_global_norm", "global_norm"]
 
 
-# Set while an optimizer steps a part of the parameters (ZeRO: those this rank owns): the
-# process group the squares of global_norm are summed over, and a tensor on their device.
-_SUMMED: contextvars.ContextVar[tuple[Any, Tensor] | None] = contextvars.ContextVar(
+# Set while an optimizer steps a part of the parameters (ZeRO: those this rank owns;
+# TensorParallel: slices of some): the process group the squares of global_norm are summed
+# over, a tensor on their device, and the split parameters' names and their group.
+_SUMMED: contextvars.ContextVar[tuple[Any, Tensor, Any] | None] = contextvars.ContextVar(
     "functacc_global_norm_summed_over", default=None
 )
 
 
 @contextlib.contextmanager
-def summed_over(group: Any, like: Tensor) -> Iterator[None]:
+def summed_over(group: Any, like: Tensor, split: tuple[Any, Any] | None = None) -> Iterator[None]:
     """While inside, :func:`global_norm` sums its squares over ``group``'s ranks (each holds
-    some of the gradients); ``group=None``: the gradients given are all of them."""
-    token = _SUMMED.set((group, like) if group is not None else None)
+    some of the gradients; ``None``: the gradients given are all of them), and ``split``'s
+    ``(names, split_group)`` over ``split_group`` (tensor parallelism: each rank holds a
+    slice of those parameters, the same whole copy of the others)."""
+    on = group is not None or split is not None
+    token = _SUMMED.set((group, like, split) if on else None)
     try:
         yield
     finally:
@@ -36,20 +40,35 @@ def summed_over(group: Any, like: Tensor) -> Iterator[None]:
 def global_norm(grads: Updates) -> Tensor:
     """The 2-norm of all gradients taken as one vector (the norm of per-tensor norms).
     Under ZeRO (:func:`summed_over`) the squares of every rank's gradients are summed."""
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads.values()]
     summed = _SUMMED.get()
     if summed is not None:
-        from torch.distributed import _functional_collectives as funcol
-
-        group, like = summed
-        squares = torch.zeros((), dtype=like.dtype, device=like.device)  # a rank may hold none
-        if norms:
-            squares = torch.stack([n.to(like.device) for n in norms]).square().sum()
-        return funcol.wait_tensor(funcol.all_reduce(squares, "sum", group)).sqrt()
+        group, like, split = summed
+        names = split[0] if split is not None else ()
+        squares = _squares([g for n, g in grads.items() if n not in names], like)
+        if split is not None:
+            squares = squares + _sum(
+                _squares([g for n, g in grads.items() if n in names], like), split[1]
+            )
+        return (_sum(squares, group) if group is not None else squares).sqrt()
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads.values()]
     if not norms:
         return torch.zeros(())
     first = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+
+
+def _squares(grads: list[Tensor], like: Tensor) -> Tensor:
+    """The sum of the squares of ``grads`` (zero where a rank holds none)."""
+    if not grads:
+        return torch.zeros((), dtype=like.dtype, device=like.device)
+    norms = [torch.linalg.vector_norm(g, 2.0).to(like.device) for g in grads]
+    return torch.stack(norms).square().sum()
+
+
+def _sum(value: Tensor, group: Any) -> Tensor:
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(value, "sum", group))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

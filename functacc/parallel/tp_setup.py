@@ -104,9 +104,16 @@ class TensorParallelSetup:
             sync_from_rank0(tensors)
         tp_group, dp_group = _groups(world, size, modules)
         layouts = tp.split(list(modules), tp_group)
+        split = {
+            id(m.get_parameter(n))
+            for m, layout in zip(modules, layouts, strict=True)
+            for n in layout.dims
+        }
         for opt in optimizers:
             if isinstance(opt, TransformOptimizer):
                 opt.rebuild_state()  # over the slices this rank now holds
+                # clip_by_global_norm: the slices' squares summed over the group
+                opt.split_over([n for n, p in opt._named().items() if id(p) in split], tp_group)
         return cls(layouts, world // size, GroupRef(dp_group) if dp_group is not None else None)
 
     def topology(self, sharded: bool = False) -> Topology:

@@ -184,14 +184,22 @@ def build(
         opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
     if front == "transform":  # a functacc.optim transformation: torch's AdamW, purely
         opt = functacc.optim.adamw(1e-2)
+    # The clipping in the transformation (clip_by_global_norm, then AdamW): compile_step
+    # and a jitted body with as_optimizer.
+    clip = functacc.optim.clip_by_global_norm(0.5)
+    if front in ("transform_clip", "transform_clip_jit"):
+        opt = functacc.optim.chain(clip, functacc.optim.adamw(1e-2))
+    if front == "transform_clip_jit":
+        opt = functacc.optim.as_optimizer(model.named_parameters(), opt)
     parallel = [TensorParallel(plan(model), size=parallel), across or DataParallel()]
-    if front == "jit":
+    if front in ("jit", "transform_clip_jit"):
 
         def body(*batch: torch.Tensor) -> torch.Tensor:
             opt.zero_grad()
             loss = loss_of(name, model, batch)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if front == "jit":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             return loss.detach()
 
@@ -200,6 +208,8 @@ def build(
         )
         return jitted, model, opt
     kwargs = dict(backend=backend, parallel=parallel, max_grad_norm=0.5)
+    if front == "transform_clip":
+        kwargs["max_grad_norm"] = None
     if name == "mlp":
         step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, **kwargs)
         return (lambda x, y, ids: step(x, y)), model, step.optimizer, step
@@ -223,7 +233,8 @@ def main() -> None:
     runs = [(name, front, None) for name in names for front in ("compile_step", "jit")]
     runs.append(("mlp", "body", None))  # for stats() only (another optimizer)
     if replicas == 1:
-        runs.append(("mlp", "transform", None))
+        runs += [("mlp", front, None) for front in ("transform", "transform_clip")]
+        runs.append(("mlp", "transform_clip_jit", None))
     if replicas > 1:
         runs += [("mlp", "compile_step", 1), ("mlp", "compile_step", 3), ("mlp", "jit", 2)]
         runs += [("mlp", "jit", 3)]
