@@ -40,6 +40,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_output",
         "core/python_percent",
         "core/python_files",
+        "core/python_iterators",
         "core/python_args",
         "core/lookup_tables",
         "core/torch_checkpoint",

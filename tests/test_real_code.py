@@ -1049,3 +1049,129 @@ def test_mixups_numpy_draw_is_refused_with_advice_that_keeps_eagers_numbers() ->
     eager, jitted = mixup_run(False), mixup_run(True)
     assert jitted[0] == eager[0] and torch.equal(jitted[1], eager[1])
     assert jitted[2] == 2  # the first call, then lam fed
+
+
+class TextSampler(torch.utils.data.Dataset):
+    """x-transformers' enwik8 example's dataset: a random window of a token tensor, drawn
+    with the global generator."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int) -> None:
+        self.data, self.seq_len = data, seq_len
+
+    def __len__(self) -> int:
+        return self.data.size(0) // self.seq_len
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        start = torch.randint(0, self.data.size(0) - self.seq_len - 1, (1,))
+        return self.data[start : start + self.seq_len + 1].long()
+
+
+def cycle(loader):
+    while True:
+        yield from loader
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, seq: torch.Tensor) -> torch.Tensor:
+        x, y = seq[:, :-1], seq[:, 1:]
+        return F.cross_entropy(self.out(self.embed(x)).transpose(1, 2), y)
+
+
+def test_a_batch_drawn_inside_the_step_is_a_clear_error_whose_advice_works(capsys) -> None:
+    # lucidrains/x-transformers' enwik8 loop draws its batches in the step:
+    # `loss = model(next(train_loader))` for each accumulation step. Jitted as written, this
+    # was an error advising torch.where (the window's start is a tensor), advice that cannot
+    # help; a batch made by torch.from_numpy was a constant of the graph (next test).
+    def setup():
+        torch.manual_seed(0)
+        data = torch.randint(0, 16, (400,), dtype=torch.uint8)
+        loader = torch.utils.data.DataLoader(TextSampler(data, 12), batch_size=4, drop_last=True)
+        model = TinyLM()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3), cycle(loader)
+
+    model, optim, train_loader = setup()
+
+    def written(i: int) -> None:  # the loop's body, as the example writes it
+        model.train()
+        for __ in range(2):
+            loss = model(next(train_loader))
+            (loss / 2).backward()
+        print(f"training loss: {loss.item()}")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optim.step()
+        optim.zero_grad()
+
+    before = copy.deepcopy(model.state_dict())
+    step = functacc.jit(written, modules=[model], optimizers=[optim], backend="eager")
+    with pytest.raises(functacc.TraceError) as info:
+        step(0)
+    message = str(info.value)
+    assert "draws from closure variable 'train_loader' (a generator) with next()" in message
+    assert "`batch = next(train_loader); step(batch)`" in message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # The advice: the batches drawn before the call, passed in. Bit for bit with eager.
+    eager_model, eager_optim, eager_loader = setup()
+    capsys.readouterr()
+    for _call in range(3):
+        eager_model.train()
+        for __ in range(2):
+            loss = eager_model(next(eager_loader))
+            (loss / 2).backward()
+        print(f"training loss: {loss.item()}")
+        torch.nn.utils.clip_grad_norm_(eager_model.parameters(), 0.5)
+        eager_optim.step()
+        eager_optim.zero_grad()
+    eager_text = capsys.readouterr().out
+    model, optim, train_loader = setup()
+
+    def advised(*batches: torch.Tensor) -> None:
+        model.train()
+        for batch in batches:
+            loss = model(batch)
+            (loss / 2).backward()
+        print(f"training loss: {loss.item()}")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optim.step()
+        optim.zero_grad()
+
+    step = functacc.jit(advised, modules=[model], optimizers=[optim], backend="eager")
+    for _call in range(3):
+        step(*[next(train_loader) for _ in range(2)])
+    assert capsys.readouterr().out == eager_text
+    eager_state = eager_model.state_dict()
+    assert all(torch.equal(v, eager_state[k]) for k, v in model.state_dict().items())
+    assert step.num_traces == 1
+
+
+@pytest.mark.parametrize("how", ["loader", "for"])
+def test_a_loader_iterated_or_a_generator_looped_in_the_step_is_a_clear_error(how: str) -> None:
+    # The other ways to draw in the step: a DataLoader iterated inside it (before: an error
+    # advising to pass its tensor in), and `for batch in gen: ... break` over a generator
+    # made outside, here of NumPy batches (before: no error, the same batch at every call).
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.randn(16, 3), batch_size=4)
+    arrays = np.random.default_rng(0).standard_normal((8, 4, 3)).astype(np.float32)
+    gen = (torch.from_numpy(a) for a in arrays)
+    next(gen)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body() -> torch.Tensor:
+        source = loader if how == "loader" else gen
+        for x in source:
+            loss = model(x).square().mean()
+            break
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    expected = "iterates a DataLoader" if how == "loader" else "closure variable 'gen'"
+    with pytest.raises(functacc.TraceError, match=expected) as info:
+        step()
+    assert "pass" in str(info.value) and "before" in str(info.value)

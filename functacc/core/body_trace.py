@@ -27,7 +27,8 @@ from ..errors import TraceError
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
-from .own_step_trace import symbolic_builtins
+from .own_step_trace import module_scopes, symbolic_builtins
+from .python_iterators import no_batches_drawn, outside_iterators
 from .python_reach import Location, Root, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
@@ -130,7 +131,8 @@ class TracedBody:
                 # A torch.compile'd module or function in the body is traced through (the
                 # whole step is compiled here); Dynamo refuses FX's trace by default.
                 torch._dynamo.config.patch(error_on_nested_fx_trace=False),
-                symbolic_builtins(scopes=_module_scopes(self.step.fn)),
+                symbolic_builtins(scopes=module_scopes(self.step.fn)),
+                no_batches_drawn(outside_iterators(python.roots, self.leaves)),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)
@@ -199,14 +201,6 @@ class TracedBody:
             for placeholder, value in writes:
                 placeholder.copy_(value)  # functionalized: a write at the very end
         return produced
-
-
-def _module_scopes(fn: Any) -> list[dict]:
-    """The globals of the body's module (of a bound method's function; none for a callable
-    object without them)."""
-    function = getattr(fn, "__func__", fn)
-    scope = getattr(function, "__globals__", None)
-    return [scope] if isinstance(scope, dict) else []
 
 
 def _shares_memory(a: Tensor, b: Tensor) -> bool:
