@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -714,3 +715,61 @@ def test_traces_that_reuse_a_compile_are_said(caplog: pytest.LogCaptureFixture) 
     again = [r for r in caplog.records if "again" in r.getMessage()]
     assert step.num_traces == 1 and len(again) == 3
     assert again[-1].levelname == "WARNING" and "'run2' -> 'run3'" in again[-1].getMessage()
+
+
+@pytest.mark.parametrize("change", ["reassigned", "filled"])
+def test_a_numpy_array_read_from_a_closure_is_guarded_by_its_contents(
+    change: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An RL-style loop keeps the observation in a variable the step converts:
+    # `x = torch.tensor(obs)`. A new array in the variable between calls kept the trace's
+    # values in the graph (torch.tensor copies), silently; now the array is guarded by its
+    # contents like a number: a new one traces again, said with the advice that works.
+    def run(jitted: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        obs = np.zeros((4, 3), dtype=np.float32)
+
+        def body() -> float:
+            loss = model(torch.tensor(obs)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.item()
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        losses, source = [], np.random.default_rng(1)
+        for _ in range(4):
+            new = source.standard_normal((4, 3)).astype(np.float32)
+            if change == "filled":
+                obs[...] = new
+            else:
+                obs = new
+            losses.append(step() if jitted else body())
+        return losses
+
+    with caplog.at_level("INFO", logger="functacc"):
+        assert run(True) == run(False)
+    said = [
+        r.getMessage() for r in caplog.records if "NumPy array (4, 3) float32" in r.getMessage()
+    ]
+    assert len(said) == 3 and "step(torch.from_numpy(obs))" in said[-1], said
+    # The advice: the data passed as a tensor, one trace.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def advised(x: torch.Tensor) -> float:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    step = functacc.jit(advised, modules=[model], optimizers=[opt], backend="eager")
+    source = np.random.default_rng(1)
+    losses = [
+        step(torch.from_numpy(source.standard_normal((4, 3)).astype(np.float32))) for _ in range(4)
+    ]
+    assert losses == run(False) and step.num_traces == 1

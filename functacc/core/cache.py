@@ -247,6 +247,13 @@ def _differing_dims(a: Sequence[int], b: Sequence[int]) -> set[int]:
 
 
 def _fix(reason: str, static: bool = False) -> str:
+    if "<NumPy array" in reason:
+        return (
+            "The step converts a NumPy array (an argument, a variable or an attribute it reads) "
+            "into the graph, where its values are constants: each new content costs a trace. "
+            "Fix: pass the data to the call as a tensor, step(torch.from_numpy(obs)), and use "
+            "it as the tensor in the step."
+        )
     if reason.startswith("module attributes"):
         return (
             "A traced forward bakes in the Python values it reads from the model's modules, "

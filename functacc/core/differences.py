@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from .lookup_tables import table_repr
 from .signature import LayoutSpec, TensorSpec
 
 __all__ = ["describe_difference", "filled_settings", "size_changes"]
@@ -34,6 +35,9 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
 
     Keys are nested plain tuples; ``(label, value)`` pairs name their part.
     """
+    arrays = table_repr(old), table_repr(new)  # NumPy arrays: not their bytes
+    if all(arrays):
+        return f"{path}: {arrays[0]} -> {arrays[1]}" if path else f"{arrays[0]} -> {arrays[1]}"
     if type(old) is tuple and type(new) is tuple:
         if len(old) == 2 and len(new) == 2 and isinstance(old[0], str) and old[0] == new[0]:
             label = old[0] if old[0] not in _MARKERS else ""

@@ -19,12 +19,13 @@ Example:
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["LookupTable", "as_lookup", "install_tables", "table_key"]
+__all__ = ["LookupTable", "as_lookup", "install_tables", "is_array", "table_key", "table_repr"]
 
 _KINDS = (np.dtype(np.float64), np.dtype(np.int64))
 
@@ -45,18 +46,37 @@ def as_lookup(value: Any) -> Any:
     return value
 
 
+def is_array(value: Any) -> bool:
+    """A NumPy array: guarded by its contents where the body reads it (a trace bakes what
+    it converts to a tensor into the graph)."""
+    return type(value) is np.ndarray or type(value) is LookupTable
+
+
 def install_tables(root_values: list, originals: dict, guards: dict) -> None:
     """While a body is traced: its variables that hold tables hold their :class:`LookupTable`
-    views (``originals`` maps each back: no write of the variable), guarded by contents."""
+    views (``originals`` maps each back: no write of the variable), guarded by contents, as
+    is any other NumPy array they hold (``torch.as_tensor(obs)`` of a closure's ``obs``
+    that the loop reassigns or fills between calls: a new trace, not the old values)."""
     from .python_reach import Location
 
     for root, value in root_values:
-        if (table := as_lookup(value)) is not value and root.loaded:
+        if not root.loaded or not is_array(value):
+            continue
+        if (table := as_lookup(value)) is not value:
             root.set(table)
             originals[id(table)] = value
-            guards.setdefault(Location(root), value)
+        guards.setdefault(Location(root), value)
 
 
 def table_key(value: np.ndarray) -> tuple:
     """A NumPy array in a signature: by its contents (its ``repr`` elides the middle)."""
     return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
+
+
+def table_repr(key: Any) -> str | None:
+    """A :func:`table_key` in words: shape, dtype and a checksum of the contents (``None``
+    for another key)."""
+    if not (isinstance(key, tuple) and key and key[0] is np.ndarray):
+        return None
+    _, dtype, shape, data = key
+    return f"<NumPy array {shape} {np.dtype(dtype)} #{zlib.crc32(data):08x}>"

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ..errors import TraceError
-from .lookup_tables import table_key
+from .lookup_tables import table_key, table_repr
 from .python_effects import SchedulerEvent, Seed, build
 from .python_reach import MISSING, Location, Root, find_roots
 from .python_trace import Recorder, Retry, groups_root
@@ -66,8 +66,8 @@ class Exact:
     def __hash__(self) -> int:
         return hash(self._key)
 
-    def __repr__(self) -> str:
-        return repr(self.value)
+    def __repr__(self) -> str:  # an array: its contents when keyed (it may change in place)
+        return table_repr(self._key) or repr(self.value)
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 from torch import SymBool, SymFloat, SymInt, Tensor
 
 from ..errors import TraceError
-from .lookup_tables import install_tables
+from .lookup_tables import install_tables, is_array
 from .python_effects import (
     Effect,
     LastLR,
@@ -190,7 +190,7 @@ class Recorder:
         if name not in object.__getattribute__(obj, "__dict__"):
             return  # a method or a class attribute: code, not state
         self._read_first.add((id(obj), name))
-        if is_scalar(value):
+        if is_scalar(value) or is_array(value):
             self.guard(self.objects[id(obj)][0].child("attr", name), value)
 
     def item_read(self, mapping: RecordingDict, key: Any, value: Any) -> None:
@@ -199,7 +199,7 @@ class Recorder:
         self.guard(mapping.location.child("item", key), value)
 
     def guard(self, location: Location, value: Any) -> None:
-        if is_scalar(value) and location not in self.symbolic_inputs:
+        if (is_scalar(value) or is_array(value)) and location not in self.symbolic_inputs:
             self.guards.setdefault(location, value)
 
     def fed_group_entry(self, group: Any, key: str, value: Any) -> Any:
