@@ -26,6 +26,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import operator
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -87,12 +88,18 @@ def no_batches_drawn(iterators: dict[int, tuple[Any, Any]]) -> Iterator[None]:
     loader_next = dataloader._BaseDataLoaderIter.__next__
     positions = {key: _position(it) for key, (_, it) in iterators.items()}
 
+    # Only the tracing thread's draws: a DeviceLoader's prefetch thread draws meanwhile.
+    tracing = threading.get_ident()
+
     def checked_next(iterator: Any, *default: Any) -> Any:
-        if id(iterator) in iterators and iterators[id(iterator)][1] is iterator:
-            raise _drawn_error(iterators[id(iterator)][0], iterator)
+        known = iterators.get(id(iterator))
+        if known is not None and known[1] is iterator and threading.get_ident() == tracing:
+            raise _drawn_error(known[0], iterator)
         return original_next(iterator, *default)
 
     def refused_loader_next(self: Any) -> Any:
+        if threading.get_ident() != tracing:
+            return loader_next(self)
         raise _drawn_error(("a DataLoader", "it"), self)
 
     builtins.next = checked_next
