@@ -470,3 +470,43 @@ def test_this_sessions_python_features_under_inductor(tmp_path, capsys) -> None:
     assert jitted[0].count("grad_fn=<MeanBackward0>") == 4 and jitted[1].count("\n") == 4
     torch.testing.assert_close(jitted[2], eager[2], rtol=1e-5, atol=1e-6)
     assert jitted[3] == 2  # the first call, then `it` fed
+
+
+@pytest.mark.parametrize("read", ["param_groups", "get_last_lr"])
+def test_the_learning_rate_read_after_a_scheduler_step_in_the_step_is_the_new_one(
+    capsys, read: str
+) -> None:
+    # `scheduler.step(); lr = optimizer.param_groups[0]["lr"]` in the step, returned and
+    # printed (a common log line): eager reads the rate the step just set. The jitted step
+    # read the trace's value of the group, one step behind at every call, silently; now it
+    # is the rate the replayed scheduler sets, as get_last_lr() was. With
+    # CosineAnnealingWarmRestarts stepped by a fractional epoch of fed numbers.
+    def run(jitted: bool) -> tuple[list, str]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=2)
+
+        def body(x: torch.Tensor, y: torch.Tensor, epoch: int, i: int) -> tuple:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step(epoch + i / 3)
+            lr = opt.param_groups[0]["lr"] if read == "param_groups" else sched.get_last_lr()[0]
+            print(f"epoch {epoch} lr {lr:.6f} loss {loss.item():.4f}")
+            return loss.item(), lr
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        capsys.readouterr()
+        out = [
+            (step if jitted else body)(
+                torch.randn(6, 4, generator=g), torch.arange(6) % 2, k // 3, k % 3
+            )
+            for k in range(6)
+        ]
+        return out, capsys.readouterr().out
+
+    eager, jitted = run(False), run(True)
+    assert jitted == eager and "lr 0.006699" in eager[1]

@@ -103,9 +103,9 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
     if kind in ("fmt", "path"):
         from .python_output import fill
 
-        return (
-            fill(template[1], outputs) if kind == "fmt" else template[1](fill(template[2], outputs))
-        )
+        if kind == "fmt":
+            return fill(template[1], outputs, lrs)
+        return template[1](fill(template[2], outputs, lrs))
     items = [build(t, outputs, lrs) for t in template[1]]
     return tuple(items) if kind == "tuple" else items
 
@@ -123,9 +123,10 @@ class SchedulerEvent:
 
 
 class LastLR:
-    """``scheduler.get_last_lr()[index]`` as the body read it, after ``count`` of the
-    scheduler's steps in this call: known only once the steps are replayed, so it can be
-    returned or stored, not computed with."""
+    """``scheduler.get_last_lr()[index]`` (or its optimizer's ``param_groups[index]["lr"]``)
+    as the body read it, after ``count`` of the scheduler's steps in this call: known only
+    once the steps are replayed, so it can be returned, stored or formatted into text, not
+    computed with."""
 
     def __init__(self, scheduler: Any, count: int, index: int):
         self.scheduler, self.count, self.index = scheduler, count, index
@@ -142,6 +143,13 @@ class LastLR:
     def _key(self) -> tuple:
         return (id(self.scheduler), self.count, self.index)
 
+    def __format__(self, spec: str) -> str:
+        """A token that :func:`~functacc.core.python_output.fill` replaces by the rate
+        once the scheduler's steps are replayed (``f"lr {lr:.2e}"``)."""
+        if self.count == 0:
+            return _refuse(self)
+        return f"\x00functacclr{id(self.scheduler)}.{self.count}.{self.index}:{spec}\x00"
+
 
 def _refuse(self: LastLR, *args: Any) -> Any:
     if self.count == 0:  # not stepped in this call (yet): the rate kept on the scheduler
@@ -154,12 +162,13 @@ def _refuse(self: LastLR, *args: Any) -> Any:
             "the step."
         )
     raise TraceError(
-        "the step computes with scheduler.get_last_lr() after stepping the scheduler inside "
-        "the step. functacc.jit steps the scheduler for real after the graph (as eager steps "
-        "it), so its new learning rate is known only then: the step may return it or store "
-        "it (a list, an attribute), not compute with it. Fix: read "
-        "optimizer.param_groups[i]['lr'] before scheduler.step() inside the step, or "
-        "scheduler.get_last_lr() outside it."
+        f"the step computes with the learning rate {type(self.scheduler).__name__} sets "
+        "(get_last_lr(), or the optimizer's param_groups[i]['lr'] read after the scheduler's "
+        "step) after stepping it inside the step. functacc.jit steps the scheduler for real "
+        "after the graph (as eager steps it), so its new learning rate is known only then: "
+        "the step may return it, store it (a list, an attribute) or format it into text "
+        "(an f-string, format()), not compute with it. Fix: return it and compute with it "
+        "after the call."
     )
 
 
@@ -182,7 +191,6 @@ for _name in [
     "__le__",
     "__gt__",
     "__ge__",
-    "__format__",
     "__round__",
     "__abs__",
 ]:

@@ -40,7 +40,7 @@ from .python_percent import patch_percent, untangle
 
 __all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output", "token"]
 
-_TOKEN = re.compile("\x00functacc([0-9]+):([^\x00]*)\x00")
+_TOKEN = re.compile("\x00functacc([0-9]+|lr[0-9]+\\.[0-9]+\\.[0-9]+):([^\x00]*)\x00")
 _INTERNAL = (
     os.path.dirname(os.path.dirname(__file__)),  # functacc
     os.path.dirname(torch.__file__),
@@ -63,12 +63,18 @@ def has_tokens(text: str) -> bool:
     return "\x00functacc" in text
 
 
-def fill(text: str, outputs: Sequence[Any]) -> str:
+def fill(text: str, outputs: Sequence[Any], lrs: dict | None = None) -> str:
     """``text`` with each token replaced by its number, formatted as the body asked (a
-    ``format`` spec, or a ``%`` conversion: :mod:`.python_percent`)."""
+    ``format`` spec, or a ``%`` conversion: :mod:`.python_percent`); ``lrs``: the replayed
+    schedulers' learning rates, for a rate read after a scheduler's step."""
 
     def number(m: re.Match) -> str:
-        value, spec = outputs[int(m.group(1))], m.group(2)
+        which, spec = m.group(1), m.group(2)
+        if which.startswith("lr"):  # lr<id(scheduler)>.<steps>.<group>
+            scheduler, count, index = map(int, which[2:].split("."))
+            value = (lrs or {})[scheduler][count][index]
+        else:
+            value = outputs[int(which)]
         if spec.startswith("!r"):  # a tensor's repr: eager's, grad_fn included
             return _repr_with(value, spec[2:])
         return spec % value if _PERCENT_SPEC.fullmatch(spec) else format(value, spec)

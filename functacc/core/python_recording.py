@@ -169,6 +169,8 @@ class RecordingGroup(RecordingDict):
         if key == "params" or key in self.written or not self.recorder.recording:
             return value
         self.recorder._read_first.add((id(self), key))
+        if key == "lr" and (after := _rate_after_scheduler(self)) is not None:
+            return after
         fed = self.recorder.fed_group_entry(self, key, value)
         if fed is not None:
             return fed
@@ -188,6 +190,21 @@ class RecordingGroup(RecordingDict):
         for key in list(dict.keys(self)):
             if key != "params":
                 self._read(key)
+
+
+def _rate_after_scheduler(group: RecordingGroup) -> Any:
+    """``group["lr"]`` read after a scheduler of its optimizer stepped in the body: the rate
+    that step sets, known once the step is replayed after the graph, as its
+    ``get_last_lr()`` (eager reads the new rate; the trace's value is the old one)."""
+    from .python_effects import LastLR
+
+    for event in reversed(group.recorder.schedulers):
+        groups = getattr(getattr(event.scheduler, "optimizer", None), "param_groups", ())
+        index = next((i for i, g in enumerate(groups) if g is group), None)
+        if index is not None:
+            count = sum(e.scheduler is event.scheduler for e in group.recorder.schedulers)
+            return LastLR(event.scheduler, count, index)
+    return None
 
 
 class RecordingList(list):
