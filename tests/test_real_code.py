@@ -1175,3 +1175,53 @@ def test_a_loader_iterated_or_a_generator_looped_in_the_step_is_a_clear_error(ho
     with pytest.raises(functacc.TraceError, match=expected) as info:
         step()
     assert "pass" in str(info.value) and "before" in str(info.value)
+
+
+class YoloModelEMA:
+    """ultralytics/yolov5's ModelEMA (utils/torch_utils.py), as written there."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates=0):
+        self.ema = copy.deepcopy(model).eval()
+        self.updates = updates
+        self.decay = lambda x: decay * (1 - math.exp(-x / tau))
+        for p in self.ema.parameters():
+            p.requires_grad_(False)
+
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        d = self.decay(self.updates)
+        msd = model.state_dict()
+        for k, v in self.ema.state_dict().items():
+            if v.dtype.is_floating_point:
+                v *= d
+                v += (1 - d) * msd[k].detach()
+
+
+def test_yolov5s_model_ema_ramps_its_decay_in_the_graph() -> None:
+    # Its decay ramps with the update count through math.exp, of a counter the jitted step
+    # feeds: math.exp fixed the count to its value, so every call traced and compiled again
+    # (5 compiles in 5 calls); now exp is computed in the graph, in double as math.exp.
+    def run(jitted: bool) -> tuple[list[torch.Tensor], int, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+        ema = YoloModelEMA(model, tau=5)
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update(model)
+            return loss.detach()
+
+        modules = [model, ema.ema]
+        step = functacc.jit(body, modules=modules, optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            (step if jitted else body)(torch.randn(6, 4, generator=g), torch.arange(6) % 2)
+        return list(ema.ema.state_dict().values()), ema.updates, step.num_traces
+
+    eager, jitted = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(jitted[0], eager[0], strict=True))
+    assert jitted[1] == eager[1] == 5 and jitted[2] == 1

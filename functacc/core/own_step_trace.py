@@ -107,6 +107,8 @@ def symbolic_builtins(
         sym = getattr(torch, f"_sym_{name}", None)
         if sym is not None:
             patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
+    for name in ("exp", "log"):  # no symbolic form in torch: computed in the graph, in double
+        patch(vars(math), name, _symbolic(getattr(math, name), _in_graph(name), arity=1))
     try:
         yield
     finally:
@@ -123,6 +125,17 @@ def module_scopes(fn: Any) -> list[dict]:
     function = getattr(fn, "__func__", fn)
     scope = getattr(function, "__globals__", None)
     return [scope] if isinstance(scope, dict) else []
+
+
+def _in_graph(name: str) -> Callable:
+    """``math.<name>`` of a symbol as a number the graph computes (YOLOv5's EMA decay
+    ``1 - math.exp(-updates / tau)`` of its fed update count), not fixed to its value."""
+    op = getattr(torch, name)
+
+    def compute(x: Any) -> Any:
+        return op(torch.scalar_tensor(x, dtype=torch.float64)).item()
+
+    return compute
 
 
 def _symbolic(python: Callable, sym: Callable, arity: int = 2) -> Callable:
