@@ -1225,3 +1225,62 @@ def test_yolov5s_model_ema_ramps_its_decay_in_the_graph() -> None:
     eager, jitted = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(jitted[0], eager[0], strict=True))
     assert jitted[1] == eager[1] == 5 and jitted[2] == 1
+
+
+def test_ema_pytorch_updated_in_the_step_gets_advice_that_works() -> None:
+    # lucidrains' ema_pytorch (its trainers call `self.ema.update()` after each optimizer
+    # step) reads its step count with .item() and branches on it: the error advised
+    # torch.where or torch.cond, inside the library's code. It now names EMA.update and
+    # says to call it after each call; so advised, eager's EMA weights bit for bit.
+    from ema_pytorch import EMA
+
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return model, opt, EMA(model, beta=0.9, update_after_step=2, update_every=2)
+
+    def batches():
+        g = torch.Generator().manual_seed(1)
+        return [(torch.randn(6, 4, generator=g), torch.arange(6) % 2) for _ in range(8)]
+
+    model, opt, ema = setup()
+
+    def written(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+        return loss.item()
+
+    step = functacc.jit(written, modules=[model, ema], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"EMA\.update reads a tensor's value") as info:
+        step(*batches()[0])
+    assert "code of ema_pytorch" in str(info.value) and "right after each call" in str(info.value)
+    eager_model, eager_opt, eager_ema = setup()
+    eager = []
+    for x, y in batches():
+        loss = F.cross_entropy(eager_model(x), y)
+        loss.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        eager_ema.update()
+        eager.append(loss.item())
+    model, opt, ema = setup()
+
+    def advised(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    step = functacc.jit(advised, modules=[model], optimizers=[opt], backend="eager")
+    losses = []
+    for x, y in batches():
+        losses.append(step(x, y))
+        ema.update()
+    assert losses == eager and int(ema.step) == int(eager_ema.step) == 8
+    for a, b in zip(ema.ema_model.parameters(), eager_ema.ema_model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -141,11 +141,12 @@ def translate(
             "in optimizers=. Fix: create the scaler outside the step and refer to it by name "
             f"there, and pass its optimizer in optimizers=. Inputs were: {signature}."
         )
-    utility = _optim_utility(exc) if _is_data_dependent(exc) else None
+    utility = _optim_utility(exc) or _library_call(exc) if _is_data_dependent(exc) else None
     if utility is not None:
+        owner = "torch's own code" if utility[1] == "torch" else f"code of {utility[1]}"
         return TraceError(
-            f"{utility} reads a tensor's value as a Python number {where}\n"
-            "That is torch's own code for between steps, which a graph traced once cannot "
+            f"{utility[0]} reads a tensor's value as a Python number {where}\n"
+            f"That is {owner} for between steps, which a graph traced once cannot "
             "run (the value decides what it does). Fix: call it outside the jitted step, "
             "right after each call (return what it needs, e.g. the loss, from the step): "
             "between calls the modules and optimizers hold the step's results, as in eager. "
@@ -221,9 +222,9 @@ def _formats_with_percent(tb: TracebackType | None) -> bool:
     return found
 
 
-def _optim_utility(exc: BaseException) -> str | None:
+def _optim_utility(exc: BaseException) -> tuple[str, str] | None:
     """``torch.optim``'s helper (not an optimizer) that ``exc`` was raised in, named as
-    called: ``AveragedModel.update_parameters``, ``ReduceLROnPlateau.step``."""
+    called (``AveragedModel.update_parameters``, ``ReduceLROnPlateau.step``), and ``torch``."""
     tb = exc.__traceback__
     optim_dir = os.path.join(_TORCH_DIR, "optim") + os.sep
     while tb is not None:
@@ -232,7 +233,26 @@ def _optim_utility(exc: BaseException) -> str | None:
         if os.path.abspath(code.co_filename).startswith(optim_dir) and owner is not None:
             if isinstance(owner, torch.optim.Optimizer):
                 return None  # its step() is traced (functacc.core.own_step)
-            return f"{type(owner).__name__}.{code.co_name}"
+            return f"{type(owner).__name__}.{code.co_name}", "torch"
+        tb = tb.tb_next
+    return None
+
+
+def _library_call(exc: BaseException) -> tuple[str, str] | None:
+    """The method of an installed package's object that the user's code called directly
+    and ``exc`` was raised in (ema_pytorch's ``EMA.update``: its step count read with
+    ``.item()``), named as called, and its package; not a forward pass."""
+    tb, caller_is_user = exc.__traceback__, False
+    while tb is not None:
+        code, owner = tb.tb_frame.f_code, tb.tb_frame.f_locals.get("self")
+        path = os.path.abspath(code.co_filename)
+        installed = any(f"{os.sep}{d}-packages{os.sep}" in path for d in ("site", "dist"))
+        installed = installed and not path.startswith(_TORCH_DIR)
+        if caller_is_user and installed and owner is not None and code.co_name != "forward":
+            return f"{type(owner).__name__}.{code.co_name}", type(owner).__module__.split(".")[0]
+        caller_is_user = not installed and not path.startswith(
+            (_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)
+        )
         tb = tb.tb_next
     return None
 
