@@ -800,3 +800,42 @@ def test_unread_ops_are_dropped_but_asserts_writes_and_draws_stay() -> None:
         aten.mul.Tensor,
     ):
         assert kept in after, (kept, after)
+
+
+@pytest.mark.distributed
+def test_c10d_collectives_in_the_step_run_in_the_graph(tmp_path: Path) -> None:
+    # apex's ImageNet example averages its loss and accuracy in the step with
+    # dist.all_reduce (in place); traced, that failed ("'__eq__' is not implemented for
+    # ProcessGroup", location unknown). all_reduce, all_gather into a list, broadcast and
+    # barrier now run as graph collectives: the same values as the body under DDP, eagerly
+    # (the gradients averaged in another order: 1e-6 relative), on 2 ranks.
+    got = run_torchrun_worker("c10d_worker", tmp_path / "c10d.pt")
+    for eager, jitted in zip(got["eager"]["steps"], got["jit"]["steps"], strict=True):
+        assert jitted[0] == pytest.approx(eager[0], rel=1e-6)  # the reduced loss
+        assert jitted[1] == eager[1]  # accuracy: counts, averaged
+        assert torch.equal(jitted[2], eager[2]) and float(jitted[3]) == float(eager[3]) == 2.0
+    for a, b in zip(got["jit"]["params"], got["eager"]["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    errors = got["errors"]
+    assert "torch.distributed.reduce() in the step" in errors["reduce"]
+    assert "async_op=True" in errors["async"] and "leave out async_op" in errors["async"]
+    assert "op=RedOpType.BAND" in errors["band"] or "BAND" in errors["band"]
+
+
+@pytest.mark.parametrize("name", ["forward", "training", "modules"])
+def test_a_model_in_a_variable_named_like_a_module_attribute_trains(name: str) -> None:
+    # The body's name for a module labels it; `forward = model if jitted else ddp(model)`
+    # (a DDP script) gave the label "forward", which nn.ModuleDict refused: a KeyError
+    # ("attribute 'forward' already exists") when the step was built.
+    torch.manual_seed(0)
+    scope: dict = {name: nn.Linear(3, 1), "torch": torch}
+    exec(
+        f"def body(x):\n    loss = {name}(x).square().mean()\n    loss.backward()\n    return loss",
+        scope,
+    )
+    model = scope[name]
+    step = functacc.jit(scope["body"], modules=[model], backend="eager")
+    x = torch.randn(4, 3)
+    loss = step(x)
+    expected = model(x).square().mean()
+    assert torch.equal(loss, expected.detach())

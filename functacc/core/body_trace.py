@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ..errors import TraceError
+from .c10d_in_trace import collectives_in_graph
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
@@ -133,6 +134,7 @@ class TracedBody:
                 torch._dynamo.config.patch(error_on_nested_fx_trace=False),
                 symbolic_builtins(scopes=module_scopes(self.step.fn)),
                 no_batches_drawn(outside_iterators(python.roots, self.leaves)),
+                collectives_in_graph(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)

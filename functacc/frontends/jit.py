@@ -356,5 +356,7 @@ def _labels(fn: Callable[..., Any], objects: list[Any], what: str) -> list[str]:
         label = known.get(id(obj), f"{what}[{i}]")
         if label in labels or not label.isidentifier():
             label = f"{what}_{i}"
+        if hasattr(nn.ModuleDict(), label):  # a model named `forward`, `training`, `modules`
+            label += "_"
         labels.append(label)
     return labels
