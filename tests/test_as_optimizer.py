@@ -166,14 +166,27 @@ def test_compile_step_with_it_under_inductor_matches_eager() -> None:
     assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
 
 
-@pytest.mark.parametrize("door", ["compile_step", "jit"])
-def test_zero3_with_a_transformation_equals_eager_on_one_process(door: str) -> None:
+@pytest.mark.parametrize(
+    ("door", "kind"), [("compile_step", "adamw"), ("jit", "adamw"), ("jit", "partition")]
+)
+def test_zero3_with_a_transformation_equals_eager_on_one_process(door: str, kind: str) -> None:
     # ZeRO-3 keeps the parameters as chunks of flat units and steps the transformation on
     # this rank's segments (2 ranks: tests/test_parallel.py); on one process the segments
     # are the whole flattened parameters, so eager's as_optimizer loop, bit for bit
     # (clip_by_global_norm's norm over the flat segments included). The frozen layer stays
-    # whole and untouched. Before: a ValueError advising ZeRO(1) or ZeRO(2).
+    # whole and untouched. Before: a ValueError advising ZeRO(1) or ZeRO(2). With a
+    # partition (AdamW for the first half of the parameters, SGD for the rest: two states in
+    # one flat unit), state_dict() failed gathering the state (a KeyError), before the
+    # parameters a state lacks were zeros in its gather.
     def transform() -> fo.GradientTransformation:
+        if kind == "partition":
+            model = model_with_a_frozen_layer()
+            names = [n for n, p in model.named_parameters() if p.requires_grad]
+            half = len(names) // 2
+            parts = fo.partition(
+                [fo.adamw(1e-3), fo.sgd(0.05, momentum=0.9)], [names[:half], names[half:]]
+            )
+            return fo.chain(fo.clip_by_global_norm(0.5), parts)
         return fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(1e-3, weight_decay=0.01))
 
     ref = model_with_a_frozen_layer()

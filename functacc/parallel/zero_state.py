@@ -75,9 +75,15 @@ class ShardedOptimizerState:
             like = segments[vectors[0]]
             rank_ = self.topology.shard_rank
             pad = unit.chunk - unit.covered(rank_)
-            chunk = torch.cat(
-                [segments[n].detach().reshape(-1) for n in unit.names] + [like.new_zeros(pad)]
-            )
+            # A unit's parameter without this state (a transformation's partition steps it
+            # with another optimizer) is zeros in the gather, and left out of what it gives.
+            pieces = [
+                segments[n].detach().reshape(-1)
+                if n in segments
+                else like.new_zeros(self.segment_of[n].numel)
+                for n in unit.names
+            ]
+            chunk = torch.cat([*pieces, like.new_zeros(pad)])
             flat = self.whole_flat(unit, chunk)
             full.update({n: t.clone() for n, t in unit.unflatten(flat).items() if n in vectors})
         return full
