@@ -264,9 +264,13 @@ def test_tensors_printed_or_formatted_in_the_step_read_as_in_eager() -> None:
     assert torch.equal(jitted[1], eager[1])
 
 
-def tensorboard_run(jit: bool, folder) -> dict:
+def tensorboard_run(jit: bool, folder, library: str = "torch") -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from torch.utils.tensorboard import SummaryWriter
+
+    if library == "tensorboardX":
+        from tensorboardX import SummaryWriter
+    else:
+        from torch.utils.tensorboard import SummaryWriter
 
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
@@ -295,11 +299,13 @@ def tensorboard_run(jit: bool, folder) -> dict:
     return {"scalars": scalars, "histograms": histograms}
 
 
-def test_tensorboard_logged_in_the_step_gets_eagers_points(tmp_path) -> None:
-    # Before: writer.add_scalar(...) ran once, while traced (one point, or an error).
+@pytest.mark.parametrize("library", ["torch", "tensorboardX"])
+def test_tensorboard_logged_in_the_step_gets_eagers_points(tmp_path, library: str) -> None:
+    # Before: writer.add_scalar(...) ran once, while traced (one point, or an error); with
+    # tensorboardX's SummaryWriter until 2026-11-27.
     eager, jitted = (
-        tensorboard_run(False, tmp_path / "eager"),
-        tensorboard_run(True, tmp_path / "jit"),
+        tensorboard_run(False, tmp_path / "eager", library),
+        tensorboard_run(True, tmp_path / "jit", library),
     )
     assert jitted == eager
     assert [s for s, _ in eager["scalars"]["Loss/train"]] == [0, 1, 2, 3]

@@ -2,8 +2,8 @@
 
 Eager runs ``print(f"loss {loss.item():.4f}")`` on every step; a traced body's Python runs
 once, and the number is a symbol then (it printed ``loss zuf0``, once). While the body is
-traced, ``print``, ``logging``'s loggers, TensorBoard's ``SummaryWriter.add_*``
-(``writer.add_scalar("loss", loss, step)`` logged one point), ``tqdm``'s ``update`` /
+traced, ``print``, ``logging``'s loggers, TensorBoard's ``SummaryWriter.add_*`` (torch's and
+tensorboardX's: ``writer.add_scalar("loss", loss, step)`` logged one point), ``tqdm``'s ``update`` /
 ``set_postfix`` / ``set_description``, ``torch.save`` (a checkpoint every N steps: at the
 trace it wrote fake tensors) and the writes to files it opens (:mod:`.python_files`) called
 from the user's code are noted as
@@ -56,6 +56,7 @@ _NOTED_METHODS = (
         ("update", "set_postfix", "set_postfix_str", "set_description", "refresh"),
     ),
     ("torch.utils.tensorboard.writer", "SummaryWriter", None),  # writer.add_scalar(...)
+    ("tensorboardX.writer", "SummaryWriter", None),
 )
 
 
