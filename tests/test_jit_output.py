@@ -516,3 +516,42 @@ def test_the_learning_rate_read_after_a_scheduler_step_in_the_step_is_the_new_on
 
     eager, jitted = run(False), run(True)
     assert jitted == eager and "lr 0.006699" in eager[1]
+
+
+def wandb_run(jit: bool, folder, monkeypatch) -> list:
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = wandb.init(project="functacc-test", dir=str(folder), mode="offline")
+    state = {"iter_num": 0}
+
+    def body(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        # nanoGPT's log line, and the run's own method.
+        wandb.log({"iter": state["iter_num"], "train/loss": loss.item(), "lr": 0.1})
+        run.log({"weight_norm": model.weight.norm().item()})
+        state["iter_num"] += 1
+
+    if jit:
+        body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    seen = []
+    for _ in range(3):
+        body(torch.randn(4, 3))
+        seen.append((run.step, {k: v for k, v in dict(run.summary).items() if k[0] != "_"}))
+    run.finish()
+    return seen
+
+
+def test_wandb_logged_in_the_step_gets_eagers_points(tmp_path, monkeypatch) -> None:
+    # Before: wandb.log(...) in the step ran while traced: a TraceError deep in wandb (a
+    # SymFloat is not JSON serializable), or, for constants only, one point at the trace.
+    eager = wandb_run(False, tmp_path / "eager", monkeypatch)
+    jitted = wandb_run(True, tmp_path / "jit", monkeypatch)
+    assert jitted == eager
+    assert [step for step, _ in eager] == [2, 4, 6] and eager[-1][1]["iter"] == 2

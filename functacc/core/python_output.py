@@ -3,10 +3,10 @@
 Eager runs ``print(f"loss {loss.item():.4f}")`` on every step; a traced body's Python runs
 once, and the number is a symbol then (it printed ``loss zuf0``, once). While the body is
 traced, ``print``, ``logging``'s loggers, TensorBoard's ``SummaryWriter.add_*`` (torch's and
-tensorboardX's: ``writer.add_scalar("loss", loss, step)`` logged one point), ``tqdm``'s ``update`` /
-``set_postfix`` / ``set_description``, ``torch.save`` (a checkpoint every N steps: at the
-trace it wrote fake tensors) and the writes to files it opens (:mod:`.python_files`) called
-from the user's code are noted as
+tensorboardX's: ``writer.add_scalar("loss", loss, step)`` logged one point), ``wandb.log``
+and ``run.log``, ``tqdm``'s ``update`` / ``set_postfix`` / ``set_description``,
+``torch.save`` (a checkpoint every N steps: at the trace it wrote fake tensors) and the
+writes to files it opens (:mod:`.python_files`) called from the user's code are noted as
 ``("call", function, args, kwargs)`` effects (:mod:`.python_effects`) and run after each
 call with that call's values.
 A number the graph computes that the body formats into a string (an f-string, ``format``,
@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import builtins
+import inspect
 import logging
 import os
 import re
@@ -57,6 +58,7 @@ _NOTED_METHODS = (
     ),
     ("torch.utils.tensorboard.writer", "SummaryWriter", None),  # writer.add_scalar(...)
     ("tensorboardX.writer", "SummaryWriter", None),
+    ("wandb.sdk.wandb_run", "Run", ("log",)),  # run.log({...}); wandb.log below
 )
 
 
@@ -169,6 +171,9 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         for name in methods or [n for n in vars(cls) if n.startswith("add_")]:
             real = vars(cls)[name]
             patch(cls, name, _noting(real, note, f"{class_name}.{name}()"))
+    wandb = sys.modules.get("wandb")
+    if inspect.ismethod(getattr(wandb, "log", None)):  # wandb.init() bound it to its run
+        patch(wandb, "log", _noting(wandb.log, note, "wandb.log()"))
     for cls in (torch.SymFloat, torch.SymInt):
         real_format, real_str = cls.__format__, cls.__str__
         patch(cls, "__format__", _formatting(real_format, recorder))
