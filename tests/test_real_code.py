@@ -1284,3 +1284,55 @@ def test_ema_pytorch_updated_in_the_step_gets_advice_that_works() -> None:
     assert losses == eager and int(ema.step) == int(eager_ema.step) == 8
     for a, b in zip(ema.ema_model.parameters(), eager_ema.ema_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_distributions_built_in_the_step_check_their_arguments_in_the_graph() -> None:
+    # A policy-gradient update builds its distributions in the step (Categorical for the
+    # discrete head, Normal for the continuous one); each checks its arguments on the host
+    # by default, a branch the trace could not take (an error advising torch.where). The
+    # check is now asserted in the graph: eager's numbers and samples bit for bit, and a
+    # call with an invalid scale fails, where eager raises, changing nothing.
+    from torch.distributions import Categorical, Normal
+
+    def setup():
+        torch.manual_seed(0)
+        policy = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 5))
+        return policy, torch.optim.Adam(policy.parameters(), lr=1e-2)
+
+    def make_body(policy, opt):
+        def body(obs: torch.Tensor, ret: torch.Tensor, scale: torch.Tensor) -> tuple:
+            out = policy(obs)
+            discrete = Categorical(logits=out[:, :3])
+            continuous = Normal(out[:, 3], scale * out[:, 4].exp())
+            action, value = discrete.sample(), continuous.rsample()
+            log_prob = discrete.log_prob(action) + continuous.log_prob(value)
+            entropy = discrete.entropy() + continuous.entropy()
+            loss = -(log_prob * ret).mean() - 0.01 * entropy.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item(), action
+
+        return body
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randn(6, generator=g)) for _ in range(3)]
+    results = []
+    for jitted in (False, True):
+        policy, opt = setup()
+        body = make_body(policy, opt)
+        step = functacc.jit(body, modules=[policy], optimizers=[opt], backend="eager")
+        torch.manual_seed(7)
+        run = [(step if jitted else body)(obs, ret, torch.tensor(1.0)) for obs, ret in batches]
+        results.append((run, [p.detach().clone() for p in policy.parameters()]))
+    (eager, eager_params), (jitted, jitted_params) = results
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(eager, jitted, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, jitted_params, strict=True))
+    # A negative scale: eager's ValueError; the jitted call fails in the graph's check.
+    obs, ret = batches[0]
+    with pytest.raises(ValueError, match="scale"):
+        make_body(*setup())(obs, ret, torch.tensor(-1.0))
+    before = [p.detach().clone() for p in policy.parameters()]
+    with pytest.raises(RuntimeError, match=r"torch\.distributions argument"):
+        step(obs, ret, torch.tensor(-1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
