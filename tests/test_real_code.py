@@ -1336,3 +1336,42 @@ def test_distributions_built_in_the_step_check_their_arguments_in_the_graph() ->
     with pytest.raises(RuntimeError, match=r"torch\.distributions argument"):
         step(obs, ret, torch.tensor(-1.0))
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
+
+
+def test_clip_grad_norm_with_error_if_nonfinite_checks_in_the_graph() -> None:
+    # clip_grad_norm_(..., error_if_nonfinite=True) checks the norm on the host: the trace
+    # failed, advising torch.where. The check is asserted in the graph: eager's numbers, and
+    # a batch with an inf fails the call where eager raises, changing nothing.
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def make_body(model, opt):
+        def body(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, error_if_nonfinite=True)
+            opt.step()
+            opt.zero_grad()
+            return norm
+
+        return body
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(3, 4, generator=g) for _ in range(3)]
+    eager_model, eager_opt = setup()
+    eager = [make_body(eager_model, eager_opt)(x) for x in batches]
+    model, opt = setup()
+    step = functacc.jit(make_body(model, opt), modules=[model], optimizers=[opt], backend="eager")
+    assert all(torch.equal(step(x), e) for x, e in zip(batches, eager, strict=True))
+    pairs = zip(model.parameters(), eager_model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    bad = batches[0].clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        make_body(*setup())(bad)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        step(bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

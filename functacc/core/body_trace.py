@@ -34,7 +34,7 @@ from .python_reach import Location, Root, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
 from .torch_checkpoint import no_checkpoint_draws
-from .value_checks import distribution_checks_in_graph
+from .value_checks import value_checks_in_graph
 
 __all__ = [
     "Exit",
@@ -136,7 +136,7 @@ class TracedBody:
                 symbolic_builtins(scopes=module_scopes(self.step.fn)),
                 no_batches_drawn(outside_iterators(python.roots, self.leaves)),
                 collectives_in_graph(),
-                distribution_checks_in_graph(),
+                value_checks_in_graph(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)

@@ -1,4 +1,4 @@
-"""``torch.distributions``' argument checks in a traced step: asserted in the graph.
+"""Checks of tensor values that torch makes on the host, asserted in a traced step's graph.
 
 RL and VAE code builds distributions in its step (``Categorical(logits=policy(obs))``,
 ``Normal(mu, std)``); by default each checks its arguments and samples on the host,
@@ -7,11 +7,12 @@ graph traced once cannot take (the trace failed, advising ``torch.where``). Whil
 body is traced, that check from ``torch.distributions`` is ``torch._assert_async`` of the
 same condition: the graph checks it on every call and the call fails (a ``RuntimeError``
 naming the check) where eager would raise, before any state is written; a valid call
-computes what eager computes.
+computes what eager computes. So is ``clip_grad_norm_(..., error_if_nonfinite=True)``'s
+check of the total norm.
 
 Example:
     >>> import torch
-    >>> with distribution_checks_in_graph():
+    >>> with value_checks_in_graph():
     ...     torch.distributions.Normal(torch.zeros(2), torch.ones(2)).sample().shape
     torch.Size([2])
 """
@@ -25,20 +26,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["distribution_checks_in_graph"]
+__all__ = ["value_checks_in_graph"]
 
 _MESSAGE = (
     "functacc: a torch.distributions argument or value is outside its constraint or support "
     "(eager raises ValueError here; checked in the graph). Build the distribution from valid "
     "values, or with validate_args=False."
 )
+_NONFINITE = (
+    "functacc: the total norm of the gradients is non-finite, so it cannot be clipped "
+    "(clip_grad_norm_(..., error_if_nonfinite=True); checked in the graph)."
+)
 
 
 @contextlib.contextmanager
-def distribution_checks_in_graph() -> Iterator[None]:
+def value_checks_in_graph() -> Iterator[None]:
     """While inside: ``torch._is_all_true`` called from ``torch.distributions`` asserts in
-    the graph and answers ``True``; from anywhere else it is torch's own."""
-    real = torch._is_all_true
+    the graph and answers ``True`` (from anywhere else it is torch's own), and
+    ``clip_grad_norm_``'s ``error_if_nonfinite`` check is asserted in the graph."""
+    from torch.nn.utils import clip_grad
+
+    real, real_total = torch._is_all_true, clip_grad._get_total_norm
 
     def is_all_true(tensor: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
@@ -47,8 +55,16 @@ def distribution_checks_in_graph() -> Iterator[None]:
         torch._assert_async(real(tensor), _MESSAGE)
         return True
 
-    torch._is_all_true = is_all_true
+    def total_norm(
+        tensors: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False, foreach: Any = None
+    ) -> Any:
+        norm = real_total(tensors, norm_type, False, foreach)
+        if error_if_nonfinite:
+            torch._assert_async(norm.isfinite(), _NONFINITE)
+        return norm
+
+    torch._is_all_true, clip_grad._get_total_norm = is_all_true, total_norm
     try:
         yield
     finally:
-        torch._is_all_true = real
+        torch._is_all_true, clip_grad._get_total_norm = real, real_total
