@@ -173,6 +173,16 @@ def test_architecture_picture_covers_every_module() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_no_library_module_is_over_400_lines() -> None:
+    # The style: small modules with one concept each (a module over 400 lines is two).
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "functacc").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, f"split these modules: {long}"
+
+
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
     for p in (ROOT / "functacc").rglob("*.py")

@@ -28,9 +28,9 @@ from .c10d_in_trace import collectives_in_graph
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
-from .own_step_trace import module_scopes, symbolic_builtins
+from .own_step_trace import symbolic_builtins
 from .python_iterators import no_batches_drawn, outside_iterators
-from .python_reach import Location, Root, plain_objects
+from .python_reach import Location, Root, module_scopes, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
 from .torch_checkpoint import no_checkpoint_draws

@@ -23,13 +23,7 @@ from ..errors import argument_error
 from ..optim._torch import TorchOptimizerLink, _check_supported, check_owned_parameters
 from ..optim._transform import step_params
 
-__all__ = [
-    "LinkedOptimizer",
-    "TracedOptimizer",
-    "link_optimizer",
-    "segment_wise",
-    "trace_optimizer",
-]
+__all__ = ["LinkedOptimizer", "TracedOptimizer", "link_optimizer", "trace_optimizer"]
 
 
 def link_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str) -> Any:
@@ -43,19 +37,6 @@ def link_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], l
         return LinkedOptimizer(optimizer, names, label)
     check_traceable(optimizer, names, label)
     return OwnStepLink(optimizer, names, label)
-
-
-def segment_wise(linked: Any) -> Any:
-    """``linked`` as ZeRO-3 updates it, on this rank's segments of flat units: a
-    ``functacc.optim`` transformation (``as_optimizer``) is linked as the twins are
-    (:class:`~functacc.optim._transform_link.TransformLink`); any other link as it is."""
-    from ..optim import TransformOptimizer
-    from ..optim._transform_link import TransformLink
-    from .own_step import OwnStepLink
-
-    if isinstance(linked, OwnStepLink) and isinstance(linked.optimizer, TransformOptimizer):
-        return LinkedOptimizer(linked.optimizer, linked.names, linked.label, TransformLink)
-    return linked
 
 
 def trace_optimizer(linked: Any, placeholders: list[Tensor], leaf_of: Callable, python: Any) -> Any:
@@ -73,7 +54,7 @@ class LinkedOptimizer:
 
     ``names`` maps each parameter (by ``id``) to its name among the step's modules;
     ``link_class`` keeps the optimizer and its pure state in sync (a ``functacc.optim``
-    transformation's under ZeRO-3: :func:`segment_wise`).
+    transformation's under ZeRO-3: ``parallel/jit_strategy.py``).
     """
 
     def __init__(

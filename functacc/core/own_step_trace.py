@@ -31,7 +31,7 @@ from ..optim import TransformOptimizer
 from .own_step import OwnStepLink, ScalarOf, _fed
 from .python_reach import Location
 
-__all__ = ["OwnStepTrace", "module_scopes", "symbolic_builtins"]
+__all__ = ["OwnStepTrace", "symbolic_builtins"]
 
 
 class _Scalars(torch.overrides.TorchFunctionMode):
@@ -117,14 +117,6 @@ def symbolic_builtins(
                 del owner[name]
             else:
                 owner[name] = value
-
-
-def module_scopes(fn: Any) -> list[dict]:
-    """The globals of a step body's module (of a bound method's function; none for a
-    callable object without them), for :func:`symbolic_builtins`."""
-    function = getattr(fn, "__func__", fn)
-    scope = getattr(function, "__globals__", None)
-    return [scope] if isinstance(scope, dict) else []
 
 
 def _in_graph(name: str) -> Callable:

@@ -42,6 +42,7 @@ __all__ = [
     "find_roots",
     "is_plain_object",
     "is_scalar",
+    "module_scopes",
     "plain_objects",
 ]
 
@@ -211,6 +212,14 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
                 root = roots.setdefault(key, _global_root(name, module_globals))
                 root.loaded = root.loaded or name in loaded
     return list(roots.values())
+
+
+def module_scopes(fn: Any) -> list[dict]:
+    """The globals of a step body's module (of a bound method's function; none for a
+    callable object without them), for :func:`symbolic_builtins`."""
+    function = getattr(fn, "__func__", fn)
+    scope = getattr(function, "__globals__", None)
+    return [scope] if isinstance(scope, dict) else []
 
 
 def _user_functions(

@@ -124,7 +124,6 @@ def _zero3(zero: Any, capture: Any) -> Any:
     """ZeRO-3: stage 2's gradients and optimizer state, and the optimizers' parameters kept
     as this rank's chunks between calls (:mod:`functacc.parallel.zero3_jit`); on one
     process too (the same program everywhere)."""
-    from ..core.optimizers import segment_wise
     from ..parallel import DataParallel
     from ..parallel.jit_grads import LocalGradients, ShardedGradients
     from ..parallel.mesh import world_size
@@ -132,7 +131,7 @@ def _zero3(zero: Any, capture: Any) -> Any:
     from ..parallel.zero_jit import ShardedOptimizer
 
     # A functacc.optim transformation steps this rank's segments, as the twins do.
-    capture.optimizers = [segment_wise(linked) for linked in capture.optimizers]
+    capture.optimizers = [_segment_wise(linked) for linked in capture.optimizers]
     check_zero3_optimizers(capture.optimizers)
     several = world_size() > 1
     replicated = _replicated(DataParallel(bucket_mb=zero.bucket_mb), capture) if several else None
@@ -147,6 +146,20 @@ def _zero3(zero: Any, capture: Any) -> Any:
     if several:
         return ShardedGradients(replicated, shards)
     return LocalGradients(capture.rest.names)
+
+
+def _segment_wise(linked: Any) -> Any:
+    """``linked`` as ZeRO-3 updates it, on this rank's segments of flat units: a
+    ``functacc.optim`` transformation (``as_optimizer``) is linked as the twins are
+    (:class:`~functacc.optim._transform_link.TransformLink`); any other link as it is."""
+    from ..core.optimizers import LinkedOptimizer
+    from ..core.own_step import OwnStepLink
+    from ..optim import TransformOptimizer
+    from ..optim._transform_link import TransformLink
+
+    if isinstance(linked, OwnStepLink) and isinstance(linked.optimizer, TransformOptimizer):
+        return LinkedOptimizer(linked.optimizer, linked.names, linked.label, TransformLink)
+    return linked
 
 
 def _across_tensor_parallel(parallel: Any, capture: Any, setup: Any) -> Any:
