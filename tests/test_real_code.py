@@ -1302,8 +1302,10 @@ def test_distributions_built_in_the_step_check_their_arguments_in_the_graph() ->
     def make_body(policy, opt):
         def body(obs: torch.Tensor, ret: torch.Tensor, scale: torch.Tensor) -> tuple:
             out = policy(obs)
-            discrete = Categorical(logits=out[:, :3])
-            continuous = Normal(out[:, 3], scale * out[:, 4].exp())
+            # validate_args=True: torch's default, which importing torch._dynamo turns off
+            # for the whole process (another test may have compiled something)
+            discrete = Categorical(logits=out[:, :3], validate_args=True)
+            continuous = Normal(out[:, 3], scale * out[:, 4].exp(), validate_args=True)
             action, value = discrete.sample(), continuous.rsample()
             log_prob = discrete.log_prob(action) + continuous.log_prob(value)
             entropy = discrete.entropy() + continuous.entropy()
