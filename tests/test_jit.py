@@ -808,7 +808,8 @@ def test_c10d_collectives_in_the_step_run_in_the_graph(tmp_path: Path) -> None:
     # dist.all_reduce (in place); traced, that failed ("'__eq__' is not implemented for
     # ProcessGroup", location unknown). all_reduce, all_gather into a list, broadcast and
     # barrier now run as graph collectives: the same values as the body under DDP, eagerly
-    # (the gradients averaged in another order: 1e-6 relative), on 2 ranks.
+    # (the gradients averaged in another order: 1e-6 relative), on 2 ranks, the jitted body
+    # calling the module DDP wraps, as the error for a DDP given to jit advises.
     got = run_torchrun_worker("c10d_worker", tmp_path / "c10d.pt")
     for eager, jitted in zip(got["eager"]["steps"], got["jit"]["steps"], strict=True):
         assert jitted[0] == pytest.approx(eager[0], rel=1e-6)  # the reduced loss
@@ -820,6 +821,9 @@ def test_c10d_collectives_in_the_step_run_in_the_graph(tmp_path: Path) -> None:
     assert "torch.distributed.reduce() in the step" in errors["reduce"]
     assert "async_op=True" in errors["async"] and "leave out async_op" in errors["async"]
     assert "op=RedOpType.BAND" in errors["band"] or "BAND" in errors["band"]
+    # A DDP-wrapped model: the advice (the wrapped module, called itself) is the jitted run
+    # above, equal to the body under DDP.
+    assert "DistributedDataParallel" in errors["ddp"] and "ddp.module" in errors["ddp"]
 
 
 @pytest.mark.parametrize("name", ["forward", "training", "modules"])

@@ -293,6 +293,16 @@ def build_jitted(
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"modules[{i}] must be a torch.nn.Module; got {type(m).__name__}")
+        if any(isinstance(sub, nn.parallel.DistributedDataParallel) for sub in m.modules()):
+            raise TypeError(
+                f"modules[{i}] is (or holds) a DistributedDataParallel, whose forward "
+                "prepares its gradient hooks on the host at every call. functacc does the "
+                "data parallelism itself (parallel=DataParallel(), the default under "
+                "torchrun): every backward() averages the gradients over the ranks, as DDP "
+                "does. Fix: give the module DDP wraps (ddp.module) and call it in the step "
+                "in place of the wrapper (buffers such as BatchNorm's are averaged at the "
+                "end of the step, where DDP broadcasts rank 0's before each forward)."
+            )
     for i, o in enumerate(optimizers):
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(

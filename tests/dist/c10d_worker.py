@@ -73,6 +73,12 @@ def errors() -> dict:
             functacc.jit(body, modules=[model], backend="eager")(torch.randn(2, 4))
         except functacc.TraceError as exc:
             found[name] = str(exc)
+    # A DDP-wrapped model given to jit (the error blamed DDP's `_lazy_init_ran` attribute).
+    ddp = nn.parallel.DistributedDataParallel(model)
+    try:
+        functacc.jit(lambda x: ddp(x).sum(), modules=[ddp], backend="eager")
+    except TypeError as exc:
+        found["ddp"] = str(exc)
     return found
 
 
