@@ -43,6 +43,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_iterators",
         "core/c10d_in_trace",
         "core/value_checks",
+        "core/data_assign",
         "core/python_args",
         "core/lookup_tables",
         "core/torch_checkpoint",

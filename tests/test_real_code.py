@@ -1377,3 +1377,47 @@ def test_clip_grad_norm_with_error_if_nonfinite_checks_in_the_graph() -> None:
     with pytest.raises(RuntimeError, match="non-finite"):
         step(bad)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_parameters_updated_by_assigning_data_as_in_eager() -> None:
+    # Tutorial-style code updates and clips weights by assigning .data (`p.data = p.data -
+    # lr * p.grad.data`; torch.nn.utils.vector_to_parameters does `param.data = ...`).
+    # The jitted step ignored those assignments, silently: the weights went un-updated.
+    def run(jitted: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        params = list(model.parameters())
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> float:
+            loss = F.mse_loss(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                p.data = p.data - 0.1 * p.grad.data
+                p.data = p.data.clamp(-0.3, 0.3)
+            flat = torch.nn.utils.parameters_to_vector(model.parameters())
+            torch.nn.utils.vector_to_parameters(flat * 0.99, model.parameters())
+            return loss.item()
+
+        step = functacc.jit(body, modules=[model], backend="eager") if jitted else body
+        g = torch.Generator().manual_seed(1)
+        losses = [
+            step(torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g)) for _ in range(4)
+        ]
+        return losses, [p.detach().clone() for p in params]
+
+    eager, jitted = run(False), run(True)
+    assert jitted[0] == eager[0]
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+    # Another shape: an error that says so, the model unchanged.
+    model = nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+
+    def reshaped(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum()
+        model.weight.data = model.weight.data[:1]
+        return loss
+
+    with pytest.raises(functacc.TraceError, match=r"assigns \.data of a \(2, 3\)"):
+        functacc.jit(reshaped, modules=[model], backend="eager")(torch.randn(2, 3))
+    assert torch.equal(model.weight, before)

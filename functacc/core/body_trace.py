@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..errors import TraceError
 from .c10d_in_trace import collectives_in_graph
+from .data_assign import data_assignments_written
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
@@ -137,6 +138,7 @@ class TracedBody:
                 no_batches_drawn(outside_iterators(python.roots, self.leaves)),
                 collectives_in_graph(),
                 value_checks_in_graph(),
+                data_assignments_written(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
             out, self.out_spec = pytree.tree_flatten(result)
