@@ -1414,3 +1414,65 @@ def test_parameters_updated_by_assigning_data_as_in_eager() -> None:
     with pytest.raises(functacc.TraceError, match=r"assigns \.data of a \(2, 3\)"):
         functacc.jit(reshaped, modules=[model], backend="eager")(torch.randn(2, 3))
     assert torch.equal(model.weight, before)
+
+
+def test_this_sessions_checks_and_writes_under_inductor(capsys) -> None:
+    # Under Inductor, in one step: an observation read from a NumPy array in the closure
+    # (guarded by contents), Categorical and Normal checking their arguments in the graph,
+    # clip_grad_norm_(error_if_nonfinite=True), weights clipped by assigning .data, and the
+    # learning rate printed after the scheduler's step. Against the same body run eagerly:
+    # Inductor fuses and orders float32 sums its own way, 1e-5 relative; the sampled actions
+    # and the printed rates are eager's exactly.
+    from torch.distributions import Categorical, Normal
+
+    def run(jitted: bool) -> tuple:
+        torch.manual_seed(0)
+        policy = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 5))
+        opt = torch.optim.SGD(policy.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        obs = np.zeros((6, 4), dtype=np.float32)
+
+        def body(ret: torch.Tensor, scale: torch.Tensor) -> tuple:
+            out = policy(torch.tensor(obs))
+            discrete = Categorical(logits=out[:, :3], validate_args=True)
+            continuous = Normal(out[:, 3], scale * out[:, 4].exp(), validate_args=True)
+            action = discrete.sample()
+            log_prob = discrete.log_prob(action) + continuous.log_prob(continuous.rsample())
+            loss = -(log_prob * ret).mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0, error_if_nonfinite=True)
+            opt.step()
+            for p in policy.parameters():
+                p.data = p.data.clamp(-0.5, 0.5)
+            sched.step()
+            print(f"lr {opt.param_groups[0]['lr']:.5f}")
+            return loss.item(), action
+
+        step = functacc.jit(body, modules=[policy], optimizers=[opt], backend="inductor")
+        g = torch.Generator().manual_seed(1)
+        capsys.readouterr()
+        torch.manual_seed(7)
+        results = []
+        for _ in range(3):
+            obs[...] = torch.randn(6, 4, generator=g).numpy()
+            ret = torch.randn(6, generator=g)
+            results.append((step if jitted else body)(ret, torch.tensor(1.0)))
+        text = capsys.readouterr().out
+        bad = None
+        if jitted:  # an invalid scale: the call fails in the graph's check, changing nothing
+            before = [p.detach().clone() for p in policy.parameters()]
+            with pytest.raises(RuntimeError, match=r"torch\.distributions argument"):
+                step(torch.randn(6, generator=g), torch.tensor(-1.0))
+            bad = all(torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
+        return results, text, list(policy.parameters()), bad
+
+    eager, jitted = run(False), run(True)
+    torch.testing.assert_close(
+        [r[0] for r in jitted[0]], [r[0] for r in eager[0]], rtol=1e-5, atol=1e-6
+    )
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(jitted[0], eager[0], strict=True))
+    assert jitted[1] == eager[1] and "lr 0.00625" in eager[1]
+    for a, b in zip(jitted[2], eager[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert jitted[3] is True
