@@ -316,6 +316,92 @@ def attribute_read() -> Case:
     return Case(body, [trainer.model], [trainer.opt], between=between, batches=data(), traces=2)
 
 
+# Tensors kept in Python state between calls (python_tensors): fed to the graph each call.
+class RecurrentTrainer:
+    """Truncated backpropagation through time, the hidden state kept on the trainer
+    between calls as an (h, c) tuple, detached at each call, reset to None by the loop."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.rnn, self.head = nn.LSTM(4, 8, batch_first=True), nn.Linear(8, 1)
+        self.opt = torch.optim.SGD([*self.rnn.parameters(), *self.head.parameters()], lr=0.1)
+        self.hidden: tuple[Tensor, Tensor] | None = None
+
+    def step(self, x: Tensor, y: Tensor) -> Tensor:
+        if self.hidden is None:
+            self.hidden = (torch.zeros(1, x.shape[0], 8), torch.zeros(1, x.shape[0], 8))
+        self.hidden = tuple(h.detach() for h in self.hidden)
+        out, self.hidden = self.rnn(x.unsqueeze(1), self.hidden)
+        loss = F.mse_loss(self.head(out[:, -1]), y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+def hidden_on_trainer() -> Case:
+    t = RecurrentTrainer()
+
+    def between(i: int) -> None:
+        if i == 2:  # a new sequence
+            t.hidden = None
+
+    # Two signatures: the hidden state None (call 0 and 2) and a tuple of two tensors.
+    return Case(
+        t.step,
+        [t.rnn, t.head],
+        [t.opt],
+        state=lambda: t.hidden,
+        between=between,
+        batches=data(),
+        traces=2,
+    )
+
+
+class TensorMeter:
+    def __init__(self) -> None:
+        self.sum, self.count = torch.zeros(()), 0
+
+
+def tensor_meter() -> Case:
+    model, opt = net()
+    meter = TensorMeter()
+    first = meter.sum  # eager updates this very tensor in place
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        loss = standard(model, opt, x, y)
+        meter.sum += loss.detach() * x.shape[0]
+        meter.count += x.shape[0]
+        return meter.sum / meter.count
+
+    state = lambda: (meter.sum, meter.count, meter.sum is first)  # noqa: E731
+    return Case(body, [model], [opt], state=state, batches=data())
+
+
+def closure_tensors() -> Case:
+    model, opt = net()
+    mask = torch.ones(8, 1)
+    weights = {"target": torch.ones(1)}
+    history = [torch.full((1,), 0.5)]
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        error = (model(x) - y * weights["target"]) * mask
+        loss = error.pow(2).mean() * history[0]
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        nonlocal mask
+        mask[i] = 0.0  # changed in place
+        weights["target"] = torch.full((1,), 1.0 + i)  # replaced
+        if i == 3:
+            mask = torch.zeros(8, 1)  # replaced, same layout
+
+    return Case(body, [model], [opt], between=between, batches=data())
+
+
 CASES = {
     f.__name__: f
     for f in (
@@ -336,6 +422,9 @@ CASES = {
         counter_branch,
         last_lr_returned,
         trainer_method,
+        hidden_on_trainer,
+        tensor_meter,
+        closure_tensors,
     )
 }
 
@@ -773,3 +862,77 @@ def test_a_numpy_array_read_from_a_closure_is_guarded_by_its_contents(
         step(torch.from_numpy(source.standard_normal((4, 3)).astype(np.float32))) for _ in range(4)
     ]
     assert losses == run(False) and step.num_traces == 1
+
+
+def test_a_tensor_of_the_python_state_updated_in_place_stays_that_tensor() -> None:
+    # Eager's `meter.sum += x` updates the tensor itself: a reference taken before sees it,
+    # and returning meter.sum returns that object. The fed input is written in place.
+    results = []
+    for jit in (False, True):
+        model, opt = net()
+        meter = TensorMeter()
+        before = meter.sum
+
+        def body(x: Tensor, y: Tensor, model=model, opt=opt, meter=meter) -> Tensor:
+            meter.sum += standard(model, opt, x, y).detach()
+            return meter.sum
+
+        step = (
+            functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+        )
+        returned = [step(*batch) for batch in data(3)]
+        assert all(r is before for r in returned) and meter.sum is before
+        results.append(before.clone())
+    assert torch.equal(*results)
+
+
+def test_a_tensor_that_requires_grad_in_python_state_is_named_with_advice_that_works() -> None:
+    # SAC's temperature kept as a bare tensor: eager's backward() reaches it, a graph input
+    # would not, so it is not fed. The advice (a parameter of a module given) runs.
+    model, opt = net()
+    log_alpha = torch.zeros(1, requires_grad=True)
+    alpha_opt = torch.optim.SGD([log_alpha], lr=0.1)
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        loss = F.mse_loss(model(x), y) * log_alpha.exp()
+        opt.zero_grad()
+        alpha_opt.zero_grad()
+        loss.backward()
+        opt.step()
+        alpha_opt.step()
+        return loss
+
+    before = tensors_of([model], [opt])
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(
+        functacc.TraceError, match=r"(?s)require grad at .*'log_alpha'.*nn\.Parameter"
+    ):
+        step(*data(1)[0])
+    assert_same(tensors_of([model], [opt]), before)
+
+    def advised(seed: int, jit: bool) -> list[Tensor]:
+        model, opt = net(seed)
+        temperature = nn.Module()
+        temperature.log_alpha = nn.Parameter(torch.zeros(1))
+        alpha_opt = torch.optim.SGD(temperature.parameters(), lr=0.1)
+
+        def body(x: Tensor, y: Tensor) -> Tensor:
+            loss = F.mse_loss(model(x), y) * temperature.log_alpha.exp()
+            opt.zero_grad()
+            alpha_opt.zero_grad()
+            loss.backward()
+            opt.step()
+            alpha_opt.step()
+            return loss
+
+        modules, opts = [model, temperature], [opt, alpha_opt]
+        step = (
+            functacc.jit(body, modules=modules, optimizers=opts, backend="eager") if jit else body
+        )
+        for i, batch in enumerate(data(3)):
+            torch.manual_seed(i)
+            step(*batch)
+        return [t.detach().clone() for m in modules for t in m.parameters()]
+
+    for a, b in zip(advised(0, True), advised(0, False), strict=True):
+        assert torch.equal(a, b)

@@ -26,14 +26,8 @@ from torch import Tensor
 
 from ..backends import Backend, CudaGraphRunner, check_cuda_graphs
 from ..errors import TraceError
-from .body_trace import (
-    Exit,
-    TracedBody,
-    ValueGuard,
-    dropped_gradient_error,
-    known_generators,
-    outside_tensor_error,
-)
+from .body_errors import dropped_gradient_error, outside_tensor_error
+from .body_trace import Exit, TracedBody, ValueGuard, known_generators
 from .capture import Capture
 from .diagnostics import describe_leaves, message_root, translate
 from .donation import donated_positions, donated_targets, poison
@@ -51,6 +45,7 @@ from .held_objects import check_declared_optimizers, library_objects, restore_ob
 from .python_args import NumberArguments
 from .python_effects import build
 from .python_state import PythonPlan, PythonState
+from .python_tensors import owned_tensors
 from .signature import (
     AmbientWatch,
     BatchWatch,
@@ -118,7 +113,9 @@ class StepBody:
         )
         self.cache = self.engine.cache
         # What the body reads and writes in Python: guarded, fed or replayed.
-        self.python = PythonState(fn, capture.optimizers)
+        self.python = PythonState(
+            fn, capture.optimizers, lambda: owned_tensors(capture.modules, capture.optimizers)
+        )
         self._numbers = NumberArguments(fn, self.python.roots)  # step(x, it): guarded, fed
         # GradScalers the body holds: their step() selects instead of branching.
         self.scalers = attach_grad_scalers(capture, self.python.roots)
@@ -204,7 +201,8 @@ class StepBody:
         replay = self.python.before_run(program.python)
         if replay.changed:  # a scheduler stepped before the graph: its new hyperparameters
             self.capture.sync_hyperparameters()
-        flat = [*state, *self.python.inputs(program.python), *tensors]
+        fed = self.python.inputs(program.python)
+        flat = [*state, *fed, *tensors]
         try:
             outputs = self.engine.run(
                 program, [flat[i] for i in program.used], lambda: describe_leaves(leaves)
@@ -221,13 +219,14 @@ class StepBody:
             python_outputs[k] = kind(python_outputs[k].item())
         replay.after(python_outputs)
         self.capture.settle()
-        return self._outputs(program, outputs, tensors, python_outputs, replay.lrs)
+        return self._outputs(program, outputs, tensors, fed, python_outputs, replay.lrs)
 
     def _outputs(
         self,
         program: BodyProgram,
         outputs: Sequence[Tensor],
         tensors: list[Tensor],
+        fed: list[Any],
         python_outputs: Sequence[Any],
         lrs: dict,
     ) -> Any:
@@ -238,6 +237,8 @@ class StepBody:
                 leaves.append(next(produced))
             elif kind[0] == "donated":
                 leaves.append(tensors[kind[1]].detach())  # a new handle on the reused memory
+            elif kind[0] == "fed":  # a tensor of the Python state, updated in place
+                leaves.append(fed[kind[1]])
             elif kind[0] == "python":  # a number the graph computed, or a scheduler's lr
                 leaves.append(build(kind[1], python_outputs, lrs))
             else:

@@ -23,7 +23,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from ..errors import TraceError
 from .c10d_in_trace import collectives_in_graph
 from .data_assign import data_assignments_written
 from .donation import donation_target
@@ -31,7 +30,7 @@ from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
 from .own_step_trace import symbolic_builtins
 from .python_iterators import no_batches_drawn, outside_iterators
-from .python_reach import Location, Root, module_scopes, plain_objects
+from .python_reach import Location, Root, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
 from .torch_checkpoint import no_checkpoint_draws
@@ -42,11 +41,8 @@ __all__ = [
     "GradExit",
     "TracedBody",
     "ValueGuard",
-    "dropped_gradient_error",
-    "held_by",
     "known_generators",
     "mask_checks_on_values",
-    "outside_tensor_error",
 ]
 
 
@@ -144,7 +140,7 @@ class TracedBody:
             out, self.out_spec = pytree.tree_flatten(result)
             free = {i: flat[n_fixed + i] for i in self.donated}
             self._donated_inputs = list(free.values())
-            produced = self._returned(out, free)
+            produced = self._returned(out, free, flat[self.n_state : n_fixed])
             recorder.finish()  # the body's writes, as effects (may ask for another trace)
             self.exit = exit_
             new_grads = [g.detach() for g in exit_.traced_grads]
@@ -162,7 +158,7 @@ class TracedBody:
                 python.append(value)
             return (*produced, *new_grads, *python)
 
-    def _returned(self, out: list, free: dict[int, Tensor]) -> list[Tensor]:
+    def _returned(self, out: list, free: dict[int, Tensor], fed: Sequence[Any]) -> list[Tensor]:
         """The kinds of the returned leaves, and the tensors among them that are outputs.
 
         A returned tensor that *is* a donated input stays where it is; the others take the
@@ -195,6 +191,10 @@ class TracedBody:
                 continue
             if id(value) in targets:
                 self.kinds.append(("donated", targets.pop(id(value))))
+                continue
+            j = next((j for j, f in enumerate(fed) if f is value), None)
+            if j is not None:  # a tensor of the Python state: that object, as eager returns
+                self.kinds.append(("fed", j))
                 continue
             target = donation_target(value, free)
             if target is None:
@@ -238,21 +238,6 @@ class ValueGuard:
                 return k
         seen.append((t.detach().clone(), t, t._version))
         return len(seen) - 1
-
-
-def held_by(roots: Sequence[Any]) -> str:
-    """Where the body's Python state holds a tensor with autograd history, in words."""
-    for location, value in plain_objects(list(roots)).values():
-        values = value if isinstance(value, list) else []
-        if isinstance(value, dict):
-            values = list(value.values())
-        if any(isinstance(v, Tensor) and v.grad_fn is not None for v in values):
-            return f" (held in {location.label})"
-    for root in roots:
-        value = root.get()
-        if isinstance(value, Tensor) and value.grad_fn is not None:
-            return f" ({root.label})"
-    return ""
 
 
 @contextlib.contextmanager
@@ -315,86 +300,9 @@ def known_generators(
     return found
 
 
-def dropped_gradient_error(what: str, read: list[str]) -> TraceError:
-    """``what`` (the step) reads gradients ZeRO-2 did not keep past the last call."""
-    return TraceError(
-        f"{what} reads the gradient that its previous call left on "
-        f"{', '.join(map(repr, read))}: it adds to it in backward() (accumulating over "
-        "calls), reads it, or zeroes it in place (zero_grad(set_to_none=False)). Under "
-        "ZeRO(2) a call's gradients do not outlive it (each rank keeps only its shard, "
-        "inside the call), so .grad is None after the call where eager leaves them. "
-        "Fix: clear them at the start of the step (opt.zero_grad()), accumulate "
-        "micro-batches inside one call, or use parallel=functacc.parallel.ZeRO(1)."
-    )
-
-
-def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> TraceError | None:
-    """The error for a body that read a tensor from outside its inputs (``exc``: what
-    the trace raised), or ``None`` where ``exc`` is another error."""
-    if "convert all Tensors to FakeTensors" in str(exc) and _real_with_history(str(exc)):
-        return TraceError(
-            "the step read a tensor computed before the call, with autograd history "
-            f"(a grad_fn){held_by(roots)}: functacc.jit traces the step "
-            "alone, so its backward() cannot reach the work done outside it, where "
-            "eager's backward() runs through it. Passing the tensor as an argument "
-            "would not help (arguments come in detached).\n"
-            f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
-            "Fix: compute it inside the step: keep what the forward needs (observations, "
-            "actions, inputs) and call the model in the step body, e.g. an actor-critic "
-            "update that stacks the episode's states and recomputes the log-"
-            "probabilities there; or leave this update eager."
-        )
-    if "convert all Tensors to FakeTensors" in str(exc):
-        held = _tensors_held(roots)
-        return TraceError(
-            "the step read a tensor that is none of its inputs: not an argument of the "
-            f"call, not a parameter, buffer or tensor attribute of the modules "
-            f"({', '.join(labels) or 'none given'}), not optimizer state. "
-            "functacc.jit would have to bake it into the graph as a constant, where eager "
-            "reads it afresh on every call.\n"
-            f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
-            + (
-                f"The step's Python state holds tensors at {', '.join(held[:4])}: a tensor "
-                "kept on a plain object between calls (a meter's running sum, "
-                "self.sum += acc) is not an input either. Fix: keep Python numbers there "
-                "(meter.update(acc1[0].item(), n): fed to the graph and written back every "
-                "call), or pass the tensor as an argument and return its new value.\n"
-                if held
-                else ""
-            )
-            + "Fix: pass the tensor as an argument of the call, or give the module that "
-            "holds it in modules=(...) (a teacher model, an EMA copy), or give its "
-            "optimizer in optimizers=(...). A parameter list taken before the call "
-            "(params = list(model.parameters())) holds the real tensors: read them "
-            "through the module inside the step instead."
-        )
-    return None
-
-
-def _tensors_held(roots: Sequence[Any]) -> list[str]:
-    """Where the plain objects, dicts and lists the body reaches hold tensors, in words."""
-    found = []
-    for location, value in plain_objects(list(roots)).values():
-        if isinstance(value, list):
-            items = [("item", i, v) for i, v in enumerate(value)]
-        else:
-            kind = "item" if isinstance(value, dict) else "attr"
-            items = [(kind, k, v) for k, v in (value if kind == "item" else vars(value)).items()]
-        found += [location.child(k, n).label for k, n, v in items if isinstance(v, Tensor)]
-    return found
-
-
-def _real_with_history(text: str) -> bool:
-    """Whether an op printed in ``text`` took a real tensor (``tensor(...)``, not the
-    trace's ``FakeTensor(...)``) that has a ``grad_fn``."""
-    start = text.find("tensor(")
-    while start >= 0:
-        depth, end = 0, start + len("tensor")
-        for end in range(start + len("tensor"), len(text)):
-            depth += {"(": 1, ")": -1}.get(text[end], 0)
-            if depth == 0:
-                break
-        if "grad_fn=" in text[start : end + 1]:
-            return True
-        start = text.find("tensor(", end)
-    return False
+def module_scopes(fn: Any) -> list[dict]:
+    """The globals of a step body's module (of a bound method's function; none for a
+    callable object without them), for :func:`symbolic_builtins`."""
+    function = getattr(fn, "__func__", fn)
+    scope = getattr(function, "__globals__", None)
+    return [scope] if isinstance(scope, dict) else []

@@ -4,9 +4,9 @@ A jitted body runs its Python once per trace. What it reads outside tensors — 
 variable, a global, an attribute of the trainer object it is a method of, an entry of a
 config dict — is baked into the graph; what it writes there happens once. To do better, the
 step must know where those values live. The body's code says it: its free variables (closure
-cells), the globals it names (``co_names``), ``self`` for a bound method or a callable
-object, and the same for the functions it defines and the user functions it calls by name.
-Those are the *roots*; a :class:`Location` is a root followed by attribute and item steps
+cells), the globals it names (``co_names``), its parameters' defaults, ``self`` for a bound
+method or a callable object, and the same for the functions it defines and the user
+functions it calls by name. Those are the *roots*; a :class:`Location` is a root followed by attribute and item steps
 (``self.cfg.scale``, ``state['step']``), read afresh on every call.
 
 Plain objects and dicts reached from the roots (a trainer, a config, a ``SimpleNamespace``)
@@ -42,7 +42,6 @@ __all__ = [
     "find_roots",
     "is_plain_object",
     "is_scalar",
-    "module_scopes",
     "plain_objects",
 ]
 
@@ -150,6 +149,10 @@ class Location:
         kind, key = self.steps[-1]
         if kind == "attr":
             object.__setattr__(parent, key, value)
+        elif isinstance(parent, tuple):  # rebuilt, with this item replaced
+            items = [value if i == key else v for i, v in enumerate(parent)]
+            rebuilt = type(parent)(*items) if hasattr(parent, "_fields") else type(parent)(items)
+            Location(self.root, self.steps[:-1]).set(rebuilt)
         else:
             parent[key] = value
 
@@ -188,8 +191,8 @@ def _step(value: Any, kind: str, key: Any) -> Any:
 
 # -- what the body's code names -------------------------------------------------------------
 def find_roots(fn: Callable[..., Any]) -> list[Root]:
-    """The closure cells, globals and ``self`` that ``fn``'s code (and the code of the
-    functions it defines and the user functions it calls by name) can read."""
+    """The closure cells, globals, parameter defaults and ``self`` that ``fn``'s code (and
+    the code of the functions it defines and the user functions it calls by name) can read."""
     roots: dict[tuple, Root] = {}
     seen: set[int] = set()
     target = fn.func if isinstance(fn, functools.partial) else fn
@@ -205,6 +208,8 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
         for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
             root = roots.setdefault(("cell", id(cell)), _cell_root(name, cell))
             root.loaded = root.loaded or name in loaded
+        for key, root in _default_roots(function):  # def step(x, meter=meter)
+            roots.setdefault(key, root)
         module_globals = function.__globals__
         for name in _names(code):
             if name in module_globals and _watchable(module_globals[name]):
@@ -212,14 +217,6 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
                 root = roots.setdefault(key, _global_root(name, module_globals))
                 root.loaded = root.loaded or name in loaded
     return list(roots.values())
-
-
-def module_scopes(fn: Any) -> list[dict]:
-    """The globals of a step body's module (of a bound method's function; none for a
-    callable object without them), for :func:`symbolic_builtins`."""
-    function = getattr(fn, "__func__", fn)
-    scope = getattr(function, "__globals__", None)
-    return [scope] if isinstance(scope, dict) else []
 
 
 def _user_functions(
@@ -292,6 +289,31 @@ def _cell_root(name: str, cell: types.CellType) -> Root:
             cell.cell_contents = value
 
     return Root(f"closure variable {name!r}", lambda: _cell_value(cell), set_, loaded=False)
+
+
+def _default_roots(function: types.FunctionType) -> Iterator[tuple[tuple, Root]]:
+    """Its parameters' default values: read at every call that leaves the argument out."""
+    names = function.__code__.co_varnames[: function.__code__.co_argcount]
+    places = list(enumerate(names[len(names) - len(function.__defaults__ or ()) :]))
+    for i, name in [*places, *((None, n) for n in function.__kwdefaults__ or {})]:
+        root = _default_root(function, name, i)
+        if _watchable(root.get()):
+            yield ("default", id(function), name), root
+
+
+def _default_root(function: types.FunctionType, name: str, i: int | None) -> Root:
+    def get() -> Any:
+        return function.__kwdefaults__[name] if i is None else function.__defaults__[i]
+
+    def set_(value: Any) -> None:
+        if i is None:
+            function.__kwdefaults__[name] = value
+            return
+        values = list(function.__defaults__)
+        values[i] = value
+        function.__defaults__ = tuple(values)
+
+    return Root(f"default of {name!r}", get, set_)
 
 
 def _global_root(name: str, module_globals: dict[str, Any]) -> Root:

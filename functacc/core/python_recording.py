@@ -160,8 +160,9 @@ class RecordingGroup(RecordingDict):
     """An optimizer's param group while the body is traced: a numeric hyperparameter reads
     as the value fed to the graph on every call (``params`` is not recorded)."""
 
-    def __init__(self, original: dict, location: Location, recorder: Any):
+    def __init__(self, original: dict, location: Location, recorder: Any, index: tuple[int, int]):
         super().__init__(original, location, recorder)
+        self.index = index  # (the optimizer's, the group's)
         self.fed: dict[str, Any] = {}  # key -> the symbolic value (lazily made)
 
     def _read(self, key: Any) -> Any:
@@ -171,13 +172,49 @@ class RecordingGroup(RecordingDict):
         self.recorder._read_first.add((id(self), key))
         if key == "lr" and (after := _rate_after_scheduler(self)) is not None:
             return after
-        fed = self.recorder.fed_group_entry(self, key, value)
+        fed = self._fed_entry(key, value)
         if fed is not None:
             return fed
-        fed = self.recorder.fed_hyperparameter(self, key)
+        fed = self._fed_hyperparameter(key)
         if fed is not None:
             return fed
         self.recorder.guard(self.location.child("item", key), value)
+        return value
+
+    def _fed_entry(self, key: str, value: Any) -> Any:
+        """The fed number(s) standing for this entry (an optimizer traced whole), or
+        ``None``."""
+        symbolic = self.recorder.symbolic_inputs
+        location = self.location.child("item", key)
+        fed = symbolic.get(location)
+        if fed is not None:
+            return fed
+        if type(value) in (tuple, list) and value:
+            parts = [symbolic.get(location.child("item", j)) for j in range(len(value))]
+            if all(p is not None for p in parts):
+                return type(value)(parts)
+        return None
+
+    def _fed_hyperparameter(self, key: str) -> Any:
+        """The value of this entry fed to the graph (the ``.item()`` of its input, or the
+        input itself for a tensor entry), or ``None`` where it stays a guarded constant."""
+        if key in self.fed:
+            return self.fed[key]
+        location = self.location.child("item", key)
+        entry = self.recorder.hyper.get(self.index, {}).get(key)
+        if entry is None or location in self.recorder.pinned:
+            return None
+        kind, inputs = entry
+        if kind == "tensor":
+            value: Any = inputs
+        else:
+            values = []
+            for t in inputs if kind == "numbers" else (inputs,):
+                v = t.item()
+                self.recorder.symbols[v.node.expr] = location
+                values.append(v)
+            value = tuple(values) if kind == "numbers" else values[0]
+        self.fed[key] = value
         return value
 
     def __setitem__(self, key: Any, value: Any) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,8 +35,10 @@ from torch import Tensor
 
 from ..errors import TraceError
 from .lookup_tables import table_key, table_repr
-from .python_effects import SchedulerEvent, Seed, build
+from .python_effects import build
 from .python_reach import MISSING, Location, Root, find_roots
+from .python_replay import QUIET, PythonPlan, Replay
+from .python_tensors import fed_key, feedable
 from .python_trace import Recorder, Retry, groups_root
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
@@ -57,6 +58,8 @@ class Exact:
             self._key = (tuple, tuple(Exact(v) for v in value))
         elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):  # a table
             self._key = table_key(value)
+        elif isinstance(value, Tensor):  # where a guarded value was: fed once read
+            self._key = fed_key(value)
         else:
             self._key = (type(value), value)
 
@@ -70,48 +73,24 @@ class Exact:
         return table_repr(self._key) or repr(self.value)
 
 
-@dataclass
-class PythonPlan:
-    """One program's Python side: what runs before its graph and what after."""
-
-    fed: list[Location] = field(default_factory=list)  # the graph's Python inputs, in order
-    seeds: list[Seed] = field(default_factory=list)
-    generators: list[tuple[torch.Generator, Tensor]] = field(default_factory=list)
-    before: list[SchedulerEvent] = field(default_factory=list)
-    after: list[SchedulerEvent] = field(default_factory=list)
-    effects: list[tuple] = field(default_factory=list)
-    n_outputs: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return not (self.seeds or self.generators or self.before or self.after or self.effects)
-
-    def signature(self) -> tuple:
-        """What a graph reused for another signature must share: its Python inputs and
-        outputs, and the states it resets its generators to."""
-        generators = tuple(hash(state.numpy().tobytes()) for _, state in self.generators)
-        return (tuple(loc.label for loc in self.fed), self.n_outputs, generators)
-
-    def rebind(self, compiled: PythonPlan) -> None:
-        """This plan runs a graph compiled for ``compiled``'s trace: reset the generators
-        that graph holds (the same states, other objects)."""
-        self.generators = [
-            (g, state)
-            for (g, _), (_, state) in zip(compiled.generators, self.generators, strict=True)
-        ]
-
-
 class PythonState:
     """The Python state of one jitted body, across its traces and calls."""
 
-    def __init__(self, fn: Callable[..., Any], optimizers: Sequence[Any]):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        optimizers: Sequence[Any],
+        owned: Callable[[], set[int]] = set,
+    ):
         self.roots: list[Root] = find_roots(fn)
         self.optimizers = list(optimizers)  # LinkedOptimizer
+        self.owned = owned  # ids of the step's own tensors: never fed (python_tensors)
         self.guards: dict[Location, None] = {}  # over every trace so far, in order
         self.fed: dict[Location, None] = {}
         self.pinned: set[Location] = set()  # fed once, but branched on: guarded for good
         self.traced_values: dict[Location, Any] = {}
         self._recorder: Recorder | None = None
+        self._owned: set[int] = set()
         # Per trace with fed numbers it branched on: that condition, over the fed locations.
         self.branches: list[tuple[Callable[[dict], bool], list[Location]]] = []
         self._branch_keys: set[tuple] = set()
@@ -123,7 +102,7 @@ class PythonState:
         if not self.guards and not self.fed:
             return ()
         guarded = tuple((loc.label, Exact(loc.get())) for loc in self.guards)
-        fed = tuple((loc.label, ("fed", type(loc.get()).__name__)) for loc in self.fed)
+        fed = tuple((loc.label, fed_key(loc.get())) for loc in self.fed)
         if not self.branches:
             return guarded + fed
         # Each trace's branches on fed numbers (if self.step % 100 == 0): which hold now.
@@ -134,7 +113,7 @@ class PythonState:
         return (*guarded, *fed, ("branches on fed numbers", held))
 
     def inputs(self, plan: PythonPlan | None = None) -> list[int | float]:
-        """The fed values now: the graph's Python-number inputs."""
+        """The fed values now: the graph's Python-number and Python-state tensor inputs."""
         return [_as_input(loc.get()) for loc in (plan.fed if plan is not None else self.fed)]
 
     # -- tracing -------------------------------------------------------------------------
@@ -152,17 +131,19 @@ class PythonState:
                 if loc not in self.pinned:
                     self.fed.setdefault(loc, None)
                     self.guards.pop(loc, None)
+        owned = self.owned()
         for loc in list(self.fed):
-            if not _numeric(loc.get()):
+            value = loc.get()
+            if not (_numeric(value) or feedable(value, owned)):
                 del self.fed[loc]
                 self.pinned.add(loc)
+        self._owned = owned
         return list(self.fed)
 
     @contextlib.contextmanager
     def scope(self, fed: Sequence[Location], placeholders: Sequence[Tensor]) -> Iterator[Recorder]:
-        recorder = Recorder(
-            self.roots, dict(zip(fed, placeholders, strict=True)), self.optimizers, self.pinned
-        )
+        symbolic = dict(zip(fed, placeholders, strict=True))
+        recorder = Recorder(self.roots, symbolic, self.optimizers, self.pinned, self._owned)
         self._recorder = recorder
         with recorder:
             yield recorder
@@ -170,13 +151,16 @@ class PythonState:
     def retry(self, exc: BaseException) -> bool:
         """After a failed trace: whether tracing again can succeed — counters to feed
         (:class:`Retry`), or fed values the body branched on, to guard instead."""
-        if isinstance(exc, Retry):
-            for loc in exc.promote:
+        recorder = self._recorder
+        promote = exc.promote if isinstance(exc, Retry) else []
+        if not promote and recorder is not None:  # a tensor of its Python state: feed it
+            promote = recorder.unfed_tensors()
+        if promote:
+            for loc in promote:
                 self.fed[loc] = None
                 self.guards.pop(loc, None)
             return True
         symbols = _data_dependent_symbols(exc)
-        recorder = self._recorder
         if not symbols or recorder is None:
             return False
         branched = {recorder.symbols[s] for s in symbols if s in recorder.symbols}
@@ -258,7 +242,7 @@ class PythonState:
         """Seeds, generator states and scheduler steps that come before the graph. The
         returned :class:`Replay` undoes them if the run fails, and does the rest after it."""
         if plan.empty:  # the common case: nothing to do around the graph, nothing to undo
-            return _QUIET
+            return QUIET
         replay = Replay(plan)
         if plan.seeds or plan.generators:
             replay.undo.rng()
@@ -284,55 +268,13 @@ def generator_key(g: torch.Generator) -> int:
     return getattr(g, "_cdata", id(g))
 
 
-class Replay:
-    """One call's Python side around its graph (:meth:`PythonState.before_run`)."""
-
-    def __init__(self, plan: PythonPlan):
-        self.plan = plan
-        self.undo = _Undo()
-        self.lrs: dict[int, list[list[float]]] = {}  # id(scheduler) -> lr after k steps
-
-    @property
-    def changed(self) -> bool:
-        """Whether something ran before the graph (optimizer hyperparameters may differ)."""
-        return bool(self.plan.before)
-
-    def after(self, outputs: Sequence[Any]) -> None:
-        """Scheduler steps and writes after a successful run: a group's entries first (a
-        body assigns them before stepping), then the schedulers, then everything else."""
-        plan, lrs = self.plan, self.lrs
-        for effect in plan.effects:
-            if effect[0] == "assign" and _is_group(effect[1]):
-                effect[1].set(build(effect[2], outputs, lrs))
-        for event in plan.after:
-            args = [build(a, outputs, lrs) for a in event.args]
-            kwargs = {k: build(v, outputs, lrs) for k, v in event.kwargs.items()}
-            event.scheduler.step(*args, **kwargs)
-            lrs[id(event.scheduler)].append(list(event.scheduler.get_last_lr()))
-        for effect in plan.effects:
-            kind, target = effect[0], effect[1]
-            if kind == "assign" and not _is_group(target):
-                target.set(build(effect[2], outputs, lrs))
-            elif kind == "delete":
-                target.delete()
-            elif kind == "append":
-                target.get().extend(build(t, outputs, lrs) for t in effect[2])
-            elif kind == "call":  # print, logging, tqdm: with this call's values
-                target(
-                    *[build(t, outputs, lrs) for t in effect[2]],
-                    **{k: build(t, outputs, lrs) for k, t in effect[3].items()},
-                )
-
-
-def _is_group(location: Location) -> bool:
-    return location.root.label.endswith(".param_groups")
-
-
 def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _as_input(value: Any) -> int | float:
+def _as_input(value: Any) -> int | float | Tensor:
+    if isinstance(value, Tensor):  # a tensor read from the Python state (python_tensors)
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"a fed Python value must be an int or a float; got {value!r}")
     return float(value) if isinstance(value, float) else int(value)  # np.float64: a float
@@ -348,50 +290,3 @@ def _data_dependent_symbols(exc: BaseException) -> set:
             return set(cond.free_symbols)
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     return set()
-
-
-class _Undo:
-    """Puts back what :meth:`PythonState.before_run` changed."""
-
-    def __init__(self) -> None:
-        self._steps: list[Callable[[], None]] = []
-
-    def rng(self) -> None:
-        state = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self._steps.append(lambda: _set_rng(state, cuda))
-
-    def generator(self, g: torch.Generator) -> None:
-        state = g.get_state()
-        self._steps.append(lambda: g.set_state(state))
-
-    def scheduler(self, scheduler: Any) -> None:
-        import copy
-
-        fields = copy.deepcopy({k: v for k, v in vars(scheduler).items() if k != "optimizer"})
-        groups = copy.deepcopy(
-            [
-                {k: v for k, v in g.items() if k != "params"}
-                for g in scheduler.optimizer.param_groups
-            ]
-        )
-
-        def undo() -> None:
-            vars(scheduler).update(fields)
-            for g, saved in zip(scheduler.optimizer.param_groups, groups, strict=True):
-                g.update(saved)
-
-        self._steps.append(undo)
-
-    def __call__(self) -> None:
-        while self._steps:
-            self._steps.pop()()
-
-
-def _set_rng(state: Tensor, cuda: list[Tensor] | None) -> None:
-    torch.set_rng_state(state)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
-_QUIET = Replay(PythonPlan())  # the replay of every plan with nothing around its graph

@@ -38,6 +38,7 @@ from .python_effects import (
 from .python_output import output_template
 from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, RecordingList, recording
+from .python_tensors import installed, tensor_locations
 
 __all__ = ["Recorder", "Retry", "groups_root"]
 
@@ -63,8 +64,11 @@ class Recorder:
         symbolic: dict[Location, Tensor],
         optimizers: Sequence[Any],
         pinned: set[Location],
+        owned: set[int],
     ):
         self.roots = list(roots)
+        self.owned = owned  # ids of the step's own tensors (python_tensors.feedable)
+        self.tensor_reads: dict[Location, None] = {}  # tensors read, to feed
         self.symbolic_inputs = symbolic
         self.optimizers = list(optimizers)  # LinkedOptimizer
         self.pinned = pinned
@@ -127,16 +131,18 @@ class Recorder:
         for root, value in self.root_values:
             if root.loaded:
                 self.guard(Location(root), value)
+                self.note_tensors(Location(root), value)
         for location, value in self.symbolic_inputs.items():  # a fed number: its symbol
-            self.symbols[value.node.expr] = location
+            if not isinstance(value, Tensor):
+                self.symbols[value.node.expr] = location
             if not _external(location):  # an optimizer's are given by its traced step
-                location.set(value)
-        for linked in self.optimizers:
+                installed(location, value, self._originals)
+        for k, linked in enumerate(self.optimizers):
             opt = linked.optimizer
             originals = list(opt.param_groups)
             root = groups_root(linked)
             opt.param_groups[:] = [
-                RecordingGroup(g, Location(root, (("item", i),)), self)
+                RecordingGroup(g, Location(root, (("item", i),)), self, (k, i))
                 for i, g in enumerate(originals)
             ]
             self._undo.append(lambda opt=opt, originals=originals: _put_groups(opt, originals))
@@ -153,7 +159,7 @@ class Recorder:
         """After the body returned: every write, collected as an effect. Raises
         :class:`Retry` where counters must be fed to the graph first."""
         self.recording = False
-        promote = self._collect_writes()
+        promote = self._collect_writes() + self.unfed_tensors()
         if promote:
             raise Retry(promote)
 
@@ -192,59 +198,31 @@ class Recorder:
         self._read_first.add((id(obj), name))
         if is_scalar(value) or is_array(value):
             self.guard(self.objects[id(obj)][0].child("attr", name), value)
+        elif isinstance(value, (Tensor, tuple)):
+            self.note_tensors(self.objects[id(obj)][0].child("attr", name), value)
 
     def item_read(self, mapping: RecordingDict, key: Any, value: Any) -> None:
         """A recording dict's entry was read."""
         self._read_first.add((id(mapping), key))
         self.guard(mapping.location.child("item", key), value)
+        self.note_tensors(mapping.location.child("item", key), value)
+
+    def note_tensors(self, location: Location, value: Any) -> None:
+        for loc in tensor_locations(location, value, self.owned):
+            self.tensor_reads.setdefault(loc, None)
+
+    def unfed_tensors(self) -> list[Location]:
+        """The tensors the body read from its Python state that are not fed yet (the
+        items of a list it read too)."""
+        for location, obj, contents in self.snapshots:
+            if isinstance(obj, RecordingList) and obj.read:
+                for i, value in enumerate(contents):
+                    self.note_tensors(location.child("item", i), value)
+        return [loc for loc in self.tensor_reads if loc not in self.symbolic_inputs]
 
     def guard(self, location: Location, value: Any) -> None:
         if (is_scalar(value) or is_array(value)) and location not in self.symbolic_inputs:
             self.guards.setdefault(location, value)
-
-    def fed_group_entry(self, group: Any, key: str, value: Any) -> Any:
-        """The fed number(s) standing for ``group[key]`` (an optimizer traced whole), or
-        ``None``."""
-        location = group.location.child("item", key)
-        fed = self.symbolic_inputs.get(location)
-        if fed is not None:
-            return fed
-        if type(value) in (tuple, list) and value:
-            parts = [self.symbolic_inputs.get(location.child("item", j)) for j in range(len(value))]
-            if all(p is not None for p in parts):
-                return type(value)(parts)
-        return None
-
-    def fed_hyperparameter(self, group: Any, key: str) -> Any:
-        """The value of ``group[key]`` fed to the graph (the ``.item()`` of its input, or
-        the input itself for a tensor entry), or ``None`` where it stays a guarded
-        constant."""
-        if key in group.fed:
-            return group.fed[key]
-        location = group.location.child("item", key)
-        opt_index, group_index = self._group_index(group)
-        entry = self.hyper.get((opt_index, group_index), {}).get(key)
-        if entry is None or location in self.pinned:
-            return None
-        kind, inputs = entry
-        if kind == "tensor":
-            value: Any = inputs
-        else:
-            values = []
-            for t in inputs if kind == "numbers" else (inputs,):
-                v = t.item()
-                self.symbols[v.node.expr] = location
-                values.append(v)
-            value = tuple(values) if kind == "numbers" else values[0]
-        group.fed[key] = value
-        return value
-
-    def _group_index(self, group: RecordingGroup) -> tuple[int, int]:
-        for i, linked in enumerate(self.optimizers):
-            for j, g in enumerate(linked.optimizer.param_groups):
-                if g is group:
-                    return i, j
-        raise KeyError("not a param group of the step's optimizers")
 
     # -- writes ----------------------------------------------------------------------------
     def write(self, obj: Any, name: str) -> None:
@@ -291,6 +269,7 @@ class Recorder:
             if isinstance(obj, list):
                 # list.__len__ and friends, so that the checks below are not reads
                 now = list(list.__iter__(obj)) if isinstance(obj, RecordingList) else obj
+                now = [self._original(v) for v in now]  # fed tensors: what they stand for
                 effect = list_effect(location, contents, now, self.template)
                 read = getattr(obj, "read", False)
                 if effect is not None and read:
@@ -312,10 +291,10 @@ class Recorder:
             for key in keys:
                 new, old = self._original(fields.get(key, MISSING)), contents.get(key, MISSING)
                 written = (id(obj), key) in self._written or key in getattr(obj, "written", ())
-                if new is old and not written:
-                    continue
                 kind = "item" if isinstance(obj, dict) else "attr"
                 target = location.child(kind, key)
+                if new is old and (not written or isinstance(old, (Tensor, tuple))):
+                    continue  # a fed tensor updated in place is written into it by the graph
                 if self._promotes(target, old, new, (id(obj), key), id(obj) in self._unrecorded):
                     promote.append(target)
                 self.effects.append(Effect.assign(target, new, self.template, where=target.label))

@@ -1,0 +1,125 @@
+"""The errors of a jitted step body that read what it cannot take as an input.
+
+A body traced alone sees only its inputs: the call's arguments, the modules' tensors, the
+optimizers' state, and the tensors and numbers of its Python state fed to the graph
+(:mod:`.python_tensors`). What else it reads would be a constant of the graph, where eager
+reads it afresh; these errors say which it was and what to do instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from ..errors import TraceError
+from .python_reach import plain_objects
+
+__all__ = ["dropped_gradient_error", "outside_tensor_error"]
+
+
+def _held_by(roots: Sequence[Any]) -> str:
+    """Where the body's Python state holds a tensor with autograd history, in words."""
+    for location, value in plain_objects(list(roots)).values():
+        values = value if isinstance(value, list) else []
+        if isinstance(value, dict):
+            values = list(value.values())
+        if any(isinstance(v, Tensor) and v.grad_fn is not None for v in values):
+            return f" (held in {location.label})"
+    for root in roots:
+        value = root.get()
+        if isinstance(value, Tensor) and value.grad_fn is not None:
+            return f" ({root.label})"
+    return ""
+
+
+def dropped_gradient_error(what: str, read: list[str]) -> TraceError:
+    """``what`` (the step) reads gradients ZeRO-2 did not keep past the last call."""
+    return TraceError(
+        f"{what} reads the gradient that its previous call left on "
+        f"{', '.join(map(repr, read))}: it adds to it in backward() (accumulating over "
+        "calls), reads it, or zeroes it in place (zero_grad(set_to_none=False)). Under "
+        "ZeRO(2) a call's gradients do not outlive it (each rank keeps only its shard, "
+        "inside the call), so .grad is None after the call where eager leaves them. "
+        "Fix: clear them at the start of the step (opt.zero_grad()), accumulate "
+        "micro-batches inside one call, or use parallel=functacc.parallel.ZeRO(1)."
+    )
+
+
+def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> TraceError | None:
+    """The error for a body that read a tensor from outside its inputs (``exc``: what
+    the trace raised), or ``None`` where ``exc`` is another error."""
+    if "convert all Tensors to FakeTensors" in str(exc) and _real_with_history(str(exc)):
+        return TraceError(
+            "the step read a tensor computed before the call, with autograd history "
+            f"(a grad_fn){_held_by(roots)}: functacc.jit traces the step "
+            "alone, so its backward() cannot reach the work done outside it, where "
+            "eager's backward() runs through it. Passing the tensor as an argument "
+            "would not help (arguments come in detached).\n"
+            f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
+            "Fix: compute it inside the step: keep what the forward needs (observations, "
+            "actions, inputs) and call the model in the step body, e.g. an actor-critic "
+            "update that stacks the episode's states and recomputes the log-"
+            "probabilities there; or leave this update eager."
+        )
+    if "convert all Tensors to FakeTensors" in str(exc):
+        held = _tensors_held(roots)
+        return TraceError(
+            "the step read a tensor that is none of its inputs: not an argument of the "
+            f"call, not a parameter, buffer or tensor attribute of the modules "
+            f"({', '.join(labels) or 'none given'}), not optimizer state. "
+            "functacc.jit would have to bake it into the graph as a constant, where eager "
+            "reads it afresh on every call.\n"
+            f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
+            + (
+                f"The step's Python state holds tensors that require grad at "
+                f"{', '.join(held[:4])}: functacc.jit feeds the tensors it reads from "
+                "variables, attributes, dicts and lists to the graph on every call, but not "
+                "these, since eager's backward() reaches them and a graph input's would not. "
+                "A learnable tensor belongs in a module: nn.Parameter in an nn.Module given "
+                "in modules=(...).\n"
+                if held
+                else ""
+            )
+            + "Fix: pass the tensor as an argument of the call, or give the module that "
+            "holds it in modules=(...) (a teacher model, an EMA copy), or give its "
+            "optimizer in optimizers=(...). A parameter list taken before the call "
+            "(params = list(model.parameters())) holds the real tensors: read them "
+            "through the module inside the step instead."
+        )
+    return None
+
+
+def _tensors_held(roots: Sequence[Any]) -> list[str]:
+    """Where the body's variables, and the plain objects, dicts and lists it reaches, hold
+    tensors that require grad (not fed to the graph: python_tensors), in words."""
+    found = [r.label for r in roots if isinstance(r.get(), Tensor) and r.get().requires_grad]
+    for location, value in plain_objects(list(roots)).values():
+        if isinstance(value, list):
+            items = [("item", i, v) for i, v in enumerate(value)]
+        else:
+            kind = "item" if isinstance(value, dict) else "attr"
+            items = [(kind, k, v) for k, v in (value if kind == "item" else vars(value)).items()]
+        found += [
+            location.child(k, n).label
+            for k, n, v in items
+            if isinstance(v, Tensor) and v.requires_grad
+        ]
+    return found
+
+
+def _real_with_history(text: str) -> bool:
+    """Whether an op printed in ``text`` took a real tensor (``tensor(...)``, not the
+    trace's ``FakeTensor(...)``) that has a ``grad_fn``."""
+    start = text.find("tensor(")
+    while start >= 0:
+        depth, end = 0, start + len("tensor")
+        for end in range(start + len("tensor"), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        if "grad_fn=" in text[start : end + 1]:
+            return True
+        start = text.find("tensor(", end)
+    return False

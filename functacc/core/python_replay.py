@@ -1,0 +1,143 @@
+"""One call's Python side around its graph: what a jitted body's plan runs before the
+graph (seeds, generator states, scheduler steps) and after it (scheduler steps, the writes
+and calls it replays with the call's values), and how a failed run is undone.
+
+:class:`PythonPlan` is made once per trace (:meth:`~.python_state.PythonState.finish`);
+:class:`Replay` once per call (:meth:`~.python_state.PythonState.before_run`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .python_effects import SchedulerEvent, Seed, build
+from .python_reach import Location
+
+__all__ = ["QUIET", "PythonPlan", "Replay"]
+
+
+@dataclass
+class PythonPlan:
+    """One program's Python side: what runs before its graph and what after."""
+
+    fed: list[Location] = field(default_factory=list)  # the graph's Python inputs, in order
+    seeds: list[Seed] = field(default_factory=list)
+    generators: list[tuple[torch.Generator, Tensor]] = field(default_factory=list)
+    before: list[SchedulerEvent] = field(default_factory=list)
+    after: list[SchedulerEvent] = field(default_factory=list)
+    effects: list[tuple] = field(default_factory=list)
+    n_outputs: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.seeds or self.generators or self.before or self.after or self.effects)
+
+    def signature(self) -> tuple:
+        """What a graph reused for another signature must share: its Python inputs and
+        outputs, and the states it resets its generators to."""
+        generators = tuple(hash(state.numpy().tobytes()) for _, state in self.generators)
+        return (tuple(loc.label for loc in self.fed), self.n_outputs, generators)
+
+    def rebind(self, compiled: PythonPlan) -> None:
+        """This plan runs a graph compiled for ``compiled``'s trace: reset the generators
+        that graph holds (the same states, other objects)."""
+        self.generators = [
+            (g, state)
+            for (g, _), (_, state) in zip(compiled.generators, self.generators, strict=True)
+        ]
+
+
+class Replay:
+    """One call's Python side around its graph (:meth:`PythonState.before_run`)."""
+
+    def __init__(self, plan: PythonPlan):
+        self.plan = plan
+        self.undo = _Undo()
+        self.lrs: dict[int, list[list[float]]] = {}  # id(scheduler) -> lr after k steps
+
+    @property
+    def changed(self) -> bool:
+        """Whether something ran before the graph (optimizer hyperparameters may differ)."""
+        return bool(self.plan.before)
+
+    def after(self, outputs: Sequence[Any]) -> None:
+        """Scheduler steps and writes after a successful run: a group's entries first (a
+        body assigns them before stepping), then the schedulers, then everything else."""
+        plan, lrs = self.plan, self.lrs
+        for effect in plan.effects:
+            if effect[0] == "assign" and _is_group(effect[1]):
+                effect[1].set(build(effect[2], outputs, lrs))
+        for event in plan.after:
+            args = [build(a, outputs, lrs) for a in event.args]
+            kwargs = {k: build(v, outputs, lrs) for k, v in event.kwargs.items()}
+            event.scheduler.step(*args, **kwargs)
+            lrs[id(event.scheduler)].append(list(event.scheduler.get_last_lr()))
+        for effect in plan.effects:
+            kind, target = effect[0], effect[1]
+            if kind == "assign" and not _is_group(target):
+                target.set(build(effect[2], outputs, lrs))
+            elif kind == "delete":
+                target.delete()
+            elif kind == "append":
+                target.get().extend(build(t, outputs, lrs) for t in effect[2])
+            elif kind == "call":  # print, logging, tqdm: with this call's values
+                target(
+                    *[build(t, outputs, lrs) for t in effect[2]],
+                    **{k: build(t, outputs, lrs) for k, t in effect[3].items()},
+                )
+
+
+def _is_group(location: Location) -> bool:
+    return location.root.label.endswith(".param_groups")
+
+
+class _Undo:
+    """Puts back what :meth:`PythonState.before_run` changed."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+
+    def rng(self) -> None:
+        state = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._steps.append(lambda: _set_rng(state, cuda))
+
+    def generator(self, g: torch.Generator) -> None:
+        state = g.get_state()
+        self._steps.append(lambda: g.set_state(state))
+
+    def scheduler(self, scheduler: Any) -> None:
+        import copy
+
+        fields = copy.deepcopy({k: v for k, v in vars(scheduler).items() if k != "optimizer"})
+        groups = copy.deepcopy(
+            [
+                {k: v for k, v in g.items() if k != "params"}
+                for g in scheduler.optimizer.param_groups
+            ]
+        )
+
+        def undo() -> None:
+            vars(scheduler).update(fields)
+            for g, saved in zip(scheduler.optimizer.param_groups, groups, strict=True):
+                g.update(saved)
+
+        self._steps.append(undo)
+
+    def __call__(self) -> None:
+        while self._steps:
+            self._steps.pop()()
+
+
+def _set_rng(state: Tensor, cuda: list[Tensor] | None) -> None:
+    torch.set_rng_state(state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+QUIET = Replay(PythonPlan())  # the replay of every plan with nothing around its graph
