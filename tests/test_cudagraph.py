@@ -267,6 +267,38 @@ def test_jit_with_graph_replay_under_inductor_matches_plain_jit(monkeypatch) -> 
     assert isinstance(runner, cudagraph.CudaGraphRunner) and runner.captures == 1
 
 
+@pytest.mark.parametrize("name", ["hidden_on_trainer", "tensor_meter", "closure_tensors"])
+def test_jit_with_graph_replay_feeds_the_tensors_of_the_python_state(name, monkeypatch) -> None:
+    # A tensor read from Python state is an input of the capture: copied into its static
+    # buffer at every replay (a new hidden state, a replaced mask), and an in-place update
+    # (the meter's sum) copied back out into the tensor itself.
+    from test_jit import assert_same, tensors_of
+    from test_jit_python import CASES
+
+    case, eager = CASES[name](), CASES[name]()
+    step = functacc.jit(
+        case.body, modules=case.modules, optimizers=case.optimizers, backend="eager"
+    )
+    step = captured(step, monkeypatch)
+    for i, batch in enumerate(case.batches * 2):  # warm-up, capture, then replays
+        case.between(i)
+        eager.between(i)
+        torch.manual_seed(i)
+        out = step(*batch)
+        torch.manual_seed(i)
+        assert torch.equal(out, eager.body(*batch)), i
+        leaves = torch.utils._pytree.tree_leaves
+        for x, y in zip(leaves(case.state()), leaves(eager.state()), strict=True):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (i, x, y)
+        assert_same(
+            tensors_of(case.modules, case.optimizers), tensors_of(eager.modules, eager.optimizers)
+        )
+    runners = [p.run for p in step._engine.cache.programs()]
+    assert all(isinstance(r, cudagraph.CudaGraphRunner) for r in runners), runners
+    # The steady state's program: captured, then replayed.
+    assert any(r.captures == 1 and r.calls >= 4 for r in runners), [r.describe() for r in runners]
+
+
 def test_jit_pure_form_with_graph_replay_writes_the_donated_state(monkeypatch) -> None:
     from test_jit import example
 

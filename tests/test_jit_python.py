@@ -360,13 +360,13 @@ def hidden_on_trainer() -> Case:
 
 class TensorMeter:
     def __init__(self) -> None:
-        self.sum, self.count = torch.zeros(()), 0
+        self.sum, self.count = torch.zeros(()), torch.zeros((), dtype=torch.long)
 
 
 def tensor_meter() -> Case:
     model, opt = net()
     meter = TensorMeter()
-    first = meter.sum  # eager updates this very tensor in place
+    first, count = meter.sum, meter.count  # eager updates these very tensors in place
 
     def body(x: Tensor, y: Tensor) -> Tensor:
         loss = standard(model, opt, x, y)
@@ -374,7 +374,7 @@ def tensor_meter() -> Case:
         meter.count += x.shape[0]
         return meter.sum / meter.count
 
-    state = lambda: (meter.sum, meter.count, meter.sum is first)  # noqa: E731
+    state = lambda: (meter.sum, meter.count, meter.sum is first, meter.count is count)  # noqa: E731
     return Case(body, [model], [opt], state=state, batches=data())
 
 

@@ -339,7 +339,8 @@ class StepBody:
         )
         symbolic = traced.fakes is not None
         capture_graphs = self._captures(plan.devices)
-        if capture_graphs and (python.fed or python.n_outputs or host_scalars(traced.graph)):
+        numbers = body.numbers or any(not _is_t(loc.get()) for loc in python.fed)
+        if capture_graphs and (numbers or host_scalars(traced.graph)):
             # Python numbers in or out (a counter, loss.item()) are host memory that a
             # replay would not read or write: such a graph runs uncaptured.
             if self.cuda_graphs:

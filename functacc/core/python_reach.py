@@ -6,8 +6,9 @@ config dict — is baked into the graph; what it writes there happens once. To d
 step must know where those values live. The body's code says it: its free variables (closure
 cells), the globals it names (``co_names``), its parameters' defaults, ``self`` for a bound
 method or a callable object, and the same for the functions it defines and the user
-functions it calls by name. Those are the *roots*; a :class:`Location` is a root followed by attribute and item steps
-(``self.cfg.scale``, ``state['step']``), read afresh on every call.
+functions it calls by name. Those are the *roots*; a :class:`Location` is a root followed
+by attribute and item steps (``self.cfg.scale``, ``state['step']``), read afresh on every
+call.
 
 Plain objects and dicts reached from the roots (a trainer, a config, a ``SimpleNamespace``)
 are recorded exactly while the body is traced (:mod:`.python_recording`).

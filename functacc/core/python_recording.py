@@ -259,6 +259,7 @@ class RecordingList(list):
     def _note(self) -> None:
         if self.recorder.recording:
             self.read = True
+            self.recorder.list_read(self)  # its tensors are fed to the graph
 
     def __len__(self) -> int:
         self._note()

@@ -154,6 +154,9 @@ class Recorder:
         ACTIVE.append(self)
         self._undo.append(ACTIVE.pop)
         self.recording = True
+        unfed = self.unfed_tensors()  # a variable's (read as soon as the body runs)
+        if unfed:
+            raise Retry(unfed)
 
     def finish(self) -> None:
         """After the body returned: every write, collected as an effect. Raises
@@ -208,8 +211,20 @@ class Recorder:
         self.note_tensors(mapping.location.child("item", key), value)
 
     def note_tensors(self, location: Location, value: Any) -> None:
-        for loc in tensor_locations(location, value, self.owned):
-            self.tensor_reads.setdefault(loc, None)
+        """The body reads ``value`` at ``location``: a tensor there not fed yet stops the
+        trace at once (:class:`Retry` feeds it), before the body can update it in place."""
+        new = [
+            loc
+            for loc in tensor_locations(location, value, self.owned)
+            if loc not in self.symbolic_inputs
+        ]
+        self.tensor_reads.update(dict.fromkeys(new))
+        if new and self.recording:
+            raise Retry(new)
+
+    def list_read(self, lst: RecordingList) -> None:
+        for i, value in enumerate(list(list.__iter__(lst))):
+            self.note_tensors(lst.location.child("item", i), value)
 
     def unfed_tensors(self) -> list[Location]:
         """The tensors the body read from its Python state that are not fed yet (the
