@@ -971,3 +971,62 @@ def test_changed_module_attribute_retraces_under_inductor() -> None:
         assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, what=f"loss {i}")
     assert_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6, what="model")
     assert step.num_traces == 2
+
+
+class UncertaintyWeighted(nn.Module):
+    """A loss with a learnable weight of its own (Kendall et al.'s uncertainty weighting),
+    trained by the same optimizer as the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_var = nn.Parameter(torch.zeros(()))
+
+    def forward(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return (
+            nn.functional.cross_entropy(outputs, targets) * self.log_var.neg().exp() + self.log_var
+        )
+
+
+@pytest.mark.parametrize(
+    "kind", ["class weights module", "closure weights and scale", "learnable loss"]
+)
+def test_what_the_loss_fn_reads_is_read_every_call_like_eager(kind: str) -> None:
+    # compile_step's loss_fn is the user's code too: class weights changed in place, a
+    # closure's weight tensor replaced, a loss scale annealed between calls (each was baked
+    # in at the trace: the scale silently, the weights a TraceError), a loss module's own
+    # parameter trained by the optimizer.
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 5))
+        state = {"weights": torch.linspace(0.5, 2.0, 5), "scale": 1.0}
+        if kind == "class weights module":
+            loss_fn = nn.CrossEntropyLoss(weight=state["weights"])
+        elif kind == "learnable loss":
+            loss_fn = UncertaintyWeighted()
+        else:
+
+            def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                loss = nn.functional.cross_entropy(outputs, targets, weight=state["weights"])
+                return loss * state["scale"]
+
+        params = [*model.parameters(), *(loss_fn.parameters() if kind == "learnable loss" else [])]
+        return model, loss_fn, torch.optim.SGD(params, lr=0.1), state
+
+    model, loss_fn, opt, state = build()
+    ref, ref_loss_fn, ref_opt, ref_state = build()
+    step = functacc.compile_step(model, loss_fn, opt, backend="eager")
+    for i, (x, y) in enumerate(data(4)):
+        for s in (state, ref_state):
+            s["weights"][i] += 1.0  # in place: the module's buffer is this tensor
+            if kind == "closure weights and scale":
+                s["weights"] = s["weights"] * 0.5  # replaced
+                s["scale"] = 1.0 / (i + 1)  # annealed
+        loss, ref_loss = both_step(step, ref, ref_opt, x, y, loss_fn=ref_loss_fn)
+        assert torch.equal(loss, ref_loss), (i, loss, ref_loss)
+    for a, b in zip(
+        [*model.parameters(), *opt.param_groups[0]["params"]],
+        [*ref.parameters(), *ref_opt.param_groups[0]["params"]],
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    assert step.num_traces == (2 if kind == "closure weights and scale" else 1)  # then fed

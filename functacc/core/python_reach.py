@@ -197,6 +197,7 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
     roots: dict[tuple, Root] = {}
     seen: set[int] = set()
     target = fn.func if isinstance(fn, functools.partial) else fn
+    target = getattr(target, "functacc_user_code", target)  # compile_step's loss_fn
     owner = getattr(target, "__self__", None)
     plain_call = not inspect.isfunction(target) and not inspect.ismethod(target)
     if owner is None and plain_call and is_plain_object(target):

@@ -190,7 +190,9 @@ class PythonState:
 
             self._branch_keys.add((branches, tuple(fed)))
             check = eval(f"lambda L: bool({branches})", dict(SYMPY_INTERP))
-            self.branches.append((check, list(fed)))
+            # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
+            numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]
+            self.branches.append((check, numbers))
         for loc, value in recorder.guards.items():
             self.guards.setdefault(loc, None)
             self.traced_values[loc] = value

@@ -22,8 +22,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -41,10 +40,8 @@ from .step_fn import (
     TrainState,
     check_grad_enabled,
     check_step_arguments,
-    checked_loss,
-    model_loss,
-    no_gradient_error,
-    split_micro_batches,
+    loss_modules,
+    standard_body,
 )
 
 __all__ = ["Step"]
@@ -84,10 +81,13 @@ class Step:
         self.scaler = _grad_scaler(self.precision, self.model)
         self._calls = 0
         self._skipped: Tensor | None = None  # steps the scaler skipped, counted on the device
-        self._pure = PureForm(self.model, opt, self.scaler)
+        try:  # the model's state as a TrainState (state, init_state(), apply())
+            self._pure_form: PureForm | Exception = PureForm(self.model, opt, self.scaler)
+        except ValueError as exc:  # an optimizer of a loss module's parameters too: the
+            self._pure_form = exc  # step trains them; its pure form is refused when used
         self._jitted = build_jitted(
             standard_body(self.model, loss_fn, opt, self.scaler, self),
-            modules=[self.model],
+            modules=[self.model, *loss_modules(loss_fn, self.model)],
             optimizers=[opt],
             backend=backend,
             inductor_options=inductor_options,
@@ -199,6 +199,12 @@ class Step:
             self._pure.restore(saved)
             self._calls, self._skipped = calls, skipped
 
+    @property
+    def _pure(self) -> PureForm:
+        if isinstance(self._pure_form, Exception):
+            raise self._pure_form
+        return self._pure_form
+
     def _check_pure(self, what: str) -> None:
         from ..parallel.mesh import world_size
 
@@ -283,69 +289,6 @@ class Step:
         return self.model
 
 
-def standard_body(
-    model: nn.Module,
-    loss_fn: LossFn | None,
-    opt: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    options: Any,
-) -> Callable[..., Any]:
-    """The eager step that ``compile_step`` compiles, as eager PyTorch would write it (with
-    ``precision=``: the AMP recipe): ``train_step(inputs, targets)`` with a ``loss_fn``,
-    else ``train_step(*args, **kwargs)``. Its closure names ``model`` and ``opt`` and its
-    parameters the batch, the names messages use; ``options`` has ``grad_accum_steps``,
-    ``max_grad_norm`` and ``precision``."""
-    k, max_norm, precision = options.grad_accum_steps, options.max_grad_norm, options.precision
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
-
-    def step(model: nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        # The model's gradients, not only the optimizer's: those of trainable parameters the
-        # optimizer does not hold (frozen for it) live only inside the step too, instead
-        # of accumulating in .grad from call to call.
-        model.zero_grad(set_to_none=True)
-        losses = []
-        for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
-            with precision.autocast(device_type) if precision else contextlib.nullcontext():
-                if loss_fn is None:
-                    outputs = _call(model, micro_args, micro_kwargs)
-                    loss = checked_loss(model_loss(outputs), "the model's loss")
-                else:
-                    inputs, targets = micro_args
-                    outputs = _call(model, (inputs,), {})
-                    loss = checked_loss(loss_fn(outputs, targets), "loss_fn(outputs, targets)")
-            if not loss.requires_grad:
-                raise no_gradient_error()
-            scaled = loss / k if k > 1 else loss
-            (scaler.scale(scaled) if scaler else scaled).backward()
-            losses.append(loss.detach())
-        if max_norm is not None:
-            if scaler:  # the recipe: clip the true gradients
-                scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        loss = losses[0] if k == 1 else torch.stack(losses).mean()
-        if scaler is None:
-            opt.step()
-            model.zero_grad(set_to_none=True)
-            return loss
-        scale = scaler._scale.clone()  # it backs off exactly when the step is skipped
-        scaler.step(opt)
-        scaler.update()
-        model.zero_grad(set_to_none=True)
-        return loss, (scaler._scale < scale).to(torch.int64)
-
-    if loss_fn is not None:
-
-        def train_step(inputs: Any, targets: Any) -> Any:
-            return step(model, opt, (inputs, targets), {})
-
-        return train_step
-
-    def train_step_of_model(*args: Any, **kwargs: Any) -> Any:
-        return step(model, opt, args, kwargs)
-
-    return train_step_of_model
-
-
 def _grad_scaler(precision: Precision | None, model: nn.Module) -> torch.amp.GradScaler | None:
     """float16's dynamic loss scaling: a ``torch.amp.GradScaler`` of the same settings."""
     if precision is None or not precision.loss_scaling:
@@ -362,14 +305,3 @@ def _grad_scaler(precision: Precision | None, model: nn.Module) -> torch.amp.Gra
 
 def _nbytes(tensors: list) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
-
-
-def _call(model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    if len(args) == 1 and not kwargs:
-        inputs = args[0]
-        if isinstance(inputs, dict):
-            return model(**inputs)
-        if isinstance(inputs, (tuple, list)):
-            return model(*inputs)
-        return model(inputs)
-    return model(*args, **kwargs)

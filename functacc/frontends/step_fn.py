@@ -1,10 +1,11 @@
-"""What ``compile_step``'s standard body is made of: the argument checks, the loss checks,
-micro-batches, and :class:`TrainState`, the form of the step's state for its pure call
-(``step.init_state()``, ``step.apply(state, ...)``).
+"""``compile_step``'s standard body (:func:`standard_body`) and what it is made of: the
+argument checks, the loss checks, micro-batches, and :class:`TrainState`, the form of the
+step's state for its pure call (``step.init_state()``, ``step.apply(state, ...)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -16,7 +17,7 @@ from ..core.diagnostics import describe_tensor
 from ..core.functional import unwrap
 from ..errors import argument_error
 
-__all__ = ["LossFn", "TrainState"]
+__all__ = ["LossFn", "TrainState", "loss_modules", "standard_body"]
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -125,3 +126,98 @@ def split_micro_batches(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, 
         ]
         micro.append(pytree.tree_unflatten(chunk, spec))
     return micro
+
+
+def standard_body(
+    model: nn.Module,
+    loss_fn: LossFn | None,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    options: Any,
+) -> Callable[..., Any]:
+    """The eager step that ``compile_step`` compiles, as eager PyTorch would write it (with
+    ``precision=``: the AMP recipe): ``train_step(inputs, targets)`` with a ``loss_fn``,
+    else ``train_step(*args, **kwargs)``. Its closure names ``model`` and ``opt`` and its
+    parameters the batch, the names messages use; ``options`` has ``grad_accum_steps``,
+    ``max_grad_norm`` and ``precision``."""
+    k, max_norm, precision = options.grad_accum_steps, options.max_grad_norm, options.precision
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    trained = [model, *loss_modules(loss_fn, model)]  # a loss module's own parameters
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        # The model's gradients, not only the optimizer's: those of trainable parameters the
+        # optimizer does not hold (frozen for it) live only inside the step too, instead
+        # of accumulating in .grad from call to call.
+        _zero_grad(trained)
+        losses = []
+        for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
+            with precision.autocast(device_type) if precision else contextlib.nullcontext():
+                if loss_fn is None:
+                    outputs = _call(model, micro_args, micro_kwargs)
+                    loss = checked_loss(model_loss(outputs), "the model's loss")
+                else:
+                    inputs, targets = micro_args
+                    outputs = _call(model, (inputs,), {})
+                    loss = checked_loss(loss_fn(outputs, targets), "loss_fn(outputs, targets)")
+            if not loss.requires_grad:
+                raise no_gradient_error()
+            scaled = loss / k if k > 1 else loss
+            (scaler.scale(scaled) if scaler else scaled).backward()
+            losses.append(loss.detach())
+        if max_norm is not None:
+            if scaler:  # the recipe: clip the true gradients
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        if scaler is None:
+            opt.step()
+            _zero_grad(trained)
+            return loss
+        scale = scaler._scale.clone()  # it backs off exactly when the step is skipped
+        scaler.step(opt)
+        scaler.update()
+        _zero_grad(trained)
+        return loss, (scaler._scale < scale).to(torch.int64)
+
+    if loss_fn is not None:
+
+        def train_step(inputs: Any, targets: Any) -> Any:
+            return step(model, opt, (inputs, targets), {})
+
+        # The user's code the step runs: what loss_fn reads in Python (a closure's weight or
+        # scale) is followed as jit follows a body's (core/python_reach.py).
+        train_step.functacc_user_code = loss_fn  # type: ignore[attr-defined]
+        return train_step
+
+    def train_step_of_model(*args: Any, **kwargs: Any) -> Any:
+        return step(model, opt, args, kwargs)
+
+    return train_step_of_model
+
+
+def _zero_grad(modules: list[nn.Module]) -> None:
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+
+
+def loss_modules(loss_fn: LossFn | None, model: nn.Module) -> list[nn.Module]:
+    """A loss module with tensors of its own (``nn.CrossEntropyLoss(weight=w)``'s class
+    weights, a learnable loss weight): captured with the model, read on every call."""
+    if not isinstance(loss_fn, nn.Module) or loss_fn is model:
+        return []
+    return (
+        [loss_fn]
+        if next(iter([*loss_fn.parameters(), *loss_fn.buffers()]), None) is not None
+        else []
+    )
+
+
+def _call(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    if len(args) == 1 and not kwargs:
+        inputs = args[0]
+        if isinstance(inputs, dict):
+            return model(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return model(*inputs)
+        return model(inputs)
+    return model(*args, **kwargs)
