@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import time
 import types
 
@@ -1481,3 +1482,164 @@ def test_this_sessions_checks_and_writes_under_inductor(capsys) -> None:
     for a, b in zip(jitted[2], eager[2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert jitted[3] is True
+
+
+class ImagePool:
+    """junyanz/pytorch-CycleGAN-and-pix2pix util/image_pool.py: a history of generated
+    images, each query returning, with probability 1/2, a stored one in place of a new."""
+
+    def __init__(self, pool_size: int):
+        self.pool_size = pool_size
+        if self.pool_size > 0:
+            self.num_imgs = 0
+            self.images: list[torch.Tensor] = []
+
+    def query(self, images: torch.Tensor) -> torch.Tensor:
+        if self.pool_size == 0:
+            return images
+        return_images = []
+        for image in images:
+            image = torch.unsqueeze(image.data, 0)
+            if self.num_imgs < self.pool_size:
+                self.num_imgs = self.num_imgs + 1
+                self.images.append(image)
+                return_images.append(image)
+            elif random.uniform(0, 1) > 0.5:
+                random_id = random.randint(0, self.pool_size - 1)
+                tmp = self.images[random_id].clone()
+                self.images[random_id] = image
+                return_images.append(tmp)
+            else:
+                return_images.append(image)
+        return torch.cat(return_images, 0)
+
+
+class CycleGAN:
+    """models/cycle_gan_model.py's optimize_parameters, with small networks: both
+    generators' step with the discriminators frozen (set_requires_grad), then both
+    discriminators' step on images from the pools."""
+
+    def __init__(self, pool_size: int):
+        torch.manual_seed(0)
+        self.netG_A, self.netG_B = (
+            nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2)
+        )
+        self.netD_A, self.netD_B = (
+            nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)) for _ in range(2)
+        )
+        g_params = [*self.netG_A.parameters(), *self.netG_B.parameters()]
+        d_params = [*self.netD_A.parameters(), *self.netD_B.parameters()]
+        self.optimizer_G = torch.optim.Adam(g_params, lr=2e-3, betas=(0.5, 0.999))
+        self.optimizer_D = torch.optim.Adam(d_params, lr=2e-3, betas=(0.5, 0.999))
+        self.fake_A_pool, self.fake_B_pool = ImagePool(pool_size), ImagePool(pool_size)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [self.netG_A, self.netG_B, self.netD_A, self.netD_B]
+
+    def gan_loss(self, prediction: torch.Tensor, target_is_real: bool) -> torch.Tensor:
+        target = torch.ones_like(prediction) if target_is_real else torch.zeros_like(prediction)
+        return F.mse_loss(prediction, target)  # lsgan
+
+    @staticmethod
+    def set_requires_grad(nets: list[nn.Module], requires_grad: bool = False) -> None:
+        for net in nets:
+            for param in net.parameters():
+                param.requires_grad = requires_grad
+
+    def backward_D_basic(self, netD: nn.Module, real: torch.Tensor, fake: torch.Tensor):
+        loss_D = (self.gan_loss(netD(real), True) + self.gan_loss(netD(fake.detach()), False)) * 0.5
+        loss_D.backward()
+        return loss_D
+
+    def forward_and_backward_G(self, real_A: torch.Tensor, real_B: torch.Tensor) -> None:
+        self.fake_B, self.fake_A = self.netG_A(real_A), self.netG_B(real_B)
+        rec_A, rec_B = self.netG_B(self.fake_B), self.netG_A(self.fake_A)
+        self.set_requires_grad([self.netD_A, self.netD_B], False)
+        self.optimizer_G.zero_grad()
+        idt_A, idt_B = self.netG_A(real_B), self.netG_B(real_A)
+        self.loss_G = (
+            self.gan_loss(self.netD_A(self.fake_B), True)
+            + self.gan_loss(self.netD_B(self.fake_A), True)
+            + F.l1_loss(rec_A, real_A) * 10.0
+            + F.l1_loss(rec_B, real_B) * 10.0
+            + F.l1_loss(idt_A, real_B) * 5.0
+            + F.l1_loss(idt_B, real_A) * 5.0
+        )
+        self.loss_G.backward()
+        self.optimizer_G.step()
+        self.set_requires_grad([self.netD_A, self.netD_B], True)
+
+    def backward_and_step_D(self, real_A, real_B, fake_A, fake_B) -> None:
+        self.optimizer_D.zero_grad()
+        self.loss_D_A = self.backward_D_basic(self.netD_A, real_B, fake_B)
+        self.loss_D_B = self.backward_D_basic(self.netD_B, real_A, fake_A)
+        self.optimizer_D.step()
+
+    def optimize_parameters(self, real_A: torch.Tensor, real_B: torch.Tensor) -> None:
+        self.forward_and_backward_G(real_A, real_B)
+        fake_B, fake_A = self.fake_B_pool.query(self.fake_B), self.fake_A_pool.query(self.fake_A)
+        self.backward_and_step_D(real_A, real_B, fake_A, fake_B)
+
+
+def cyclegan_run(pool_size: int, how: str) -> list[torch.Tensor]:
+    gan = CycleGAN(pool_size)
+    if how == "one step":
+        step = functacc.jit(
+            gan.optimize_parameters,
+            modules=gan.modules,
+            optimizers=[gan.optimizer_G, gan.optimizer_D],
+            backend="eager",
+        )
+    elif how == "pools between":  # the advice: the pools queried outside, between two steps
+        optimizers = [gan.optimizer_G, gan.optimizer_D]  # the object holds both
+        g_step, d_step = (
+            functacc.jit(f, modules=gan.modules, optimizers=optimizers, backend="eager")
+            for f in (gan.forward_and_backward_G, gan.backward_and_step_D)
+        )
+
+        def step(real_A: torch.Tensor, real_B: torch.Tensor) -> None:
+            g_step(real_A, real_B)
+            fake_B, fake_A = gan.fake_B_pool.query(gan.fake_B), gan.fake_A_pool.query(gan.fake_A)
+            d_step(real_A, real_B, fake_A, fake_B)
+    else:
+        step = gan.optimize_parameters
+    g = torch.Generator().manual_seed(1)
+    random.seed(0)  # the pools' draws
+    losses = []
+    for _ in range(4):
+        step(torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g))
+        losses += [gan.loss_G.detach(), gan.loss_D_A.detach(), gan.loss_D_B.detach()]
+    assert all(p.requires_grad for m in gan.modules for p in m.parameters())
+    return losses + [p.detach().clone() for m in gan.modules for p in m.parameters()]
+
+
+def test_cyclegan_trains_as_in_eager_and_its_image_pool_is_refused_with_advice_that_works() -> None:
+    # Without pools (--pool_size 0), the whole of optimize_parameters, set_requires_grad
+    # included, is one step, bit for bit with eager.
+    for a, b in zip(cyclegan_run(0, "one step"), cyclegan_run(0, "eager"), strict=True):
+        assert torch.equal(a, b)
+    # With pools: a query assigns into the pool's list at random once it is full, which a
+    # step cannot replay: a TraceError naming the list, nothing changed by that call.
+    gan = CycleGAN(3)
+    step = functacc.jit(
+        gan.optimize_parameters,
+        modules=gan.modules,
+        optimizers=[gan.optimizer_G, gan.optimizer_D],
+        backend="eager",
+    )
+    x = torch.randn(3, 8)
+    random.seed(0)
+    step(x, x)  # the pools fill up
+    before = [p.detach().clone() for m in gan.modules for p in m.parameters()]
+    with pytest.raises(
+        functacc.TraceError, match=r"(?s)list self\.fake_\w_pool\.images.*outside the step"
+    ):
+        step(x, x)
+    assert all(
+        torch.equal(a, p)
+        for a, p in zip(before, [p for m in gan.modules for p in m.parameters()], strict=True)
+    )
+    # Its advice, done: the pools queried between a generator step and a discriminator step.
+    for a, b in zip(cyclegan_run(3, "pools between"), cyclegan_run(3, "eager"), strict=True):
+        assert torch.equal(a, b)
