@@ -71,12 +71,13 @@ def attribute_change_error(names: list[str]) -> Exception:
 
 
 def host_random_error(generators: list[str]) -> TraceError:
-    """The forward or the loss drew from Python's or NumPy's global generator while traced."""
+    """The step drew from Python's or NumPy's global generator while traced."""
     labels = {"random": "Python's random module", "numpy.random": "NumPy's np.random"}
     names = " and ".join(labels.get(g, g) for g in generators)
     return TraceError(
-        f"the forward or the loss drew random numbers from {names} while it was traced: a "
-        "compiled step runs their Python code once, when it traces, so every step would "
+        f"the step (a forward, a loss or a jitted body) drew random numbers from {names} "
+        "while it was traced: a compiled step runs its Python code once, when it traces, so "
+        "every step would "
         "reuse the numbers drawn then (a layer-drop or stochastic-depth decision taken once "
         "for the whole run), where eager PyTorch draws new ones at every step. Draw them with "
         "torch instead (torch.rand, torch.bernoulli, torch.randint): they are part of the "
