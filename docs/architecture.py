@@ -36,6 +36,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_state",
         "core/python_replay",
         "core/python_tensors",
+        "core/python_numpy",
         "core/python_reach",
         "core/python_trace",
         "core/python_recording",

@@ -936,3 +936,65 @@ def test_a_tensor_that_requires_grad_in_python_state_is_named_with_advice_that_w
 
     for a, b in zip(advised(0, True), advised(0, False), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_numpy_arrays_made_in_the_step_are_eagers_after_each_call(backend: str) -> None:
+    # A loop keeping predictions for metrics computed later (scikit-learn's F1, a confusion
+    # matrix): tensor.numpy() in the step failed ("not supported for tensor subclasses",
+    # advising to check the inputs); the arrays are now made after each call.
+    def run(jit: bool) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        preds: list = []
+        labels: list = []
+        kept: dict = {}
+
+        def body(x: Tensor, y: Tensor) -> tuple:
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            preds.extend(out.argmax(1).cpu().numpy())  # NumPy scalars, as eager's
+            labels.append(y.cpu().numpy())  # an argument's array
+            kept["probs"] = out.softmax(1).detach().numpy()
+            return loss.item(), out.detach().numpy()
+
+        step = (
+            functacc.jit(body, modules=[model], optimizers=[opt], backend=backend) if jit else body
+        )
+        g = torch.Generator().manual_seed(1)
+        returned = [
+            step(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g))
+            for _ in range(3)
+        ]
+        assert not jit or step.num_traces == 1
+        return returned, preds, labels, kept["probs"]
+
+    (got, preds, labels, probs), (want, preds0, labels0, probs0) = run(True), run(False)
+    tol = {} if backend == "eager" else {"rtol": 1e-5, "atol": 1e-6}
+    assert [type(p) for p in preds] == [type(p) for p in preds0] and preds == preds0
+    assert all(np.array_equal(a, b) for a, b in zip(labels, labels0, strict=True))
+    np.testing.assert_allclose(probs, probs0, **tol)
+    for (loss, out), (loss0, out0) in zip(got, want, strict=True):
+        assert type(out) is type(out0) and out.dtype == out0.dtype
+        np.testing.assert_allclose(out, out0, **tol)
+        assert loss == pytest.approx(loss0, rel=1e-5) if tol else loss == loss0
+
+
+def test_computing_with_a_numpy_array_in_the_step_is_a_clear_error_changing_nothing() -> None:
+    model, opt = net()
+
+    def body(x: Tensor, y: Tensor) -> float:
+        loss = standard(model, opt, x, y)
+        return float((model(x).detach().numpy() > 0).mean()) + loss.item()
+
+    before = tensors_of([model], [opt])
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(
+        functacc.TraceError, match=r"NumPy array of a traced tensor.*after the call"
+    ):
+        step(*data(1)[0])
+    assert_same(tensors_of([model], [opt]), before)

@@ -100,6 +100,9 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
         if template[2] is not None:
             made._metadata = template[2]  # type: ignore[attr-defined]
         return made
+    if kind == "numpy":  # tensor.numpy() in the step (python_numpy)
+        array = build(template[1], outputs, lrs).numpy()
+        return array[template[2]] if template[2] else array
     if kind in ("fmt", "path"):
         from .python_output import fill
 

@@ -37,6 +37,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .python_effects import ABSENT, restorer
 from .python_files import NotedFile, noting_open
+from .python_numpy import traced_numpy
 from .python_percent import patch_percent, untangle
 
 __all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output", "token"]
@@ -163,6 +164,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         patch(Path, name, _noting(getattr(Path, name), note, f"Path.{name}()"))
     patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
     patch(torch, "save", _noting(torch.save, note, "torch.save()"))
+    patch(torch.Tensor, "numpy", traced_numpy(torch.Tensor.numpy))  # preds.extend(t.numpy())
     for module_name, class_name, methods in _NOTED_METHODS:
         module = sys.modules.get(module_name)
         cls = getattr(module, class_name, None)

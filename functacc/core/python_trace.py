@@ -35,6 +35,7 @@ from .python_effects import (
     Template,
     list_effect,
 )
+from .python_numpy import TracedArray, numpy_template
 from .python_output import output_template
 from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, RecordingList, recording
@@ -256,6 +257,8 @@ class Recorder:
             return ("out", len(self.outputs) - 1)
         if isinstance(value, LastLR):
             return ("lr", value)
+        if isinstance(value, TracedArray):  # t.numpy(): the array, made after each call
+            return numpy_template(value, lambda t: self.template(t, where))
         made = output_template(value, lambda v: self.template(v, where), self.rendered)
         if made is not None:  # a formatted string or path, a state_dict()
             return made
