@@ -20,6 +20,7 @@ import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -402,9 +403,76 @@ def closure_tensors() -> Case:
     return Case(body, [model], [opt], between=between, batches=data())
 
 
+# A training script's globals (CleanRL's): the body reads globals assigned only after jit()
+# (``b_obs = obs.reshape(...)`` each iteration), writes one that does not exist yet, and calls
+# a logger whose method appends to a list of the script.
+SCRIPT = """
+def body(x, y):
+    global last_loss
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y * mask) * scale
+    loss.backward()
+    opt.step()
+    last_loss = loss.item()
+    logger.log("loss", last_loss)
+    return loss
+
+
+class Logger:
+    def log(self, key, value):
+        logged.append((key, value))
+"""
+
+
+def script_globals() -> Case:
+    model, opt = net()
+    script = {"__name__": "train_script", "F": F, "model": model, "opt": opt, "logged": []}
+    exec(SCRIPT, script)
+    script["logger"] = script["Logger"]()
+
+    def between(i: int) -> None:
+        script["scale"] = 1.0 + 0.5 * i
+        script["mask"] = torch.full((8, 1), float(i + 1))
+
+    state = lambda: (script.get("last_loss"), list(script["logged"]))  # noqa: E731
+    return Case(script["body"], [model], [opt], state, between, batches=data(), traces=2)
+
+
+class Tempered(nn.Module):
+    """A learned temperature kept as a plain tensor attribute, not a Parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        self.log_t = torch.zeros(1, requires_grad=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) * self.log_t.exp()
+
+
+def optimizer_only_tensors() -> Case:
+    """Tensors an optimizer updates that no module owns as a parameter (SAC's
+    ``log_alpha = torch.zeros(1, requires_grad=True)``): a closure's, a module attribute."""
+    torch.manual_seed(0)
+    model, shift = Tempered(), torch.zeros(1, requires_grad=True)
+    opt = torch.optim.Adam([*model.parameters(), model.log_t, shift], lr=0.1)
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x) + shift, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    state = lambda: (shift, shift.grad, model.log_t, model.log_t.grad)  # noqa: E731
+    return Case(body, [model], [opt], state, batches=data())
+
+
 CASES = {
     f.__name__: f
     for f in (
+        script_globals,
+        optimizer_only_tensors,
         helper_reads_global,
         attribute_read,
         closure_scale,
@@ -896,8 +964,9 @@ def test_a_tensor_of_the_python_state_updated_in_place_stays_that_tensor() -> No
 
 
 def test_a_tensor_that_requires_grad_in_python_state_is_named_with_advice_that_works() -> None:
-    # SAC's temperature kept as a bare tensor: eager's backward() reaches it, a graph input
-    # would not, so it is not fed. The advice (a parameter of a module given) runs.
+    # SAC's temperature kept as a bare tensor, its optimizer not given: eager's backward()
+    # reaches it, a graph input would not, so it is not fed. Both pieces of advice (its
+    # optimizer given, or a parameter of a module given) run as eager.
     model, opt = net()
     log_alpha = torch.zeros(1, requires_grad=True)
     alpha_opt = torch.optim.SGD([log_alpha], lr=0.1)
@@ -914,16 +983,22 @@ def test_a_tensor_that_requires_grad_in_python_state_is_named_with_advice_that_w
     before = tensors_of([model], [opt])
     step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
     with pytest.raises(
-        functacc.TraceError, match=r"(?s)require grad at .*'log_alpha'.*nn\.Parameter"
+        functacc.TraceError,
+        match=r"(?s)require grad at .*'log_alpha'.*optimizers=.*nn\.Parameter",
     ):
         step(*data(1)[0])
     assert_same(tensors_of([model], [opt]), before)
 
-    def advised(seed: int, jit: bool) -> list[Tensor]:
+    def advised(seed: int, jit: bool, parameter: bool) -> list[Tensor]:
         model, opt = net(seed)
-        temperature = nn.Module()
-        temperature.log_alpha = nn.Parameter(torch.zeros(1))
-        alpha_opt = torch.optim.SGD(temperature.parameters(), lr=0.1)
+        if parameter:
+            temperature: Any = nn.Module()
+            temperature.log_alpha = nn.Parameter(torch.zeros(1))
+            modules = [model, temperature]
+        else:  # a bare tensor still, on a plain object; alpha_opt given in optimizers=
+            temperature = SimpleNamespace(log_alpha=torch.zeros(1, requires_grad=True))
+            modules = [model]
+        alpha_opt = torch.optim.SGD([temperature.log_alpha], lr=0.1)
 
         def body(x: Tensor, y: Tensor) -> Tensor:
             loss = F.mse_loss(model(x), y) * temperature.log_alpha.exp()
@@ -934,17 +1009,19 @@ def test_a_tensor_that_requires_grad_in_python_state_is_named_with_advice_that_w
             alpha_opt.step()
             return loss
 
-        modules, opts = [model, temperature], [opt, alpha_opt]
+        opts = [opt, alpha_opt]
         step = (
             functacc.jit(body, modules=modules, optimizers=opts, backend="eager") if jit else body
         )
         for i, batch in enumerate(data(3)):
             torch.manual_seed(i)
             step(*batch)
-        return [t.detach().clone() for m in modules for t in m.parameters()]
+        return [t.detach().clone() for t in [*model.parameters(), temperature.log_alpha]]
 
-    for a, b in zip(advised(0, True), advised(0, False), strict=True):
-        assert torch.equal(a, b)
+    for parameter in (True, False):
+        for a, b in zip(advised(0, True, parameter), advised(0, False, parameter), strict=True):
+            assert torch.equal(a, b)
+    assert not torch.equal(advised(0, True, False)[-1], torch.zeros(1))  # it did train
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])

@@ -994,6 +994,7 @@ class UncertaintyWeighted(nn.Module):
         ("class weights module", "eager"),
         ("closure weights and scale", "eager"),
         ("learnable loss", "eager"),
+        ("learned temperature tensor", "eager"),
         pytest.param("closure weights and scale", "inductor", marks=pytest.mark.inductor),
     ],
 )
@@ -1001,15 +1002,23 @@ def test_what_the_loss_fn_reads_is_read_every_call_like_eager(kind: str, backend
     # compile_step's loss_fn is the user's code too: class weights changed in place, a
     # closure's weight tensor replaced, a loss scale annealed between calls (each was baked
     # in at the trace: the scale silently, the weights a TraceError), a loss module's own
-    # parameter trained by the optimizer.
+    # parameter trained by the optimizer, a bare tensor the optimizer trains (a temperature:
+    # refused as "not a parameter of the step's modules", then its .grad accumulated).
     def build() -> tuple:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 5))
         state = {"weights": torch.linspace(0.5, 2.0, 5), "scale": 1.0}
+        log_t = torch.zeros(1, requires_grad=True)
         if kind == "class weights module":
             loss_fn = nn.CrossEntropyLoss(weight=state["weights"])
         elif kind == "learnable loss":
             loss_fn = UncertaintyWeighted()
+        elif kind == "learned temperature tensor":
+
+            def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                return nn.functional.cross_entropy(outputs / log_t.exp(), targets)
+
+            return model, loss_fn, torch.optim.SGD([*model.parameters(), log_t], lr=0.1), state
         else:
 
             def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ from typing import Any
 from torch import Tensor
 
 from ..errors import TraceError
-from .python_reach import plain_objects
+from .python_reach import Location, plain_objects
+from .python_tensors import held_tensors
 
 __all__ = ["dropped_gradient_error", "outside_tensor_error"]
 
@@ -77,8 +78,9 @@ def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> Trace
                 f"{', '.join(held[:4])}: functacc.jit feeds the tensors it reads from "
                 "variables, attributes, dicts and lists to the graph on every call, but not "
                 "these, since eager's backward() reaches them and a graph input's would not. "
-                "A learnable tensor belongs in a module: nn.Parameter in an nn.Module given "
-                "in modules=(...).\n"
+                "Give the optimizer that updates such a tensor in optimizers=(...) (its "
+                "tensors are then the step's own), or make it an nn.Parameter of a module "
+                "given in modules=(...).\n"
                 if held
                 else ""
             )
@@ -94,19 +96,9 @@ def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> Trace
 def _tensors_held(roots: Sequence[Any]) -> list[str]:
     """Where the body's variables, and the plain objects, dicts and lists it reaches, hold
     tensors that require grad (not fed to the graph: python_tensors), in words."""
-    found = [r.label for r in roots if isinstance(r.get(), Tensor) and r.get().requires_grad]
-    for location, value in plain_objects(list(roots)).values():
-        if isinstance(value, list):
-            items = [("item", i, v) for i, v in enumerate(value)]
-        else:
-            kind = "item" if isinstance(value, dict) else "attr"
-            items = [(kind, k, v) for k, v in (value if kind == "item" else vars(value)).items()]
-        found += [
-            location.child(k, n).label
-            for k, n, v in items
-            if isinstance(v, Tensor) and v.requires_grad
-        ]
-    return found
+    variables = [(Location(root), root.get()) for root in roots]
+    held = held_tensors(variables, plain_objects(list(roots)).values())
+    return [location.label for location, value in held if value.requires_grad]
 
 
 def _real_with_history(text: str) -> bool:

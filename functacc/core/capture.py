@@ -31,6 +31,7 @@ from .functional import (
 )
 from .model_watch import HookWatch, ModelWatch, StructureWatch
 from .optimizers import TracedOptimizer, link_optimizer, trace_optimizer
+from .python_tensors import optimizer_tensors
 
 __all__ = ["Capture"]
 
@@ -66,6 +67,10 @@ class Capture:
                 if id(b) not in seen:
                     seen[id(b)] = f"{label}.{n}"
                     self.buffers[f"{label}.{n}"] = b
+        # Tensors an optimizer updates that no module owns: parameters of the step too.
+        loose = optimizer_tensors(optimizers, optimizer_labels, seen)
+        self.params.update(loose)
+        self.loose = {id(p): p for p in loose.values()}
         # Every submodule once, with its qualified name (for swapping table entries).
         self.submodules: dict[int, tuple[str, nn.Module]] = {}
         for label, module in zip(self.labels, self.modules, strict=True):
@@ -77,7 +82,7 @@ class Capture:
             (f"{qualified}.{attr}", m, attr)
             for qualified, m in self.submodules.values()
             for attr, value in vars(m).items()
-            if isinstance(value, Tensor)
+            if isinstance(value, Tensor) and id(value) not in self.loose
         ]
         self.watch = ModelWatch(
             [m for _, m in self.submodules.values()],
@@ -263,10 +268,14 @@ class Capture:
         tables = [
             (table, key, value)
             for _, m in self.submodules.values()
-            for table in (m._parameters, m._buffers)
+            for table in (m._parameters, m._buffers, vars(m))
             for key, value in table.items()
-            if value is not None and id(value) in swap
+            if isinstance(value, Tensor)
+            and id(value) in swap
+            and (table is not vars(m) or id(value) in self.loose)
         ]
+        if python is not None and self.loose:
+            python.install_loose({i: swap[i] for i in self.loose})
         attribute_inputs = [by_name[f"attribute {q}"] for q, _, _ in self.attributes]
         traced_opts = []
         for opt in self.optimizers:

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import dis
 import enum
 import functools
@@ -57,26 +58,11 @@ MISSING: Any = _Missing()
 
 # Libraries whose functions are not the user's step code (not scanned for the names they
 # read), and whose objects are not the user's Python state (not recorded).
-_LIBRARIES = (
-    "torch",
-    "functacc",
-    "numpy",
-    "logging",
-    "threading",
-    "multiprocessing",
-    "concurrent",
-    "asyncio",
-    "queue",
-    "io",
-    "socket",
-    "weakref",
-    "tqdm",
-    "wandb",
-    "tensorboard",
-    "tensorboardX",
-    "mlflow",
-    "transformers",
-    "timm",
+_LIBRARIES = frozenset(
+    (  # noqa: SIM905 (a list of names, one line)
+        "torch functacc numpy logging threading multiprocessing concurrent asyncio queue io "
+        "socket weakref tqdm wandb tensorboard tensorboardX mlflow transformers timm"
+    ).split()
 )
 _SCAN_DEPTH = 3  # called user functions followed this many calls deep
 _OBJECT_DEPTH = 3  # plain objects reached this many attributes deep from a root
@@ -213,8 +199,11 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
         for key, root in _default_roots(function):  # def step(x, meter=meter)
             roots.setdefault(key, root)
         module_globals = function.__globals__
+        # A global the code reads or assigns that is not defined yet (``b_obs = ...`` each
+        # iteration, after jit()) is a root too: it holds a value by the time the step runs.
+        later = _loaded(code, _GLOBAL_OPS) - module_globals.keys() - vars(builtins).keys()
         for name in _names(code):
-            if name in module_globals and _watchable(module_globals[name]):
+            if name in later or (name in module_globals and _watchable(module_globals[name])):
                 key = ("global", id(module_globals), name)
                 root = roots.setdefault(key, _global_root(name, module_globals))
                 root.loaded = root.loaded or name in loaded
@@ -239,13 +228,18 @@ def _user_functions(
     ]
     if owner is not None:
         scopes.append(lambda n: inspect.getattr_static(owner, n, MISSING))
-    for name in _names(code) | set(cells):
+    names = _names(code)
+    for name in names | set(cells):
         for scope in scopes:
             value = scope(name)
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
             if inspect.isfunction(value) or inspect.ismethod(value):
                 yield from _user_functions(value, owner, seen, depth + 1)
+            elif value is not owner and is_plain_object(value):  # logger.log(...): its code
+                for method in names:
+                    found = inspect.getattr_static(type(value), method, None)
+                    yield from _user_functions(found, value, seen, depth + 1)
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -257,16 +251,17 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _loaded(code: types.CodeType) -> set[str]:
-    """The global and closure variables a code object (and those nested in it) reads."""
-    names = {
-        i.argval
-        for i in dis.get_instructions(code)
-        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF")
-    }
+_LOAD_OPS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF")
+_GLOBAL_OPS = ("LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL")
+
+
+def _loaded(code: types.CodeType, ops: tuple[str, ...] = _LOAD_OPS) -> set[str]:
+    """The global and closure variables a code object (and those nested in it) reads (or,
+    given other ``ops``, uses as those say)."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ops}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _loaded(const)
+            names |= _loaded(const, ops)
     return names
 
 

@@ -27,9 +27,16 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .python_reach import Location
+from .python_reach import Location, Root
 
-__all__ = ["ACTIVE", "RecordingDict", "RecordingGroup", "RecordingList", "recording"]
+__all__ = [
+    "ACTIVE",
+    "RecordingDict",
+    "RecordingGroup",
+    "RecordingList",
+    "groups_root",
+    "recording",
+]
 
 
 class _Recorder:
@@ -280,3 +287,15 @@ class RecordingList(list):
     def __bool__(self) -> bool:
         self._note()
         return list.__len__(self) > 0
+
+
+def groups_root(linked: Any) -> Root:
+    """The root of an optimizer's ``param_groups`` locations: one per optimizer, so that a
+    guard or a fed value found by one trace is the same location in the next."""
+    root = getattr(linked, "_groups_root", None)
+    if root is None:
+        opt = linked.optimizer
+        root = Root(f"{linked.label}.param_groups", lambda: opt.param_groups, None)
+        root.external = True
+        linked._groups_root = root
+    return root

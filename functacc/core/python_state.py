@@ -37,9 +37,10 @@ from ..errors import TraceError
 from .lookup_tables import table_key, table_repr
 from .python_effects import build
 from .python_reach import MISSING, Location, Root, find_roots
+from .python_recording import groups_root
 from .python_replay import QUIET, PythonPlan, Replay
 from .python_tensors import fed_key, feedable
-from .python_trace import Recorder, Retry, groups_root
+from .python_trace import Recorder, Retry
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
 
@@ -87,6 +88,7 @@ class PythonState:
         self.owned = owned  # ids of the step's own tensors: never fed (python_tensors)
         self.guards: dict[Location, None] = {}  # over every trace so far, in order
         self.fed: dict[Location, None] = {}
+        self.loose: dict[Location, Tensor] = {}  # where optimizer-only tensors were read
         self.pinned: set[Location] = set()  # fed once, but branched on: guarded for good
         self.traced_values: dict[Location, Any] = {}
         self._recorder: Recorder | None = None
@@ -99,9 +101,11 @@ class PythonState:
     def key(self) -> tuple:
         """The part of the signature the body's Python reads: the guarded values and the
         types of the fed ones."""
-        if not self.guards and not self.fed:
+        if not self.guards and not self.fed and not self.loose:
             return ()
         guarded = tuple((loc.label, Exact(loc.get())) for loc in self.guards)
+        if self.loose:  # still the optimizer's tensor there (a new one: another trace)
+            guarded += tuple((loc.label, loc.get() is t) for loc, t in self.loose.items())
         fed = tuple((loc.label, fed_key(loc.get())) for loc in self.fed)
         if not self.branches:
             return guarded + fed
@@ -193,6 +197,7 @@ class PythonState:
             # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
             numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]
             self.branches.append((check, numbers))
+        self.loose.update(recorder.loose)
         for loc, value in recorder.guards.items():
             self.guards.setdefault(loc, None)
             self.traced_values[loc] = value

@@ -28,14 +28,22 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from .python_reach import Location
 
-__all__ = ["fed_key", "feedable", "installed", "owned_tensors", "tensor_locations"]
+__all__ = [
+    "fed_key",
+    "feedable",
+    "held_tensors",
+    "installed",
+    "optimizer_tensors",
+    "owned_tensors",
+    "tensor_locations",
+]
 
 
 def feedable(value: Any, owned: set[int]) -> bool:
@@ -85,3 +93,37 @@ def owned_tensors(modules: Sequence[nn.Module], optimizers: Sequence[Any]) -> se
             values = state.values() if isinstance(state, dict) else ()
             ids.update(id(v) for v in values if isinstance(v, Tensor))
     return ids
+
+
+def held_tensors(
+    variables: Iterable[tuple[Location, Any]], objects: Iterable[tuple[Location, Any]]
+) -> list[tuple[Location, Tensor]]:
+    """The tensors the body's ``variables`` (each root's location and value) and the plain
+    objects, dicts and lists it reaches (``objects``, as ``plain_objects`` finds them) hold,
+    each with its location."""
+    held = list(variables)
+    for location, obj in objects:
+        if isinstance(obj, (dict, list)):
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            held += [(location.child("item", k), v) for k, v in items]
+        else:
+            held += [(location.child("attr", k), v) for k, v in vars(obj).items()]
+    return [(location, v) for location, v in held if isinstance(v, Tensor)]
+
+
+def optimizer_tensors(
+    optimizers: Sequence[Any], labels: Sequence[str], seen: dict[int, str]
+) -> dict[str, Tensor]:
+    """The tensors the optimizers update that no module owns (SAC's ``log_alpha =
+    torch.zeros(1, requires_grad=True)``; ``seen``: the modules' tensors, by id, which it
+    learns these too), named by their place in the optimizer. They are parameters of the
+    step; each trace puts the traced tensor where the body's variables and plain objects
+    hold them (``Recorder.install_loose``) and where a module keeps one as an attribute."""
+    found: dict[str, Tensor] = {}
+    for opt, label in zip(optimizers, labels, strict=True):
+        for i, group in enumerate(getattr(opt, "param_groups", ())):
+            for j, p in enumerate(group["params"]):
+                if type(p) is Tensor and id(p) not in seen:  # a Parameter: its module's
+                    seen[id(p)] = f"{label}.param_groups[{i}]['params'][{j}]"
+                    found[seen[id(p)]] = p
+    return found

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,21 +28,21 @@ from torch import SymBool, SymFloat, SymInt, Tensor
 
 from ..errors import TraceError
 from .lookup_tables import install_tables, is_array
-from .python_effects import (
-    Effect,
-    LastLR,
-    SchedulerEvent,
-    Seed,
-    Template,
-    list_effect,
-)
+from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template, list_effect
 from .python_numpy import TracedArray, numpy_template
-from .python_output import output_template
-from .python_reach import MISSING, Location, Root, is_scalar, plain_objects
-from .python_recording import ACTIVE, RecordingDict, RecordingGroup, RecordingList, recording
-from .python_tensors import installed, tensor_locations
+from .python_output import output_template, patch_output
+from .python_reach import MISSING, Location, Root, is_plain_object, is_scalar, plain_objects
+from .python_recording import (
+    ACTIVE,
+    RecordingDict,
+    RecordingGroup,
+    RecordingList,
+    groups_root,
+    recording,
+)
+from .python_tensors import held_tensors, installed, tensor_locations
 
-__all__ = ["Recorder", "Retry", "groups_root"]
+__all__ = ["Recorder", "Retry"]
 
 _SYM = (SymInt, SymFloat, SymBool)
 
@@ -70,6 +71,7 @@ class Recorder:
         self.roots = list(roots)
         self.owned = owned  # ids of the step's own tensors (python_tensors.feedable)
         self.tensor_reads: dict[Location, None] = {}  # tensors read, to feed
+        self.loose: dict[Location, Tensor] = {}  # where optimizer-only tensors are held
         self.symbolic_inputs = symbolic
         self.optimizers = list(optimizers)  # LinkedOptimizer
         self.pinned = pinned
@@ -146,9 +148,10 @@ class Recorder:
                 RecordingGroup(g, Location(root, (("item", i),)), self, (k, i))
                 for i, g in enumerate(originals)
             ]
-            self._undo.append(lambda opt=opt, originals=originals: _put_groups(opt, originals))
+            self._undo.append(
+                functools.partial(opt.param_groups.__setitem__, slice(None), originals)
+            )
         from .python_effects import patch_random_and_schedulers
-        from .python_output import patch_output
 
         self._undo.append(patch_random_and_schedulers(self))
         self._undo.append(patch_output(self))
@@ -222,6 +225,18 @@ class Recorder:
         self.tensor_reads.update(dict.fromkeys(new))
         if new and self.recording:
             raise Retry(new)
+
+    def install_loose(self, leaves: dict[int, Tensor]) -> None:
+        """Optimizer tensors no module owns (``log_alpha``), wherever the body's variables
+        and plain objects hold them: the traced tensor that stands for each (``leaves``, by
+        the tensor's id; :class:`~.capture.Capture`). Put back on leaving, as everything."""
+        variables = [(Location(root), value) for root, value in self.root_values]
+        recording, self.recording = self.recording, False  # not the body's writes
+        for location, value in held_tensors(variables, self.objects.values()):
+            if id(value) in leaves:
+                installed(location, leaves[id(value)], self._originals)
+                self.loose[location] = value
+        self.recording = recording
 
     def list_read(self, lst: RecordingList) -> None:
         for i, value in enumerate(list(list.__iter__(lst))):
@@ -368,30 +383,12 @@ class Recorder:
         return out
 
 
-def groups_root(linked: Any) -> Root:
-    """The root of an optimizer's ``param_groups`` locations: one per optimizer, so that a
-    guard or a fed value found by one trace is the same location in the next."""
-    root = getattr(linked, "_groups_root", None)
-    if root is None:
-        opt = linked.optimizer
-        root = Root(f"{linked.label}.param_groups", lambda: opt.param_groups, None)
-        root.external = True
-        linked._groups_root = root
-    return root
-
-
 def _external(location: Any) -> bool:
     root = getattr(location, "root", None)
     return root is None or root.external
 
 
-def _put_groups(opt: torch.optim.Optimizer, originals: list[dict]) -> None:
-    opt.param_groups[:] = originals
-
-
 def _holds_traced(value: Any) -> bool:
-    from .python_reach import is_plain_object
-
     if not is_plain_object(value):
         return False
     return any(isinstance(v, (Tensor, *_SYM)) for v in vars(value).values())

@@ -148,7 +148,7 @@ def standard_body(
         # The model's gradients, not only the optimizer's: those of trainable parameters the
         # optimizer does not hold (frozen for it) live only inside the step too, instead
         # of accumulating in .grad from call to call.
-        _zero_grad(trained)
+        _zero_grad(trained, opt)
         losses = []
         for micro_args, micro_kwargs in split_micro_batches(args, kwargs, k):
             with precision.autocast(device_type) if precision else contextlib.nullcontext():
@@ -171,12 +171,12 @@ def standard_body(
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
         if scaler is None:
             opt.step()
-            _zero_grad(trained)
+            _zero_grad(trained, opt)
             return loss
         scale = scaler._scale.clone()  # it backs off exactly when the step is skipped
         scaler.step(opt)
         scaler.update()
-        _zero_grad(trained)
+        _zero_grad(trained, opt)
         return loss, (scaler._scale < scale).to(torch.int64)
 
     if loss_fn is not None:
@@ -195,9 +195,12 @@ def standard_body(
     return train_step_of_model
 
 
-def _zero_grad(modules: list[nn.Module]) -> None:
+def _zero_grad(modules: list[nn.Module], opt: Any) -> None:
     for m in modules:
         m.zero_grad(set_to_none=True)
+    for group in getattr(opt, "param_groups", ()):  # its tensors no module owns
+        for p in group["params"]:
+            p.grad = None
 
 
 def loss_modules(loss_fn: LossFn | None, model: nn.Module) -> list[nn.Module]:
