@@ -549,6 +549,8 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path: Path) -> N
                     what=f"{what} optimizer state",
                 )
                 assert state_dict["param_groups"] == o.state_dict()["param_groups"]
+            # A bare tensor the optimizer trains (the temperature): rank 0's, then trained.
+            assert_close(run["bare"], jit_worker.bare_tensors(opt), rtol=1e-5, atol=2e-5, what=what)
             assert run["traces"] == 1
             if layout in ("dp", "zero1"):
                 assert run["all_reduces"] >= 1  # the gradients' all-reduce is in the graph

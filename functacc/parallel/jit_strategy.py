@@ -67,7 +67,7 @@ def _strategy(parallel: Any, capture: Any) -> Any:
         return CompressedGradients(replicated, capture.params)
     if zero is None:
         return AveragedGradients(replicated)
-    holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+    holder = _holder(capture)
     whole = [linked for linked in capture.optimizers if isinstance(linked, OwnStepLink)]
     twins = [linked for linked in capture.optimizers if not isinstance(linked, OwnStepLink)]
     if whole and twins and zero.stage == 2:
@@ -87,6 +87,22 @@ def _strategy(parallel: Any, capture: Any) -> Any:
     if zero.stage == 2:
         return ShardedGradients(replicated, shards)
     return AveragedGradients(replicated)
+
+
+def _holder(capture: Any) -> nn.ModuleDict:
+    """The step's modules by label, and the optimizers' tensors no module owns, each under
+    its optimizer's label: ZeRO finds every parameter by the name the step gives it
+    (``opt.param_groups[0]['params'][2]``)."""
+    holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+    for name, p in capture.params.items():
+        if id(p) in capture.loose:
+            label, key = name.split(".", 1)
+            if label in capture.labels:  # a module of that name: its table is the user's
+                raise ValueError(f"a module and an optimizer are both named {label!r}")
+            if label not in holder:
+                holder[label] = nn.Module()
+            holder[label]._parameters[key] = p  # a plain tensor, as the optimizer holds it
+    return holder
 
 
 def _own_transform(linked: Any) -> None:
@@ -135,7 +151,7 @@ def _zero3(zero: Any, capture: Any) -> Any:
     check_zero3_optimizers(capture.optimizers)
     several = world_size() > 1
     replicated = _replicated(DataParallel(bucket_mb=zero.bucket_mb), capture) if several else None
-    holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+    holder = _holder(capture)
     shards = [
         ShardedOptimizer(as_stage2(zero), holder, linked.link.groups)
         for linked in capture.optimizers
@@ -200,7 +216,7 @@ def _across_tensor_parallel(parallel: Any, capture: Any, setup: Any) -> Any:
                     "jitted step; an optimizer traced through its own step() takes "
                     "[TensorParallel(...), DataParallel()]"
                 )
-            holder = nn.ModuleDict(dict(zip(capture.labels, capture.modules, strict=True)))
+            holder = _holder(capture)
             topology = setup.topology(sharded=True)
             config = as_stage2(zero) if zero.stage == 3 else zero
             shards = [

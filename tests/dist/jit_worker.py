@@ -136,6 +136,36 @@ def edges_step(model: nn.Module, other: nn.Module, opt) -> object:
     return body
 
 
+def temperature_objects(seed: int = 0) -> tuple:
+    """A learned temperature kept as a bare tensor, trained by the optimizer (SAC's
+    ``log_alpha``), another value on each rank: the step starts from rank 0's."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    other = nn.Linear(5, 5).requires_grad_(False)
+    log_t = torch.full((1,), 0.1 * seed, requires_grad=True)
+    groups = [{"params": model.parameters()}, {"params": [log_t], "lr": 0.05}]
+    return model, other, torch.optim.Adam(groups, lr=1e-2)
+
+
+def temperature_step(model: nn.Module, other: nn.Module, opt) -> object:
+    (log_t,) = opt.param_groups[1]["params"]
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(other(model(x)) / log_t.exp(), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return body
+
+
+def bare_tensors(opt) -> list:
+    """The optimizers' tensors that are no module's parameter, as they are now."""
+    return [p.detach().clone() for o in _all(opt) for g in o.param_groups for p in g["params"]
+            if type(p) is torch.Tensor]  # fmt: skip
+
+
 def amp_step(encoder: nn.Module, head: nn.Module, opt) -> object:
     # The AMP recipe with its own GradScaler, the scale so near float32's top that 4 x the
     # loss overflows at 2^126: steps 2 and 4 are skipped (the scale halves, then doubles
@@ -203,6 +233,7 @@ SCENARIOS = {
     "ema_sam": (ema_objects, ema_step),
     "clip": (clip_objects, clip_step),
     "edges": (edges_objects, edges_step),
+    "temperature": (temperature_objects, temperature_step),
 }
 
 
@@ -266,6 +297,7 @@ def main(out: str) -> None:
                 "torch_state_between_calls": sum(len(o.state) for o in _all(opt)),
                 # ZeRO: gathered whole, on every rank
                 "optimizer": [o.state_dict() for o in _all(opt)],
+                "bare": bare_tensors(opt),
             }
     for stage in (1, 2, 3):
         saved["resume", stage] = resume_under_inductor(rank, world, stage)
