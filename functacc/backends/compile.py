@@ -156,6 +156,9 @@ def compile_graph(
         remove_marker(gm)
         views_that_may_copy(gm)
         return lambda args: gm(*args)
+    sparse = [x for x in example_inputs if isinstance(x, Tensor) and x.layout != torch.strided]
+    if sparse:
+        return _with_sparse_inputs(gm, example_inputs, sparse, options)
     background = (
         background
         and fakes is None
@@ -182,11 +185,7 @@ def compile_graph(
             return compile_inductor(gm, example_inputs, fakes, options)
 
     else:
-        update_examples = [
-            *split.update_examples,
-            *split.slots,
-            *(example_inputs[i] for i in split.update_inputs),
-        ]
+        update_examples = _update_examples(split, example_inputs)
         gradient_examples = [*example_inputs, *split.slots]
         graphs = [(split.gradients, gradient_examples), (split.update, update_examples)]
 
@@ -216,6 +215,45 @@ def compile_graph(
     if not workers:
         return compile_here()
     return BackgroundCompiled(lambda args: traced(*args), compile_here, workers)
+
+
+def _with_sparse_inputs(
+    gm: GraphModule,
+    example_inputs: Sequence[Tensor],
+    sparse: list[Tensor],
+    options: dict[str, Any] | None,
+) -> Compiled:
+    """A step that takes sparse tensors (pytorch/examples' GCN passes its adjacency matrix
+    as one): Inductor compiles dense tensors only (its capture reads every input's storage,
+    which a sparse tensor has not), so forward and backward run op by op, as the eager
+    backend runs them, and Inductor compiles the optimizer update, where all is dense."""
+    from .split import remove_marker, split_at_optimizer
+
+    split = split_at_optimizer(gm)
+    remove_marker(gm)
+    log.warning(
+        "functacc: the step takes %s; Inductor compiles dense tensors only, so %s. Pass "
+        "the tensor dense (x.to_dense()) to compile the whole step.",
+        ", ".join(f"a {x.layout} tensor of shape {tuple(x.shape)}" for x in sparse),
+        "the graph runs op by op (as backend='eager')"
+        if split is None
+        else "its forward and backward run op by op (as backend='eager'), the optimizer "
+        "update compiled",
+    )
+    if split is None:
+        views_that_may_copy(gm)
+        return lambda args: gm(*args)
+    gradients = split.gradients
+    views_that_may_copy(gradients)
+    update = compile_inductor(
+        split.update, _update_examples(split, example_inputs), None, options, copy=False
+    )
+    return split.runner(lambda args: gradients(*args), update)
+
+
+def _update_examples(split: Any, example_inputs: Sequence[Tensor]) -> list[Tensor]:
+    """What the update graph of ``split`` takes, as examples."""
+    return [*split.update_examples, *split.slots, *(example_inputs[i] for i in split.update_inputs)]
 
 
 def _background_workers(

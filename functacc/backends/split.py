@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 __all__ = ["Split", "mark_optimizer_inputs", "split_at_optimizer"]
 
@@ -122,7 +123,7 @@ def _live(nodes: list[Node]) -> set[Node]:
 
 def split_at_optimizer(gm: GraphModule) -> Split | None:
     """Cut ``gm`` at its optimizer marker; ``None`` if it has none or the update would need
-    a value whose size is symbolic (then the graph is compiled whole)."""
+    a symbolic size or make a data-dependent value (then the graph is compiled whole)."""
     if len(gm.graph.find_nodes(op="call_function", target=MARKER)) != 1:
         return None
     # Without dead values (an unused gradient of the first layer's input, say), so that
@@ -168,6 +169,10 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
         and n is not marker
         and n not in marked
     ]
+    if any(free_unbacked_symbols(n.meta.get("val")) for n in update_nodes):
+        # A value read off a tensor after the update (``loss.item()`` of an evaluation that
+        # follows opt.step()): the update alone, re-faked by Inductor, lacks its symbol.
+        return None
     update_set = set(update_nodes)
     read = {resolve(a) for n in update_nodes for a in n.all_input_nodes}
     carried = [n for n in nodes if n.op == "call_function" and n in in_gradients and n in read]
