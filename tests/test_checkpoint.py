@@ -12,6 +12,7 @@ from pathlib import Path
 import models
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import assert_close
 from test_parallel import REDUCTION, TORCHRUN, WORKER, env, run_torchrun, workdir  # noqa: F401
 from torch import nn
@@ -435,6 +436,51 @@ def test_resume_with_tensor_hyperparameters_keeps_them_tensors(tmp_path, opt_cls
     for x, y in batches[3:]:
         resumed(x, y)
     assert_close(resumed_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="model")
+
+
+class LearnedScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_t = nn.Parameter(torch.zeros(1))
+
+    def forward(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(outputs, targets) / self.log_t.squeeze().exp() + self.log_t.squeeze()
+
+
+@pytest.mark.parametrize("trained", ["loss module", "bare tensor"])
+def test_resume_of_what_the_optimizer_trains_beside_the_model_is_bit_exact(
+    tmp_path, trained: str
+) -> None:
+    # A learnable loss module's parameter, a bare temperature tensor in the optimizer: both
+    # stored (by their place in the optimizer) and loaded in place; save() was a KeyError.
+    def build():
+        torch.manual_seed(0)
+        model = models.mlp()
+        log_t = torch.zeros(1, requires_grad=True)
+        if trained == "loss module":
+            loss_fn = LearnedScale()
+            log_t = loss_fn.log_t
+        else:
+
+            def loss_fn(outputs, targets):
+                return F.mse_loss(outputs, targets) / log_t.squeeze().exp() + log_t.squeeze()
+
+        opt = torch.optim.Adam([*model.parameters(), log_t], lr=0.05)
+        return model, log_t, functacc.compile_step(model, loss_fn, opt, backend="eager")
+
+    batches = [(torch.randn(8, 16), torch.randn(8, 5)) for _ in range(6)]
+    model, log_t, step = build()
+    for x, y in batches[:3]:
+        step(x, y)
+    functacc.save(step, tmp_path / "ckpt")
+    for x, y in batches[3:]:
+        step(x, y)
+    resumed_model, resumed_t, resumed = build()
+    functacc.load(resumed, tmp_path / "ckpt")
+    for x, y in batches[3:]:
+        resumed(x, y)
+    assert_close(resumed_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="model")
+    assert torch.equal(resumed_t, log_t) and not torch.equal(log_t, torch.zeros(1))
 
 
 def test_model_files_and_errors_of_steps_on_jits_pipeline(tmp_path) -> None:

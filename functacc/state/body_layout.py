@@ -60,6 +60,11 @@ class BodyLayout(Layout):
                 "model._functacc_tensor_parallel.full_state_dict(model)"
             )
         self.params = dict(model.named_parameters())
+        owned = {id(p) for p in self.params.values()}
+        for i, group in enumerate(opt.param_groups):  # what else it trains: a loss module's
+            for j, p in enumerate(group["params"]):  # parameter, a bare tensor (temperature)
+                if id(p) not in owned:
+                    self.params[f"optimizer.param_groups[{i}]['params'][{j}]"] = p
         self.entries: dict[str, Any] = {}
         self.per_rank: set[str] = set()
         self.fixups = []
