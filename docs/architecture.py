@@ -38,6 +38,8 @@ STAGES: dict[str, list[str]] = {
         "core/python_tensors",
         "core/python_numpy",
         "core/python_reach",
+        "core/python_location",
+        "core/python_numbers",
         "core/python_trace",
         "core/python_recording",
         "core/python_effects",

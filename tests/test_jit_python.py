@@ -17,6 +17,7 @@ silently, before functacc followed Python state (47f8e2f).
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -438,6 +439,101 @@ def script_globals() -> Case:
     return Case(script["body"], [model], [opt], state, between, batches=data(), traces=2)
 
 
+# openai/baselines' logger (improved-diffusion and many RL repos copy it), its state kept on
+# a class attribute: `logger.logkv_mean("loss", loss.item())` calls a function of a user
+# module, which writes into defaultdicts of the object at `Logger.CURRENT`.
+LOGGER = """
+from collections import defaultdict
+
+HISTORY = []
+
+
+class Logger:
+    CURRENT = None
+
+    def __init__(self):
+        self.name2val = defaultdict(float)
+        self.name2cnt = defaultdict(int)
+
+    def logkv(self, key, val):
+        self.name2val[key] = val
+
+    def logkv_mean(self, key, val):
+        oldval, cnt = self.name2val[key], self.name2cnt[key]
+        self.name2val[key] = oldval * cnt / (cnt + 1) + val / (cnt + 1)
+        self.name2cnt[key] = cnt + 1
+
+    def dumpkvs(self):
+        out = dict(self.name2val)
+        self.name2val.clear()
+        self.name2cnt.clear()
+        return out
+
+
+def get_current():
+    if Logger.CURRENT is None:
+        Logger.CURRENT = Logger()
+    return Logger.CURRENT
+
+
+def logkv(key, val):
+    get_current().logkv(key, val)
+
+
+def logkv_mean(key, val):
+    get_current().logkv_mean(key, val)
+    HISTORY.append(val)
+"""
+
+
+def logger_module() -> types.ModuleType:
+    module = types.ModuleType("train_logger")
+    exec(LOGGER, module.__dict__)
+    return module
+
+
+def logger_module_case() -> Case:
+    model, opt = net()
+    logger = logger_module()
+    logger.get_current()  # as the script's configure() does, before training
+    dumps: list = []
+
+    def body(x: Tensor, y: Tensor) -> None:
+        loss = standard(model, opt, x, y)
+        logger.logkv_mean("loss", loss.item())
+        logger.logkv("scale", float(y.abs().mean()))
+
+    def between(i: int) -> None:
+        if i == 2:
+            dumps.append(logger.get_current().dumpkvs())
+
+    current = lambda: logger.Logger.CURRENT  # noqa: E731
+    state = lambda: (dict(current().name2val), dict(current().name2cnt), logger.HISTORY, dumps)  # noqa: E731
+    return Case(body, [model], [opt], state, between, batches=data(), traces=2)
+
+
+class Totals:
+    def __init__(self) -> None:
+        self.loss, self.correct, self.seen = 0.0, 0, 0
+
+
+def float_and_int_of_tensors() -> Case:
+    # float(loss) and int(...) as eager code writes them (a TraceError before: CPython's
+    # float() wants a real float, so a trace could only fix the value).
+    model, opt = net()
+    totals = Totals()
+
+    def body(x: Tensor, y: Tensor) -> float:
+        loss = standard(model, opt, x, y)
+        totals.loss += float(loss) * x.shape[0]
+        totals.correct += int((model(x) > y).sum())
+        totals.seen += int(x.shape[0])  # a plain int: the builtin's
+        return float(loss)
+
+    state = lambda: (totals.loss, totals.correct, totals.seen)  # noqa: E731
+    return Case(body, [model], [opt], state, batches=data())
+
+
 class Tempered(nn.Module):
     """A learned temperature kept as a plain tensor attribute, not a Parameter."""
 
@@ -472,6 +568,8 @@ CASES = {
     f.__name__: f
     for f in (
         script_globals,
+        float_and_int_of_tensors,
+        logger_module_case,
         optimizer_only_tensors,
         helper_reads_global,
         attribute_read,
@@ -688,6 +786,27 @@ def test_what_cannot_be_replayed_is_a_clear_error_and_changes_nothing(name: str)
     assert_same(tensors_of([trainer.model], [trainer.opt]), before)
     assert (dict(vars(trainer)), dict(vars(sched)), list(history)) == python
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_logger_made_in_the_first_trace_is_a_clear_error_whose_advice_works() -> None:
+    # baselines' get_current() makes Logger.CURRENT at the first call: made while tracing,
+    # with traced means inside (before: kept, silently, with the trace's symbols).
+    model, opt = net()
+    logger = logger_module()
+
+    def body(x: Tensor, y: Tensor) -> None:
+        logger.logkv_mean("loss", standard(model, opt, x, y).item())
+
+    before = tensors_of([model], [opt])
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"Logger\.CURRENT holds Logger .*before"):
+        step(*data(1)[0])
+    assert logger.Logger.CURRENT is None and logger.HISTORY == []
+    assert_same(tensors_of([model], [opt]), before)
+    logger.get_current()  # the advice: made before the first call
+    for x, y in data(3):
+        step(x, y)
+    assert logger.Logger.CURRENT.name2cnt == {"loss": 3} and len(logger.HISTORY) == 3
 
 
 # -- donation --------------------------------------------------------------------------------

@@ -43,15 +43,11 @@ MARKER = torch.ops.functacc.optimizer_inputs.default
 def mark_optimizer_inputs(tensors: list[Tensor]) -> list[Tensor]:
     """Mark where the update starts: ``tensors`` are everything it takes from backward.
     Outside a trace this is the identity."""
-    if not tensors or not _tracing():
-        return tensors
-    return list(_optimizer_inputs(tensors))
-
-
-def _tracing() -> bool:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode() is not None
+    if not tensors or get_proxy_mode() is None:
+        return tensors
+    return list(_optimizer_inputs(tensors))
 
 
 def remove_marker(gm: GraphModule) -> None:
@@ -74,15 +70,12 @@ class Split:
     listed in ``update_inputs``.
 
     The slots are 1-D tensors, one per dtype, allocated once, that the gradients graph
-    writes its scalars for the update into (AdamW's new step counts, step sizes and bias
-    corrections: three per parameter), each at its own index; the update reads them back
-    with ``select``. Returned, each scalar was a tensor allocated and freed on every call
-    and one more argument to two kernels: on the bench MLP (59 scalars; 2-core CPU,
-    ``benchmarks/experiments/step_breakdown.py``) the step took 1.00 ms that way, 0.95 ms with a
-    0-dim slot per scalar. One slot for all 59 takes the update graph from 150 inputs to 93 (each
-    one a size check, an unpacking and a kernel argument in the generated code); the step time
-    stayed within the noise of a 0-dim slot per scalar (0.918 vs 0.914 ms, interleaved in one
-    process).
+    writes its scalars for the update into (AdamW's step counts, step sizes and bias
+    corrections), each at its own index; the update reads them back with ``select``.
+    Returned, each scalar was a tensor allocated on every call and one more kernel argument:
+    on the bench MLP (59 scalars; 2-core CPU, ``benchmarks/experiments/step_breakdown.py``)
+    1.00 ms a step, 0.95 ms with a 0-dim slot each; one slot for all 59 (the update's inputs
+    150 -> 93) within the noise of that (0.918 vs 0.914 ms, interleaved in one process).
     """
 
     gradients: GraphModule
@@ -109,6 +102,13 @@ class Split:
             return [parts[where][i] for where, i in self.outputs]
 
         return run
+
+
+def _data_dependent(node: Node) -> bool:
+    values = node.meta.get("val")  # a value, a list, a profiler's ScriptObject, ...
+    symbolic = (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return any(isinstance(v, symbolic) and free_unbacked_symbols(v) for v in values)
 
 
 def _live(nodes: list[Node]) -> set[Node]:
@@ -169,7 +169,7 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
         and n is not marker
         and n not in marked
     ]
-    if any(free_unbacked_symbols(n.meta.get("val")) for n in update_nodes):
+    if any(_data_dependent(n) for n in update_nodes):
         # A value read off a tensor after the update (``loss.item()`` of an evaluation that
         # follows opt.step()): the update alone, re-faked by Inductor, lacks its symbol.
         return None

@@ -14,7 +14,8 @@ from typing import Any
 from torch import Tensor
 
 from ..errors import TraceError
-from .python_reach import Location, plain_objects
+from .python_location import Location
+from .python_reach import plain_objects
 from .python_tensors import held_tensors
 
 __all__ = ["dropped_gradient_error", "outside_tensor_error"]

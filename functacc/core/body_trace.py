@@ -15,6 +15,7 @@ into the graph's outputs, in this order:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,9 +29,10 @@ from .data_assign import data_assignments_written
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
-from .own_step_trace import symbolic_builtins
 from .python_iterators import no_batches_drawn, outside_iterators
-from .python_reach import Location, Root, plain_objects
+from .python_location import Location, Root
+from .python_numbers import symbolic_builtins
+from .python_reach import is_user_code, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
 from .torch_checkpoint import no_checkpoint_draws
@@ -130,7 +132,7 @@ class TracedBody:
                 # A torch.compile'd module or function in the body is traced through (the
                 # whole step is compiled here); Dynamo refuses FX's trace by default.
                 torch._dynamo.config.patch(error_on_nested_fx_trace=False),
-                symbolic_builtins(scopes=module_scopes(self.step.fn)),
+                symbolic_builtins(scopes=module_scopes(self.step.fn, capture.modules)),
                 no_batches_drawn(outside_iterators(python.roots, self.leaves)),
                 collectives_in_graph(),
                 value_checks_in_graph(),
@@ -300,9 +302,14 @@ def known_generators(
     return found
 
 
-def module_scopes(fn: Any) -> list[dict]:
+def module_scopes(fn: Any, modules: Sequence[nn.Module] = ()) -> list[dict]:
     """The globals of a step body's module (of a bound method's function; none for a
-    callable object without them), for :func:`symbolic_builtins`."""
+    callable object without them) and of the user's modules that define the classes of
+    ``modules`` (MoCo's ``int(self.queue_ptr)`` in its builder.py), for
+    :func:`symbolic_builtins`."""
     function = getattr(fn, "__func__", fn)
-    scope = getattr(function, "__globals__", None)
-    return [scope] if isinstance(scope, dict) else []
+    scopes = [getattr(function, "__globals__", None)]
+    classes = {type(sub) for m in modules for sub in m.modules()}
+    scopes += [vars(sys.modules[c.__module__]) for c in classes if c.__module__ in sys.modules]
+    user = [s for s in scopes if isinstance(s, dict) and is_user_code(s.get("__name__", ""))]
+    return list({id(s): s for s in user}.values())

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from .held_objects import held_values
-from .python_reach import Root, is_plain_object
+from .python_location import Root
+from .python_reach import is_plain_object
 
 __all__ = [
     "attach_grad_scalers",

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import argument_error
-from .python_reach import Root, is_plain_object, plain_objects
+from .python_location import Root
+from .python_reach import is_plain_object, plain_objects
 
 __all__ = ["check_declared_optimizers", "held_values", "library_objects", "restore_objects"]
 

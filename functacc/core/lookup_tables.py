@@ -57,7 +57,7 @@ def install_tables(root_values: list, originals: dict, guards: dict) -> None:
     views (``originals`` maps each back: no write of the variable), guarded by contents, as
     is any other NumPy array they hold (``torch.as_tensor(obs)`` of a closure's ``obs``
     that the loop reassigns or fills between calls: a new trace, not the old values)."""
-    from .python_reach import Location
+    from .python_location import Location
 
     for root, value in root_values:
         if not root.loaded or not is_array(value):

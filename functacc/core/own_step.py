@@ -37,7 +37,7 @@ from torch import Tensor
 from ..errors import argument_error
 from ..optim._torch import check_owned_parameters
 from .own_step_state import _NotAhead, initial_state
-from .python_reach import Location, Root
+from .python_location import Location, Root
 
 __all__ = ["LBFGS_ADVICE", "OwnStepLink", "ScalarOf", "check_traceable"]
 

@@ -13,25 +13,22 @@ Example:
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import copy
-import math
-import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .._compat import symbolic_max_min
 from ..errors import argument_error
 from ..optim import TransformOptimizer
 from .own_step import OwnStepLink, ScalarOf, _fed
-from .python_reach import Location
+from .python_location import Location
+from .python_numbers import symbolic_builtins
 
-__all__ = ["OwnStepTrace", "symbolic_builtins"]
+__all__ = ["OwnStepTrace"]
 
 
 class _Scalars(torch.overrides.TorchFunctionMode):
@@ -75,68 +72,6 @@ class _Scalars(torch.overrides.TorchFunctionMode):
             elif func in _WRITES or getattr(func, "__name__", "").endswith("_"):
                 del self.values[key]
         return result
-
-
-@contextlib.contextmanager
-def symbolic_builtins(
-    optimizer: torch.optim.Optimizer | None = None, scopes: Sequence[dict] = ()
-) -> Iterator[None]:
-    """While a step is traced: ``math``'s functions compute with symbols instead of fixing
-    them to their value (nanoGPT's ``math.cos`` of a fed step counter in its learning-rate
-    schedule, RAdam's ``math.sqrt``), and so do ``max``/``min`` in the optimizer's module
-    (Adafactor's ``max(eps2, p.norm().item() / ...)``) and in ``scopes`` (the body's module:
-    ``self.best = min(self.best, loss.item())``); on plain numbers they are Python's own,
-    so the graph computes what eager computes, on the host, in double."""
-    patched: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: dict, name: str, value: Any) -> None:
-        patched.append((owner, name, owner.get(name, _ABSENT)))
-        owner[name] = value
-
-    scopes = list(scopes)
-    if optimizer is not None:
-        cls = type(optimizer)
-        names = {cls.__module__, getattr(cls.step, "__module__", None)}
-        scopes += [vars(sys.modules[n]) for n in sorted(filter(None, names)) if n in sys.modules]
-    for scope in {id(s): s for s in scopes}.values():
-        for name, sym in zip(("max", "min"), symbolic_max_min(), strict=True):
-            if name not in scope:  # the builtin, not the module's own
-                patch(scope, name, _symbolic(getattr(builtins, name), sym))
-    names = ("sqrt", "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "tanh", "log2")
-    for name in names:
-        sym = getattr(torch, f"_sym_{name}", None)
-        if sym is not None:
-            patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
-    for name in ("exp", "log"):  # no symbolic form in torch: computed in the graph, in double
-        patch(vars(math), name, _symbolic(getattr(math, name), _in_graph(name), arity=1))
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(patched):
-            if value is _ABSENT:
-                del owner[name]
-            else:
-                owner[name] = value
-
-
-def _in_graph(name: str) -> Callable:
-    """``math.<name>`` of a symbol as a number the graph computes (YOLOv5's EMA decay
-    ``1 - math.exp(-updates / tau)`` of its fed update count), not fixed to its value."""
-    op = getattr(torch, name)
-
-    def compute(x: Any) -> Any:
-        return op(torch.scalar_tensor(x, dtype=torch.float64)).item()
-
-    return compute
-
-
-def _symbolic(python: Callable, sym: Callable, arity: int = 2) -> Callable:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if len(args) == arity and not kwargs and any(isinstance(a, _SYMBOLS) for a in args):
-            return sym(*args)
-        return python(*args, **kwargs)
-
-    return call
 
 
 _SYMBOLS = (torch.SymInt, torch.SymFloat)

@@ -26,7 +26,7 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from .python_reach import MISSING, Root
+from .python_location import MISSING, Root
 
 __all__ = ["NumberArguments", "is_number"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import TraceError
-from .python_reach import MISSING, Location
+from .python_location import MISSING, Location
 from .torch_checkpoint import in_torch_checkpoint
 
 __all__ = [

@@ -35,7 +35,8 @@ import torch
 from torch.utils.data import dataloader
 
 from ..errors import TraceError
-from .python_reach import Root, plain_objects
+from .python_location import Root
+from .python_reach import plain_objects
 
 __all__ = ["no_batches_drawn", "outside_iterators"]
 

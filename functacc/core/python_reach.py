@@ -4,27 +4,27 @@ A jitted body runs its Python once per trace. What it reads outside tensors — 
 variable, a global, an attribute of the trainer object it is a method of, an entry of a
 config dict — is baked into the graph; what it writes there happens once. To do better, the
 step must know where those values live. The body's code says it: its free variables (closure
-cells), the globals it names (``co_names``), its parameters' defaults, ``self`` for a bound
-method or a callable object, and the same for the functions it defines and the user
-functions it calls by name. Those are the *roots*; a :class:`Location` is a root followed
-by attribute and item steps (``self.cfg.scale``, ``state['step']``), read afresh on every
-call.
+cells), the globals it names (``co_names``, also those assigned only later), its parameters'
+defaults, ``self`` for a bound method or a callable object, and the same for the functions
+it defines, the user functions it calls by name, the methods it calls on plain objects and
+the functions of user modules it calls (``logger.logkv_mean(...)``). Those are the *roots*
+(:mod:`.python_location`); a location is a root followed by attribute and item steps
+(``self.cfg.scale``, ``state['step']``, ``Logger.CURRENT``), read afresh on every call.
 
-Plain objects and dicts reached from the roots (a trainer, a config, a ``SimpleNamespace``)
-are recorded exactly while the body is traced (:mod:`.python_recording`).
+Plain objects and dicts reached from the roots (a trainer, a config, a ``SimpleNamespace``,
+a user class's attributes) are recorded exactly while the body is traced
+(:mod:`.python_recording`).
 
 Example:
-    >>> config = {"scale": 0.5}
-    >>> root = Root("global config", lambda: config, None)
-    >>> Location(root, (("item", "scale"),)).get()
-    0.5
-    >>> Location(root, (("item", "scale"),)).label
-    "global config['scale']"
+    >>> config = types.SimpleNamespace(lr=0.1)
+    >>> is_plain_object(config), is_plain_object(torch.nn.Linear(1, 1))
+    (True, False)
 """
 
 from __future__ import annotations
 
 import builtins
+import collections
 import dis
 import enum
 import functools
@@ -37,24 +37,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .python_location import MISSING, Location, Root
+
 __all__ = [
-    "MISSING",
-    "Location",
-    "Root",
     "find_roots",
+    "holds_traced",
     "is_plain_object",
     "is_scalar",
+    "is_user_code",
     "plain_objects",
 ]
 
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-MISSING: Any = _Missing()
-"""What a location holds when its attribute, item or variable does not exist."""
 
 # Libraries whose functions are not the user's step code (not scanned for the names they
 # read), and whose objects are not the user's Python state (not recorded).
@@ -64,116 +57,10 @@ _LIBRARIES = frozenset(
         "socket weakref tqdm wandb tensorboard tensorboardX mlflow transformers timm"
     ).split()
 )
+_CONTAINERS = (dict, list, collections.defaultdict)  # recorded: (python_recording)
 _SCAN_DEPTH = 3  # called user functions followed this many calls deep
 _OBJECT_DEPTH = 3  # plain objects reached this many attributes deep from a root
 _MAX_OBJECTS = 256
-
-
-class Root:
-    """Where a path starts: a closure cell, a module's global, ``self``."""
-
-    def __init__(
-        self,
-        label: str,
-        get: Callable[[], Any],
-        set_: Callable[[Any], None] | None,
-        loaded: bool = True,
-    ):
-        self.label = label
-        self._get, self._set = get, set_
-        self.loaded = loaded  # the code reads it (not only assigns it)
-        # Its values are given to the traced body by their owner (an optimizer's
-        # param_groups and state): a fed value is not installed at the location.
-        self.external = False
-
-    def get(self) -> Any:
-        return self._get()
-
-    def set(self, value: Any) -> None:
-        if self._set is None:
-            raise TypeError(f"{self.label} cannot be reassigned")
-        self._set(value)
-
-    def __repr__(self) -> str:
-        return f"Root({self.label})"
-
-
-class Location:
-    """A root and a path of ``("attr", name)`` / ``("item", key)`` steps from it."""
-
-    __slots__ = ("label", "root", "steps")
-
-    def __init__(self, root: Root, steps: tuple[tuple[str, Any], ...] = ()):
-        self.root = root
-        self.steps = steps
-        self.label = root.label + "".join(
-            f".{k}" if kind == "attr" else ".__len__()" if kind == "len" else f"[{k!r}]"
-            for kind, k in steps
-        )
-
-    def child(self, kind: str, key: Any) -> Location:
-        return Location(self.root, (*self.steps, (kind, key)))
-
-    def _parent(self) -> Any:
-        value = self.root.get()
-        for kind, key in self.steps[:-1]:
-            value = _step(value, kind, key)
-        return value
-
-    def get(self) -> Any:
-        value = self.root.get()
-        for kind, key in self.steps:
-            if value is MISSING:
-                return MISSING
-            value = _step(value, kind, key)
-        return value
-
-    def set(self, value: Any) -> None:
-        if not self.steps:
-            self.root.set(value)
-            return
-        parent = self._parent()
-        kind, key = self.steps[-1]
-        if kind == "attr":
-            object.__setattr__(parent, key, value)
-        elif isinstance(parent, tuple):  # rebuilt, with this item replaced
-            items = [value if i == key else v for i, v in enumerate(parent)]
-            rebuilt = type(parent)(*items) if hasattr(parent, "_fields") else type(parent)(items)
-            Location(self.root, self.steps[:-1]).set(rebuilt)
-        else:
-            parent[key] = value
-
-    def delete(self) -> None:
-        if not self.steps:
-            self.root.set(MISSING)
-            return
-        parent = self._parent()
-        kind, key = self.steps[-1]
-        if kind == "attr":
-            vars(parent).pop(key, None)
-        else:
-            parent.pop(key, None)
-
-    def __repr__(self) -> str:
-        return f"Location({self.label})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Location) and self.root is other.root and self.steps == other.steps
-
-    def __hash__(self) -> int:
-        return hash((id(self.root), self.steps))
-
-
-def _step(value: Any, kind: str, key: Any) -> Any:
-    if kind == "len":
-        return len(value) if isinstance(value, (list, dict)) else MISSING
-    if kind == "attr":
-        fields = getattr(value, "__dict__", None)
-        return fields.get(key, MISSING) if fields is not None else MISSING
-    try:
-        return value[key]
-    except (KeyError, IndexError, TypeError):
-        return MISSING
 
 
 # -- what the body's code names -------------------------------------------------------------
@@ -214,7 +101,7 @@ def _user_functions(
     fn: Any, owner: Any, seen: set[int], depth: int = 0
 ) -> Iterator[types.FunctionType]:
     function = getattr(fn, "__func__", fn)
-    if not inspect.isfunction(function) or id(function) in seen or not _is_user(function):
+    if not inspect.isfunction(function) or id(function) in seen or not is_user_code(function):
         return
     seen.add(id(function))
     yield function
@@ -240,6 +127,9 @@ def _user_functions(
                 for method in names:
                     found = inspect.getattr_static(type(value), method, None)
                     yield from _user_functions(found, value, seen, depth + 1)
+            elif inspect.ismodule(value) and is_user_code(value):  # logger.logkv_mean(...)
+                for attr in names:
+                    yield from _user_functions(vars(value).get(attr), None, seen, depth + 1)
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -265,9 +155,11 @@ def _loaded(code: types.CodeType, ops: tuple[str, ...] = _LOAD_OPS) -> set[str]:
     return names
 
 
-def _is_user(function: types.FunctionType) -> bool:
-    module = getattr(function, "__module__", None) or ""
-    top = module.split(".")[0]
+def is_user_code(obj: Any) -> bool:
+    """A function, class or module (or a module's name) of the user's code: not of a
+    library, not of Python's."""
+    module = obj if isinstance(obj, str) else getattr(obj, "__module__", None) or obj.__name__
+    top = (module or "").split(".")[0]
     return top not in _LIBRARIES and top not in sys.stdlib_module_names
 
 
@@ -329,7 +221,7 @@ def _global_root(name: str, module_globals: dict[str, Any]) -> Root:
 def _watchable(value: Any) -> bool:
     return not (
         inspect.ismodule(value)
-        or inspect.isclass(value)
+        or (inspect.isclass(value) and not is_user_code(value))  # a user's: its attributes
         or inspect.isroutine(value)
         or isinstance(value, (functools.partial, types.MethodType))
     )
@@ -371,7 +263,7 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
         location, value, depth = frontier.pop(0)
         if id(value) in found:
             continue
-        if isinstance(value, (dict, list)) and type(value) in (dict, list):
+        if type(value) in _CONTAINERS:
             found[id(value)] = (location, value)
             entries = value.items() if isinstance(value, dict) else enumerate(value)
             if depth < _OBJECT_DEPTH and len(value) <= 64:
@@ -380,7 +272,7 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
                     for k, v in entries
                     if _containerish(v)
                 )
-        elif is_plain_object(value):
+        elif is_plain_object(value) or _is_user_class(value):  # Logger.CURRENT: a class's
             found[id(value)] = (location, value)
             if depth < _OBJECT_DEPTH:
                 frontier.extend(
@@ -392,4 +284,23 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
 
 
 def _containerish(value: Any) -> bool:
-    return (type(value) in (dict, list)) or is_plain_object(value)
+    return type(value) in _CONTAINERS or is_plain_object(value) or _is_user_class(value)
+
+
+def _is_user_class(value: Any) -> bool:
+    """A class of the user's code (not a module's: its attributes are the model's)."""
+    return inspect.isclass(value) and not issubclass(value, nn.Module) and is_user_code(value)
+
+
+def holds_traced(value: Any, depth: int = 0) -> bool:
+    """Whether a plain object holds a traced value, in its containers too (a logger's
+    ``defaultdict`` of means), a few levels deep."""
+    if isinstance(value, (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if depth > 3:
+        return False
+    if isinstance(value, (dict, list, tuple)):
+        items = value.values() if isinstance(value, dict) else value
+    else:
+        items = vars(value).values() if is_plain_object(value) else ()
+    return any(holds_traced(v, depth + 1) for v in items)

@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .python_reach import Location, Root
+from .python_location import Location, Root
 
 __all__ = [
     "ACTIVE",
@@ -98,6 +98,8 @@ def recording(obj: Any) -> Callable[[], None] | None:
     """Make ``obj`` report its attribute reads and writes to the active recorder; returns
     the function that stops it (``None``: this object's class cannot be swapped)."""
     cls = type(obj)
+    if isinstance(obj, type):  # a class: its attributes are compared after the trace
+        return None
     sub = _recording_class(cls)
     if sub is cls:
         return None
@@ -140,6 +142,13 @@ class RecordingDict(dict):
             self._read(key)
             return True
         return False
+
+    def __missing__(self, key: Any) -> Any:
+        factory = getattr(self.original, "default_factory", None)  # a defaultdict's
+        if factory is None:
+            raise KeyError(key)
+        self[key] = value = factory()  # a write, replayed
+        return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if self.recorder.recording:

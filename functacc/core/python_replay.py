@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .python_effects import SchedulerEvent, Seed, build
-from .python_reach import Location
+from .python_location import Location
 
 __all__ = ["QUIET", "PythonPlan", "Replay"]
 

@@ -36,7 +36,8 @@ from torch import Tensor
 from ..errors import TraceError
 from .lookup_tables import table_key, table_repr
 from .python_effects import build
-from .python_reach import MISSING, Location, Root, find_roots
+from .python_location import MISSING, Location, Root
+from .python_reach import find_roots
 from .python_recording import groups_root
 from .python_replay import QUIET, PythonPlan, Replay
 from .python_tensors import fed_key, feedable

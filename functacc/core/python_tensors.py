@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .python_reach import Location
+from .python_location import Location
 
 __all__ = [
     "fed_key",

@@ -29,9 +29,10 @@ from torch import SymBool, SymFloat, SymInt, Tensor
 from ..errors import TraceError
 from .lookup_tables import install_tables, is_array
 from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template, list_effect
+from .python_location import MISSING, Location, Root, fields_of
 from .python_numpy import TracedArray, numpy_template
 from .python_output import output_template, patch_output
-from .python_reach import MISSING, Location, Root, is_plain_object, is_scalar, plain_objects
+from .python_reach import holds_traced, is_scalar, plain_objects
 from .python_recording import (
     ACTIVE,
     RecordingDict,
@@ -127,7 +128,8 @@ class Recorder:
                 else:  # its reads cannot be seen: every scalar it holds is guarded
                     self._unrecorded.add(id(obj))
                     for k, v in vars(obj).items():
-                        self.guard(location.child("attr", k), v)
+                        if not k.startswith("__"):  # a class's __module__, __doc__
+                            self.guard(location.child("attr", k), v)
         self._undo.append(self._put_contents_back)
         # Variables are read without a trace of it: the scalars the body's code loads are
         # guarded (objects' attributes and dicts' entries: only those it reads).
@@ -188,7 +190,7 @@ class Recorder:
             if isinstance(obj, list):
                 obj[:] = contents
                 continue
-            fields = obj if isinstance(obj, dict) else vars(obj)
+            fields = obj if isinstance(obj, dict) else fields_of(obj)
             for key in [k for k in fields if k not in contents]:
                 del fields[key]
             for key, value in contents.items():
@@ -287,12 +289,14 @@ class Recorder:
             if all(t[0] == "const" for t in items.values()):
                 return ("const", value)
             return ("dict", items)
-        if _holds_traced(value):
+        if holds_traced(value):
             raise TraceError(
                 f"{where} holds {type(value).__name__} object made while tracing, with traced "
                 "tensors or values inside, which functacc.jit cannot rebuild after each call. "
-                "Fix: keep tensors and numbers there directly (a tensor, a float, a tuple or "
-                "dict of them), or return them and build the object outside the step."
+                "Fix: make the object before the step's first call (what the step then writes "
+                "into it is replayed), keep tensors and numbers there directly (a tensor, a "
+                "float, a tuple or dict of them), or return them and build the object outside "
+                "the step."
             )
         return ("const", value)
 
@@ -386,9 +390,3 @@ class Recorder:
 def _external(location: Any) -> bool:
     root = getattr(location, "root", None)
     return root is None or root.external
-
-
-def _holds_traced(value: Any) -> bool:
-    if not is_plain_object(value):
-        return False
-    return any(isinstance(v, (Tensor, *_SYM)) for v in vars(value).values())

@@ -1,0 +1,137 @@
+"""Python's number functions in a traced step: they compute with symbols, as eager computes.
+
+``math``'s functions, ``max`` and ``min`` of a fed number or an ``.item()`` stay symbolic
+(:func:`symbolic_builtins`) instead of fixing the value at the trace. And eager's
+``float(loss)`` is ``loss.item()`` (``running_loss += float(loss)``,
+``correct += int((pred == y).sum())``): CPython's ``float()`` must return a real float, so
+a trace could only fix the value, a data-dependent guard, an error. While a body is traced,
+``float`` and ``int`` in its module are stand-ins (:data:`STAND_INS`): a tensor gives the
+symbol of its value, which the step computes, replays or returns as it does ``.item()``'s;
+anything else is the builtin's. For ``isinstance`` and ``issubclass`` they are the builtins.
+
+Example:
+    >>> import torch
+    >>> to_float, to_int = STAND_INS["float"], STAND_INS["int"]
+    >>> to_float(torch.tensor(2.5)), to_int("7"), isinstance(3, to_int)
+    (2.5, 7, True)
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._compat import symbolic_max_min
+
+__all__ = ["STAND_INS", "symbolic_builtins"]
+
+
+class _Builtin(type):
+    """The stand-in's class checks as the builtin does (``isinstance(3, int)``)."""
+
+    builtin: type
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls.builtin)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, cls.builtin)
+
+
+class _Float(float, metaclass=_Builtin):
+    builtin = float
+
+    def __new__(cls, x: Any = 0.0, /) -> Any:  # a SymFloat where a tensor is given
+        if isinstance(x, Tensor) and x.numel() == 1:
+            return torch.sym_float(x.item())
+        return float(x)
+
+
+class _Int(int, metaclass=_Builtin):
+    builtin = int
+
+    def __new__(cls, x: Any = 0, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, Tensor) and x.numel() == 1 and not args and not kwargs:
+            value = x.item()  # int() of a float truncates, as torch.sym_int does
+            return torch.sym_int(value) if x.is_floating_point() else value
+        return int(x, *args, **kwargs)
+
+
+STAND_INS: dict[str, type] = {"float": _Float, "int": _Int}
+"""The stand-ins by the builtin's name, for a traced body's module globals."""
+
+_ABSENT = object()
+_SYMBOLS = (torch.SymInt, torch.SymFloat)
+
+
+@contextlib.contextmanager
+def symbolic_builtins(
+    optimizer: torch.optim.Optimizer | None = None, scopes: Sequence[dict] = ()
+) -> Iterator[None]:
+    """While a step is traced: ``math``'s functions compute with symbols instead of fixing
+    them to their value (nanoGPT's ``math.cos`` of a fed step counter in its learning-rate
+    schedule, RAdam's ``math.sqrt``), and so do ``max``/``min`` in the optimizer's module
+    (Adafactor's ``max(eps2, p.norm().item() / ...)``) and in ``scopes`` (the body's module:
+    ``self.best = min(self.best, loss.item())``), and ``float``/``int`` of a tensor there
+    (:data:`STAND_INS`); on plain numbers they are Python's own, so the graph computes what
+    eager computes, on the host, in double."""
+    patched: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: dict, name: str, value: Any) -> None:
+        patched.append((owner, name, owner.get(name, _ABSENT)))
+        owner[name] = value
+
+    scopes = list(scopes)
+    if optimizer is not None:
+        cls = type(optimizer)
+        names = {cls.__module__, getattr(cls.step, "__module__", None)}
+        scopes += [vars(sys.modules[n]) for n in sorted(filter(None, names)) if n in sys.modules]
+    for scope in {id(s): s for s in scopes}.values():
+        for name, sym in zip(("max", "min"), symbolic_max_min(), strict=True):
+            if name not in scope:  # the builtin, not the module's own
+                patch(scope, name, _symbolic(getattr(builtins, name), sym))
+        for name, stand_in in STAND_INS.items():  # float(loss): loss.item()
+            if name not in scope:
+                patch(scope, name, stand_in)
+    names = ("sqrt", "cos", "sin", "tan", "acos", "asin", "atan", "cosh", "sinh", "tanh", "log2")
+    for name in names:
+        sym = getattr(torch, f"_sym_{name}", None)
+        if sym is not None:
+            patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
+    for name in ("exp", "log"):  # no symbolic form in torch: computed in the graph, in double
+        patch(vars(math), name, _symbolic(getattr(math, name), _in_graph(name), arity=1))
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(patched):
+            if value is _ABSENT:
+                del owner[name]
+            else:
+                owner[name] = value
+
+
+def _in_graph(name: str) -> Callable:
+    """``math.<name>`` of a symbol as a number the graph computes (YOLOv5's EMA decay
+    ``1 - math.exp(-updates / tau)`` of its fed update count), not fixed to its value."""
+    op = getattr(torch, name)
+
+    def compute(x: Any) -> Any:
+        return op(torch.scalar_tensor(x, dtype=torch.float64)).item()
+
+    return compute
+
+
+def _symbolic(python: Callable, sym: Callable, arity: int = 2) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) == arity and not kwargs and any(isinstance(a, _SYMBOLS) for a in args):
+            return sym(*args)
+        return python(*args, **kwargs)
+
+    return call
