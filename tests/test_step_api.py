@@ -1052,3 +1052,31 @@ def test_what_the_loss_fn_reads_is_read_every_call_like_eager(kind: str, backend
     ):
         assert same(a, b)
     assert step.num_traces == (2 if kind == "closure weights and scale" else 1)  # then fed
+
+
+def test_a_loss_fn_that_keeps_float_of_its_loss_runs_as_in_eager() -> None:
+    # float() and int() of tensors in the loss_fn's own module (a TraceError before).
+    def run(compiled: bool) -> list[dict]:
+        torch.manual_seed(0)
+        model, stats = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 5)), {}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(outputs, targets)
+            stats["loss"], stats["correct"] = float(loss), int((outputs.argmax(1) == targets).sum())
+            return loss
+
+        step = functacc.compile_step(model, loss_fn, opt, backend="eager") if compiled else None
+        seen = []
+        for x, y in data(3):
+            if step is not None:
+                step(x, y)
+            else:
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+            seen.append(dict(stats))
+        return seen
+
+    got, expected = run(True), run(False)
+    assert got == expected and all(type(s["loss"]) is float for s in got), (got, expected)

@@ -32,7 +32,7 @@ from .lookup_tables import as_lookup
 from .python_iterators import no_batches_drawn, outside_iterators
 from .python_location import Location, Root
 from .python_numbers import symbolic_builtins
-from .python_reach import is_user_code, plain_objects
+from .python_reach import code_scopes, is_user_code, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
 from .torch_checkpoint import no_checkpoint_draws
@@ -303,12 +303,11 @@ def known_generators(
 
 
 def module_scopes(fn: Any, modules: Sequence[nn.Module] = ()) -> list[dict]:
-    """The globals of a step body's module (of a bound method's function; none for a
-    callable object without them) and of the user's modules that define the classes of
-    ``modules`` (MoCo's ``int(self.queue_ptr)`` in its builder.py), for
+    """The globals of the user's modules whose code the step runs: the body's and those of
+    the functions it calls (python_reach.code_scopes; compile_step's ``loss_fn``), and of
+    the classes of ``modules`` (MoCo's ``int(self.queue_ptr)`` in its builder.py), for
     :func:`symbolic_builtins`."""
-    function = getattr(fn, "__func__", fn)
-    scopes = [getattr(function, "__globals__", None)]
+    scopes = code_scopes(fn)
     classes = {type(sub) for m in modules for sub in m.modules()}
     scopes += [vars(sys.modules[c.__module__]) for c in classes if c.__module__ in sys.modules]
     user = [s for s in scopes if isinstance(s, dict) and is_user_code(s.get("__name__", ""))]

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from .python_location import MISSING, Location, Root
 
 __all__ = [
+    "code_scopes",
     "find_roots",
     "holds_traced",
     "is_plain_object",
@@ -68,16 +69,10 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
     """The closure cells, globals, parameter defaults and ``self`` that ``fn``'s code (and
     the code of the functions it defines and the user functions it calls by name) can read."""
     roots: dict[tuple, Root] = {}
-    seen: set[int] = set()
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    target = getattr(target, "functacc_user_code", target)  # compile_step's loss_fn
-    owner = getattr(target, "__self__", None)
-    plain_call = not inspect.isfunction(target) and not inspect.ismethod(target)
-    if owner is None and plain_call and is_plain_object(target):
-        owner, target = target, type(target).__call__
+    target, owner = _entry(fn)
     if owner is not None and is_plain_object(owner):
         roots[("self",)] = Root("self", lambda: owner, None)
-    for function in _user_functions(target, owner, seen):
+    for function in _user_functions(target, owner, set()):
         code = function.__code__
         loaded = _loaded(code)
         for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=True):
@@ -95,6 +90,24 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
                 root = roots.setdefault(key, _global_root(name, module_globals))
                 root.loaded = root.loaded or name in loaded
     return list(roots.values())
+
+
+def code_scopes(fn: Callable[..., Any]) -> list[dict]:
+    """The globals of the modules whose code ``fn`` runs: its own, and those of the user
+    functions it reaches (as :func:`find_roots` follows them)."""
+    scopes = [f.__globals__ for f in _user_functions(*_entry(fn), set())]
+    return list({id(s): s for s in scopes}.values())
+
+
+def _entry(fn: Callable[..., Any]) -> tuple[Any, Any]:
+    """The function where ``fn``'s user code starts, and the object it is a method of."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    target = getattr(target, "functacc_user_code", target)  # compile_step's loss_fn
+    owner = getattr(target, "__self__", None)
+    plain_call = not inspect.isfunction(target) and not inspect.ismethod(target)
+    if owner is None and plain_call and is_plain_object(target):
+        owner, target = target, type(target).__call__
+    return target, owner
 
 
 def _user_functions(
