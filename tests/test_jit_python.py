@@ -534,6 +534,45 @@ def float_and_int_of_tensors() -> Case:
     return Case(body, [model], [opt], state, batches=data())
 
 
+class Anchored(nn.Module):
+    """Tensors kept in a module's plain lists and dicts (torchvision's AnchorGenerator keeps
+    ``cell_anchors`` as a list of tensors), and a list the forward appends to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.cell_anchors = [torch.ones(2), torch.full((2,), 2.0)]
+        self.masks = {"shift": torch.full((2,), 0.5)}
+        self.seen: list = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        anchors = [a.to(x.dtype) for a in self.cell_anchors]
+        out = self.fc(x) * anchors[0] + anchors[1] + self.masks["shift"]
+        self.seen.append(out.detach().mean())
+        return out
+
+
+def module_containers() -> Case:
+    torch.manual_seed(0)
+    model = Anchored()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), torch.cat([y, y], 1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        if i == 2:
+            model.cell_anchors[1] = torch.full((2,), 3.0)  # replaced
+            model.masks["shift"].fill_(1.0)  # changed in place
+
+    state = lambda: (model.cell_anchors, model.masks, model.seen)  # noqa: E731
+    return Case(body, [model], [opt], state, between, batches=data())
+
+
 class Tempered(nn.Module):
     """A learned temperature kept as a plain tensor attribute, not a Parameter."""
 
@@ -568,6 +607,7 @@ CASES = {
     f.__name__: f
     for f in (
         script_globals,
+        module_containers,
         float_and_int_of_tensors,
         logger_module_case,
         optimizer_only_tensors,

@@ -113,9 +113,9 @@ class StepBody:
         )
         self.cache = self.engine.cache
         # What the body reads and writes in Python: guarded, fed or replayed.
-        self.python = PythonState(
-            fn, capture.optimizers, lambda: owned_tensors(capture.modules, capture.optimizers)
-        )
+        owned = lambda: owned_tensors(capture.modules, capture.optimizers)  # noqa: E731
+        modules = list(zip(capture.labels, capture.modules, strict=True))
+        self.python = PythonState(fn, capture.optimizers, owned, modules)
         self._numbers = NumberArguments(fn, self.python.roots)  # step(x, it): guarded, fed
         # GradScalers the body holds: their step() selects instead of branching.
         self.scalers = attach_grad_scalers(capture, self.python.roots)

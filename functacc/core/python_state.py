@@ -40,7 +40,7 @@ from .python_location import MISSING, Location, Root
 from .python_reach import find_roots
 from .python_recording import groups_root
 from .python_replay import QUIET, PythonPlan, Replay
-from .python_tensors import fed_key, feedable
+from .python_tensors import fed_key, feedable, module_containers
 from .python_trace import Recorder, Retry
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
@@ -83,8 +83,10 @@ class PythonState:
         fn: Callable[..., Any],
         optimizers: Sequence[Any],
         owned: Callable[[], set[int]] = set,
+        modules: Sequence[tuple[str, Any]] = (),
     ):
-        self.roots: list[Root] = find_roots(fn)
+        # The body's code's roots, and the containers its modules keep (python_tensors).
+        self.roots: list[Root] = find_roots(fn) + module_containers(modules)
         self.optimizers = list(optimizers)  # LinkedOptimizer
         self.owned = owned  # ids of the step's own tensors: never fed (python_tensors)
         self.guards: dict[Location, None] = {}  # over every trace so far, in order

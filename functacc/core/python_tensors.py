@@ -33,13 +33,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .python_location import Location
+from .python_location import Location, Root
 
 __all__ = [
     "fed_key",
     "feedable",
     "held_tensors",
     "installed",
+    "module_containers",
     "optimizer_tensors",
     "owned_tensors",
     "tensor_locations",
@@ -127,3 +128,28 @@ def optimizer_tensors(
                     seen[id(p)] = f"{label}.param_groups[{i}]['params'][{j}]"
                     found[seen[id(p)]] = p
     return found
+
+
+def module_containers(modules: Iterable[tuple[str, nn.Module]]) -> list[Root]:
+    """The lists and dicts the step's modules keep as public plain attributes
+    (torchvision's ``AnchorGenerator.cell_anchors``, a list of tensors; a dict of
+    masks): roots of the Python state, so that the tensors read from them are fed to the
+    graph on every call, as a closure's are. Not ``_private`` ones: a module's own
+    bookkeeping (``nn.LSTM._flat_weights``, the parameter tables). ``modules``: (label,
+    module) pairs."""
+    roots: list[Root] = []
+    for label, module in modules:
+        for name, sub in module.named_modules():
+            for attr, value in vars(sub).items():
+                if type(value) in (list, dict) and not attr.startswith("_"):
+                    roots.append(
+                        _attribute_root(".".join(filter(None, [label, name, attr])), sub, attr)
+                    )
+    return roots
+
+
+def _attribute_root(label: str, module: nn.Module, attr: str) -> Root:
+    def set_(value: Any) -> None:
+        vars(module)[attr] = value
+
+    return Root(f"attribute {label}", lambda: vars(module).get(attr), set_, loaded=False)
