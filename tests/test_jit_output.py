@@ -245,6 +245,7 @@ def tensor_text_run(jit: bool) -> tuple[str, torch.Tensor]:
         print("loss", loss, [loss.detach()], out)
         print(str(loss), repr(norm), f"{loss} {norm:.3f} {out.detach()} {out.shape[0]}")
         print("%.4f %s|%r" % (norm.item(), loss, out))
+        print(model.bias, model.weight.grad)  # "Parameter containing:" (a parameter's repr)
 
     if jit:
         body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
@@ -261,6 +262,7 @@ def test_tensors_printed_or_formatted_in_the_step_read_as_in_eager() -> None:
     eager, jitted = tensor_text_run(False), tensor_text_run(True)
     assert jitted[0] == eager[0] and eager[0].count("grad_fn=<MeanBackward0>") == 9
     assert "grad_fn=<AddmmBackward0>" in eager[0] and "FakeTensor" not in jitted[0]
+    assert eager[0].count("Parameter containing:\ntensor(") == 3
     assert torch.equal(jitted[1], eager[1])
 
 

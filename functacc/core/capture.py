@@ -68,9 +68,8 @@ class Capture:
                     seen[id(b)] = f"{label}.{n}"
                     self.buffers[f"{label}.{n}"] = b
         # Tensors an optimizer updates that no module owns: parameters of the step too.
-        loose = optimizer_tensors(optimizers, optimizer_labels, seen)
-        self.params.update(loose)
-        self.loose = {id(p): p for p in loose.values()}
+        self.loose = {id(p): p for p in optimizer_tensors(optimizers, optimizer_labels, seen)}
+        self.params.update((seen[i], p) for i, p in self.loose.items())
         # Every submodule once, with its qualified name (for swapping table entries).
         self.submodules: dict[int, tuple[str, nn.Module]] = {}
         for label, module in zip(self.labels, self.modules, strict=True):
@@ -255,6 +254,7 @@ class Capture:
                     leaf.register_hook(hook)
                 for hook in (p._post_accumulate_grad_hooks or {}).values():
                     leaf.register_post_accumulate_grad_hook(hook)
+            leaf._functacc_parameter = isinstance(p, nn.Parameter)  # print(model.bias)
             grad = by_name.get(f"grad {n}")
             if grad is not None:
                 leaf.grad = grad

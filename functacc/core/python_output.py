@@ -81,6 +81,8 @@ def fill(text: str, outputs: Sequence[Any], lrs: dict | None = None) -> str:
             value = outputs[int(which)]
         if spec.startswith("!r"):  # a tensor's repr: eager's, grad_fn included
             return _repr_with(value, spec[2:])
+        if spec.startswith("!p"):  # a module's parameter, as nn.Parameter's repr shows it
+            return "Parameter containing:\n" + _repr_with(value, spec[2:])
         return spec % value if _PERCENT_SPEC.fullmatch(spec) else format(value, spec)
 
     return _TOKEN.sub(number, text)
@@ -234,7 +236,8 @@ def _tensor_token(recorder: Any, tensor: torch.Tensor, spec: str) -> str:
     if name == "CppFunction":
         name = grad.name().rsplit("::", 1)[-1]
     suffix = f"grad_fn=<{name}>" if name else "requires_grad=True" if tensor.requires_grad else ""
-    return token(recorder, tensor, f"!r{suffix}")
+    kind = "!p" if getattr(tensor, "_functacc_parameter", False) else "!r"  # capture.py
+    return token(recorder, tensor, f"{kind}{suffix}")
 
 
 def _repr_with(tensor: torch.Tensor, suffix: str) -> str:

@@ -114,19 +114,19 @@ def held_tensors(
 
 def optimizer_tensors(
     optimizers: Sequence[Any], labels: Sequence[str], seen: dict[int, str]
-) -> dict[str, Tensor]:
+) -> list[Tensor]:
     """The tensors the optimizers update that no module owns (SAC's ``log_alpha =
-    torch.zeros(1, requires_grad=True)``; ``seen``: the modules' tensors, by id, which it
-    learns these too), named by their place in the optimizer. They are parameters of the
+    torch.zeros(1, requires_grad=True)``; ``seen``: the modules' tensors' names, by id,
+    which learns these too, named by their place in the optimizer). They are parameters of the
     step; each trace puts the traced tensor where the body's variables and plain objects
     hold them (``Recorder.install_loose``) and where a module keeps one as an attribute."""
-    found: dict[str, Tensor] = {}
+    found: list[Tensor] = []
     for opt, label in zip(optimizers, labels, strict=True):
         for i, group in enumerate(getattr(opt, "param_groups", ())):
             for j, p in enumerate(group["params"]):
                 if type(p) is Tensor and id(p) not in seen:  # a Parameter: its module's
                     seen[id(p)] = f"{label}.param_groups[{i}]['params'][{j}]"
-                    found[seen[id(p)]] = p
+                    found.append(p)
     return found
 
 
