@@ -512,6 +512,28 @@ def logger_module_case() -> Case:
     return Case(body, [model], [opt], state, between, batches=data(), traces=2)
 
 
+def list_items() -> Case:
+    # A list's item read by index, changed between calls (was a TraceError saying the step
+    # changed the list), and the list grown past it (no retrace: the item is what was read).
+    model, opt = net()
+    factors = [1.0]
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y) * factors[0]
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        if i == 1:
+            factors.append(5.0)
+        if i >= 2:
+            factors[0] = 1.0 + i
+
+    return Case(body, [model], [opt], lambda: list(factors), between, data(), traces=2)
+
+
 class Totals:
     def __init__(self) -> None:
         self.loss, self.correct, self.seen = 0.0, 0, 0
@@ -607,6 +629,7 @@ CASES = {
     f.__name__: f
     for f in (
         script_globals,
+        list_items,
         module_containers,
         float_and_int_of_tensors,
         logger_module_case,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .python_location import Location, Root
+from .python_reach import is_scalar
 
 __all__ = [
     "ACTIVE",
@@ -262,7 +263,8 @@ def _rate_after_scheduler(group: RecordingGroup) -> Any:
 
 class RecordingList(list):
     """A list the body reaches, while it is traced: a copy that notes whether the body
-    read it (its length, an item, a loop over it). Appends are replayed after each call; a
+    read it (its length, a loop over it; an item by a non-negative index is that item's
+    read alone, as a dict entry's). Appends are replayed after each call; a
     list the body both reads and appends to would be read at its trace-time length on every
     call, which is refused (``read``)."""
 
@@ -282,6 +284,12 @@ class RecordingList(list):
         return list.__len__(self)
 
     def __getitem__(self, index: Any) -> Any:
+        if type(index) is int and index >= 0 and self.recorder.recording:  # factors[0]:
+            value = list.__getitem__(self, index)  # that item, whatever the length
+            self.recorder.guard(self.location.child("item", index), value)
+            if not is_scalar(value):  # a tensor: all the list's are fed (an index may vary)
+                self.recorder.list_read(self)
+            return value
         self._note()
         return list.__getitem__(self, index)
 

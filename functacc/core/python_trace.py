@@ -306,7 +306,11 @@ class Recorder:
             if isinstance(obj, list):
                 # list.__len__ and friends, so that the checks below are not reads
                 now = list(list.__iter__(obj)) if isinstance(obj, RecordingList) else obj
-                now = [self._original(v) for v in now]  # fed tensors: what they stand for
+                fed = self.symbolic_inputs  # items still holding what was fed: the originals
+                now = [
+                    contents[i] if v is fed.get(location.child("item", i), MISSING) else v
+                    for i, v in enumerate(map(self._original, now))
+                ]
                 effect = list_effect(location, contents, now, self.template)
                 read = getattr(obj, "read", False)
                 if effect is not None and read:
