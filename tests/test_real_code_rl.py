@@ -15,6 +15,9 @@ assigns after ``jit()``, each iteration, was a ``TraceError``.
 
 from __future__ import annotations
 
+import collections
+import types
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -346,3 +349,182 @@ def test_cleanrl_ppo_minibatch_update_reads_the_scripts_batch_globals_as_in_eage
         assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
     assert step.num_traces == 1, [t.reason for t in step.traces]
     assert j["clipfracs"] == e["clipfracs"] and len(e["clipfracs"]) >= 4
+
+
+# cleanrl/td3_continuous_action.py and cleanrl/c51.py: the training part of the loop as the
+# update, `rb.sample()`'s batch (a NamedTuple, as stable-baselines3's buffer returns) its
+# argument; TD3's target policy noise from torch.randn_like, its clamp bounds read from the
+# action space's NumPy arrays; C51's projection with a Python loop of index_add_ and its
+# target network loaded from the online one inside the step. Both ran already: guards.
+TD3_C51 = """
+import copy
+
+
+class QNetwork(nn.Module):
+    def __init__(self, obs, act, out=1):
+        super().__init__()
+        self.fc1 = nn.Linear(obs + act, 32)
+        self.fc2 = nn.Linear(32, out)
+
+    def forward(self, x, a):
+        return self.fc2(F.relu(self.fc1(torch.cat([x, a], 1))))
+
+
+class Actor(nn.Module):
+    def __init__(self, obs, act):
+        super().__init__()
+        self.fc1 = nn.Linear(obs, 32)
+        self.fc_mu = nn.Linear(32, act)
+        self.register_buffer("action_scale", torch.full((act,), 2.0))
+        self.register_buffer("action_bias", torch.zeros(act))
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        return torch.tanh(self.fc_mu(x)) * self.action_scale + self.action_bias
+
+
+torch.manual_seed(0)
+actor, qf1, qf2 = Actor(3, 2), QNetwork(3, 2), QNetwork(3, 2)
+target_actor, qf1_target = copy.deepcopy(actor), copy.deepcopy(qf1)
+qf2_target = copy.deepcopy(qf2)
+q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=3e-4)
+actor_optimizer = optim.Adam(list(actor.parameters()), lr=3e-4)
+
+
+def td3_update(data, global_step):
+    with torch.no_grad():
+        clipped_noise = (torch.randn_like(data.actions, device=device) * args.policy_noise).clamp(
+            -args.noise_clip, args.noise_clip
+        ) * target_actor.action_scale
+
+        next_state_actions = (target_actor(data.next_observations) + clipped_noise).clamp(
+            envs.single_action_space.low[0], envs.single_action_space.high[0]
+        )
+        qf1_next_target = qf1_target(data.next_observations, next_state_actions)
+        qf2_next_target = qf2_target(data.next_observations, next_state_actions)
+        min_qf_next_target = torch.min(qf1_next_target, qf2_next_target)
+        next_q_value = data.rewards.flatten() + (1 - data.dones.flatten()) * args.gamma * (
+            min_qf_next_target
+        ).view(-1)
+
+    qf1_a_values = qf1(data.observations, data.actions).view(-1)
+    qf2_a_values = qf2(data.observations, data.actions).view(-1)
+    qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
+    qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
+    qf_loss = qf1_loss + qf2_loss
+
+    q_optimizer.zero_grad()
+    qf_loss.backward()
+    q_optimizer.step()
+
+    if global_step % args.policy_frequency == 0:
+        actor_loss = -qf1(data.observations, actor(data.observations)).mean()
+        actor_optimizer.zero_grad()
+        actor_loss.backward()
+        actor_optimizer.step()
+
+        for param, target_param in zip(actor.parameters(), target_actor.parameters()):
+            target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+        for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
+            target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+        for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
+            target_param.data.copy_(args.tau * param.data + (1 - args.tau) * target_param.data)
+    return qf_loss.item()
+
+
+class C51Network(nn.Module):
+    def __init__(self, n_atoms=11, v_min=-10, v_max=10):
+        super().__init__()
+        self.n_atoms = n_atoms
+        self.register_buffer("atoms", torch.linspace(v_min, v_max, steps=n_atoms))
+        self.n = 2
+        self.network = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, self.n * n_atoms))
+
+    def get_action(self, x, action=None):
+        logits = self.network(x)
+        pmfs = torch.softmax(logits.view(len(x), self.n, self.n_atoms), dim=2)
+        q_values = (pmfs * self.atoms).sum(2)
+        if action is None:
+            action = torch.argmax(q_values, 1)
+        return action, pmfs[torch.arange(len(x)), action]
+
+
+q_network, target_network = C51Network(), C51Network()
+target_network.load_state_dict(q_network.state_dict())
+optimizer = optim.Adam(q_network.parameters(), lr=2.5e-4, eps=0.01 / 32)
+
+
+def c51_update(data, global_step):
+    with torch.no_grad():
+        _, next_pmfs = target_network.get_action(data.next_observations)
+        next_atoms = data.rewards + args.gamma * target_network.atoms * (1 - data.dones)
+        delta_z = target_network.atoms[1] - target_network.atoms[0]
+        tz = next_atoms.clamp(args.v_min, args.v_max)
+
+        b = (tz - args.v_min) / delta_z
+        l = b.floor().clamp(0, args.n_atoms - 1)
+        u = b.ceil().clamp(0, args.n_atoms - 1)
+        d_m_l = (u + (l == u).float() - b) * next_pmfs
+        d_m_u = (b - l) * next_pmfs
+        target_pmfs = torch.zeros_like(next_pmfs)
+        for i in range(target_pmfs.size(0)):
+            target_pmfs[i].index_add_(0, l[i].long(), d_m_l[i])
+            target_pmfs[i].index_add_(0, u[i].long(), d_m_u[i])
+
+    _, old_pmfs = q_network.get_action(data.observations, data.actions.flatten())
+    loss = (-(target_pmfs * old_pmfs.clamp(min=1e-5, max=1 - 1e-5).log()).sum(-1)).mean()
+
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+    if global_step % args.target_network_frequency == 0:
+        target_network.load_state_dict(q_network.state_dict())
+    return loss.item()
+"""
+
+Samples = collections.namedtuple(
+    "ReplayBufferSamples", "observations actions next_observations dones rewards"
+)
+
+
+def td3_c51_run(jit: bool) -> tuple[list, dict]:
+    g = script(
+        TD3_C51, policy_noise=0.2, noise_clip=0.5, gamma=0.99, tau=0.005, policy_frequency=2,
+        v_min=-10, v_max=10, n_atoms=11, target_network_frequency=3,
+    )  # fmt: skip
+    space = types.SimpleNamespace(
+        low=np.full(2, -2.0, np.float32), high=np.full(2, 2.0, np.float32)
+    )
+    g.update(device="cpu", envs=types.SimpleNamespace(single_action_space=space))
+    td3, c51 = g["td3_update"], g["c51_update"]
+    if jit:
+        names = ("actor", "qf1", "qf2", "target_actor", "qf1_target", "qf2_target")
+        td3 = functacc.jit(
+            td3, modules=[g[k] for k in names],
+            optimizers=[g["q_optimizer"], g["actor_optimizer"]], backend="eager",
+        )  # fmt: skip
+        c51 = functacc.jit(
+            c51, modules=[g["q_network"], g["target_network"]], optimizers=[g["optimizer"]],
+            backend="eager",
+        )  # fmt: skip
+    data, losses = torch.Generator().manual_seed(1), []
+    torch.manual_seed(3)  # TD3's target policy noise
+    for global_step in range(1, 8):
+        obs, next_obs = torch.randn(16, 3, generator=data), torch.randn(16, 3, generator=data)
+        dones = (torch.rand(16, 1, generator=data) < 0.1).float()
+        rewards = torch.randn(16, 1, generator=data)
+        actions = torch.randn(16, 2, generator=data)
+        losses.append(td3(Samples(obs, actions, next_obs, dones, rewards), global_step))
+        discrete = torch.randint(0, 2, (16, 1), generator=data)
+        losses.append(c51(Samples(obs, discrete, next_obs, dones, rewards), global_step))
+    names = ("actor", "qf1", "target_actor", "qf2_target", "q_network", "target_network")
+    return losses, {k: g[k].state_dict() for k in names}
+
+
+def test_cleanrl_td3_and_c51_updates_as_written_run_as_in_eager() -> None:
+    (got, trained), (expected, reference) = td3_c51_run(True), td3_c51_run(False)
+    assert got == expected and len(got) == 14
+    for k, state in trained.items():
+        for (n, a), b in zip(state.items(), reference[k].values(), strict=True):
+            assert torch.equal(a, b), (k, n)
