@@ -421,21 +421,35 @@ def test_resume_with_tensor_hyperparameters_keeps_them_tensors(tmp_path, opt_cls
         opt = opt_cls(model.parameters(), lr=torch.tensor(2e-3), betas=(0.8, 0.99))
         return model, opt, functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
 
-    batches = [(torch.randn(8, 16), torch.randn(8, 5)) for _ in range(6)]
-    model, _, step = build()
-    for x, y in batches[:3]:
-        step(x, y)
-    functacc.save(step, tmp_path / "ckpt")
-    for x, y in batches[3:]:
-        step(x, y)
-    resumed_model, resumed_opt, resumed = build()
-    lr = resumed_opt.param_groups[0]["lr"]
-    lr.fill_(0.5)  # the checkpoint's value must replace it
-    functacc.load(resumed, tmp_path / "ckpt")
+    filled = []
+
+    def before_load(resumed: tuple) -> None:
+        filled.append(resumed[1].param_groups[0]["lr"])
+        filled[0].fill_(0.5)  # the checkpoint's value must replace it
+
+    first, (resumed_model, resumed_opt, _) = saved_and_resumed(build, tmp_path, before_load)
+    model, lr = first[0], filled[0]
     assert resumed_opt.param_groups[0]["lr"] is lr and float(lr) == float(torch.tensor(2e-3))
-    for x, y in batches[3:]:
-        resumed(x, y)
     assert_close(resumed_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="model")
+
+
+def saved_and_resumed(build, tmp_path, before_load=lambda resumed: None) -> tuple:
+    """``build()`` -> (model, extra, step): 3 steps, a checkpoint, 3 more; then a second
+    build() loaded from the checkpoint (``before_load`` first) and run the same 3 steps.
+    Returns both builds."""
+    batches = [(torch.randn(8, 16), torch.randn(8, 5)) for _ in range(6)]
+    first = build()
+    for x, y in batches[:3]:
+        first[2](x, y)
+    functacc.save(first[2], tmp_path / "ckpt")
+    for x, y in batches[3:]:
+        first[2](x, y)
+    resumed = build()
+    before_load(resumed)
+    functacc.load(resumed[2], tmp_path / "ckpt")
+    for x, y in batches[3:]:
+        resumed[2](x, y)
+    return first, resumed
 
 
 class LearnedScale(nn.Module):
@@ -468,17 +482,7 @@ def test_resume_of_what_the_optimizer_trains_beside_the_model_is_bit_exact(
         opt = torch.optim.Adam([*model.parameters(), log_t], lr=0.05)
         return model, log_t, functacc.compile_step(model, loss_fn, opt, backend="eager")
 
-    batches = [(torch.randn(8, 16), torch.randn(8, 5)) for _ in range(6)]
-    model, log_t, step = build()
-    for x, y in batches[:3]:
-        step(x, y)
-    functacc.save(step, tmp_path / "ckpt")
-    for x, y in batches[3:]:
-        step(x, y)
-    resumed_model, resumed_t, resumed = build()
-    functacc.load(resumed, tmp_path / "ckpt")
-    for x, y in batches[3:]:
-        resumed(x, y)
+    (model, log_t, _), (resumed_model, resumed_t, _) = saved_and_resumed(build, tmp_path)
     assert_close(resumed_model.state_dict(), model.state_dict(), rtol=0, atol=0, what="model")
     assert torch.equal(resumed_t, log_t) and not torch.equal(log_t, torch.zeros(1))
 

@@ -111,13 +111,7 @@ class Location:
             return
         parent = self._parent()
         kind, key = self.steps[-1]
-        if kind == "attr" and isinstance(parent, type):
-            if key in vars(parent):
-                delattr(parent, key)
-        elif kind == "attr":
-            vars(parent).pop(key, None)
-        else:
-            parent.pop(key, None)
+        (fields_of(parent) if kind == "attr" else parent).pop(key, None)
 
     def __repr__(self) -> str:
         return f"Location({self.label})"
@@ -158,6 +152,8 @@ class _ClassFields(MutableMapping):
         setattr(self.cls, key, value)
 
     def __delitem__(self, key: str) -> None:
+        if key not in vars(self.cls):
+            raise KeyError(key)  # as a dict's (MutableMapping.pop's default needs it)
         delattr(self.cls, key)
 
     def __iter__(self) -> Iterator[str]:

@@ -116,10 +116,11 @@ def optimizer_tensors(
     optimizers: Sequence[Any], labels: Sequence[str], seen: dict[int, str]
 ) -> list[Tensor]:
     """The tensors the optimizers update that no module owns (SAC's ``log_alpha =
-    torch.zeros(1, requires_grad=True)``; ``seen``: the modules' tensors' names, by id,
-    which learns these too, named by their place in the optimizer). They are parameters of the
-    step; each trace puts the traced tensor where the body's variables and plain objects
-    hold them (``Recorder.install_loose``) and where a module keeps one as an attribute."""
+    torch.zeros(1, requires_grad=True)``). ``seen`` maps the modules' tensors to their
+    names, by id; it learns these too, named by their place in the optimizer
+    (``opt.param_groups[0]['params'][2]``). They are parameters of the step; each trace
+    puts the traced tensor where the body's variables and plain objects hold them
+    (``Recorder.install_loose``) and where a module keeps one as an attribute."""
     found: list[Tensor] = []
     for opt, label in zip(optimizers, labels, strict=True):
         for i, group in enumerate(getattr(opt, "param_groups", ())):
