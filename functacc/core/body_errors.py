@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..errors import TraceError
 from .python_location import Location
-from .python_reach import plain_objects
+from .python_reach import entries, plain_objects
 from .python_tensors import held_tensors
 
 __all__ = ["dropped_gradient_error", "outside_tensor_error"]
@@ -24,9 +24,7 @@ __all__ = ["dropped_gradient_error", "outside_tensor_error"]
 def _held_by(roots: Sequence[Any]) -> str:
     """Where the body's Python state holds a tensor with autograd history, in words."""
     for location, value in plain_objects(list(roots)).values():
-        values = value if isinstance(value, list) else []
-        if isinstance(value, dict):
-            values = list(value.values())
+        values = [v for kind, _, v in entries(value) if kind == "item"]
         if any(isinstance(v, Tensor) and v.grad_fn is not None for v in values):
             return f" (held in {location.label})"
     for root in roots:

@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from .averaged_model import averages_in_graph
 from .c10d_in_trace import collectives_in_graph
 from .data_assign import data_assignments_written
 from .donation import donation_target
@@ -32,7 +33,7 @@ from .lookup_tables import as_lookup
 from .python_iterators import no_batches_drawn, outside_iterators
 from .python_location import Location, Root
 from .python_numbers import symbolic_builtins
-from .python_reach import code_scopes, is_user_code, plain_objects
+from .python_reach import code_scopes, entries, is_user_code, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
 from .torch_checkpoint import no_checkpoint_draws
@@ -136,6 +137,7 @@ class TracedBody:
                 no_batches_drawn(outside_iterators(python.roots, self.leaves)),
                 collectives_in_graph(),
                 value_checks_in_graph(),
+                averages_in_graph(),
                 data_assignments_written(),
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
@@ -295,9 +297,7 @@ def known_generators(
     for root in roots:
         note(root.get())
     for _, obj in plain_objects(list(roots)).values():
-        if not isinstance(obj, (dict, list)):
-            obj = vars(obj)
-        for v in obj.values() if isinstance(obj, dict) else obj:
+        for _, _, v in entries(obj):
             note(v)
     return found
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..errors import argument_error
 from .python_location import Root
-from .python_reach import is_plain_object, plain_objects
+from .python_reach import entries, is_plain_object, plain_objects
 
 __all__ = ["check_declared_optimizers", "held_values", "library_objects", "restore_objects"]
 
@@ -92,12 +92,7 @@ def held_values(roots: list[Root]) -> list[Any]:
         except Exception:  # a cell not yet filled
             continue
     for _, value in plain_objects(roots).values():
-        if isinstance(value, dict):
-            values.extend(value.values())
-        elif isinstance(value, list):
-            values.extend(value)
-        else:
-            values.extend(vars(value).values())
+        values.extend(v for _, _, v in entries(value))
     return values
 
 

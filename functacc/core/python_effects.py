@@ -13,12 +13,13 @@ A trace (:mod:`.python_trace`) turns the body's Python writes into *effects*:
 
 A *template* says how a written value is made after each call: ``("const", value)``, ``("out",
 k)`` (the graph's ``k``-th Python output: a tensor, or a number such as ``loss.item()`` or a
-counter's ``u0 + 1``), a tuple, list or dict of templates, ``("lr", marker)`` (a
+counter's ``u0 + 1``), a container or an object the step made (:mod:`.python_made`:
+``(kind, item templates, extra)``), ``("lr", marker)`` (a
 scheduler's learning rate after its replayed steps), or ``("fmt", text)`` (a string the
 body formatted traced numbers into; ``("path", cls, text)`` for a path made of one).
 
 Example:
-    >>> build(("tuple", [("const", 1), ("out", 0)]), [2.5], {})
+    >>> build(("tuple", [("const", 1), ("out", 0)], None), [2.5], {})
     (1, 2.5)
 """
 
@@ -33,6 +34,7 @@ import torch
 
 from ..errors import TraceError
 from .python_location import MISSING, Location
+from .python_made import MADE, build_made
 from .torch_checkpoint import in_torch_checkpoint
 
 __all__ = [
@@ -93,8 +95,9 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
     if kind == "lr":
         marker = template[1]
         return lrs[id(marker.scheduler)][marker.count][marker.index]
-    if kind == "dict":
-        return {k: build(t, outputs, lrs) for k, t in template[1].items()}
+    if kind in MADE:  # containers, objects made in the step
+        memo = lrs.setdefault("made", {})  # type: ignore[call-overload]  # one per call
+        return build_made(template, lambda t: build(t, outputs, lrs), memo)
     if kind == "odict":
         made = OrderedDict((k, build(t, outputs, lrs)) for k, t in template[1].items())
         if template[2] is not None:
@@ -109,8 +112,7 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
         if kind == "fmt":
             return fill(template[1], outputs, lrs)
         return template[1](fill(template[2], outputs, lrs))
-    items = [build(t, outputs, lrs) for t in template[1]]
-    return tuple(items) if kind == "tuple" else items
+    raise ValueError(f"not a template: {template!r}")
 
 
 # -- learning-rate schedulers ----------------------------------------------------------------

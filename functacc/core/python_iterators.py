@@ -36,7 +36,7 @@ from torch.utils.data import dataloader
 
 from ..errors import TraceError
 from .python_location import Root
-from .python_reach import plain_objects
+from .python_reach import entries, plain_objects
 
 __all__ = ["no_batches_drawn", "outside_iterators"]
 
@@ -53,14 +53,9 @@ def outside_iterators(roots: Sequence[Root], leaves: Sequence[Any]) -> dict[int,
     for root in roots:
         note(root.get(), root.label, _code(root))
     for location, obj in plain_objects(list(roots)).values():
-        if isinstance(obj, dict):
-            entries = [(f"[{k!r}]", v) for k, v in obj.items()]
-        elif isinstance(obj, list):
-            entries = [(f"[{i}]", v) for i, v in enumerate(obj)]
-        else:
-            entries = [(f".{k}", v) for k, v in vars(obj).items()]
         base = _code(location.root) + location.label[len(location.root.label) :]
-        for key, value in entries:
+        for kind, key, value in entries(obj):
+            key = f"[{key!r}]" if kind == "item" else f".{key}"
             note(value, location.label + key, base + key)
     for value in leaves:
         note(value, "an argument of the call", "it")

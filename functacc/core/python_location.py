@@ -60,6 +60,9 @@ class Root:
         return f"Root({self.label})"
 
 
+_LABELS = {"attr": ".{}", "item": "[{!r}]", "len": ".__len__()", "has": ".__contains__({!r})"}
+
+
 class Location:
     """A root and a path of ``("attr", name)`` / ``("item", key)`` steps from it."""
 
@@ -68,10 +71,7 @@ class Location:
     def __init__(self, root: Root, steps: tuple[tuple[str, Any], ...] = ()):
         self.root = root
         self.steps = steps
-        self.label = root.label + "".join(
-            f".{k}" if kind == "attr" else ".__len__()" if kind == "len" else f"[{k!r}]"
-            for kind, k in steps
-        )
+        self.label = root.label + "".join(_LABELS[kind].format(k) for kind, k in steps)
 
     def child(self, kind: str, key: Any) -> Location:
         return Location(self.root, (*self.steps, (kind, key)))
@@ -126,6 +126,8 @@ class Location:
 def _step(value: Any, kind: str, key: Any) -> Any:
     if kind == "len":
         return len(value) if isinstance(value, (list, dict)) else MISSING
+    if kind == "has":  # whether a dict has the key (a guard on a key the body found absent)
+        return dict.__contains__(value, key) if isinstance(value, dict) else MISSING
     if kind == "attr":
         fields = getattr(value, "__dict__", None)
         return fields.get(key, MISSING) if fields is not None else MISSING

@@ -7,7 +7,8 @@
 a trace could only fix the value, a data-dependent guard, an error. While a body is traced,
 ``float`` and ``int`` in its module are stand-ins (:data:`STAND_INS`): a tensor gives the
 symbol of its value, which the step computes, replays or returns as it does ``.item()``'s;
-anything else is the builtin's. For ``isinstance`` and ``issubclass`` they are the builtins.
+anything else is the builtin's. For ``isinstance`` and ``issubclass`` they are the builtins,
+and a symbol is an instance of the type whose value it stands for.
 
 Example:
     >>> import torch
@@ -30,23 +31,26 @@ from torch import Tensor
 
 from .._compat import symbolic_max_min
 
-__all__ = ["STAND_INS", "symbolic_builtins"]
+__all__ = ["STAND_INS", "symbolic_builtins", "unstood"]
 
 
 class _Builtin(type):
-    """The stand-in's class checks as the builtin does (``isinstance(3, int)``)."""
+    """The stand-in's class checks as the builtin does (``isinstance(3, int)``), and a
+    symbol is an instance of the number type it stands for: eager's ``loss.item()`` is a
+    float (torchvision's ``assert isinstance(v, (float, int))`` after ``v = v.item()``)."""
 
     builtin: type
+    symbols: tuple[type, ...]
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, cls.builtin)
+        return isinstance(obj, (cls.builtin, *cls.symbols))
 
     def __subclasscheck__(cls, sub: type) -> bool:
         return issubclass(sub, cls.builtin)
 
 
 class _Float(float, metaclass=_Builtin):
-    builtin = float
+    builtin, symbols = float, (torch.SymFloat,)
 
     def __new__(cls, x: Any = 0.0, /) -> Any:  # a SymFloat where a tensor is given
         if isinstance(x, Tensor) and x.numel() == 1:
@@ -55,7 +59,7 @@ class _Float(float, metaclass=_Builtin):
 
 
 class _Int(int, metaclass=_Builtin):
-    builtin = int
+    builtin, symbols = int, (torch.SymInt, torch.SymBool)  # a bool is an int
 
     def __new__(cls, x: Any = 0, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(x, Tensor) and x.numel() == 1 and not args and not kwargs:
@@ -66,6 +70,13 @@ class _Int(int, metaclass=_Builtin):
 
 STAND_INS: dict[str, type] = {"float": _Float, "int": _Int}
 """The stand-ins by the builtin's name, for a traced body's module globals."""
+
+
+def unstood(value: Any) -> Any:
+    """``value``, or the builtin a stand-in stands for: what the body kept of ``float``
+    while traced (``defaultdict(float)``) is ``float`` after the call."""
+    return value.builtin if type(value) is _Builtin else value
+
 
 _ABSENT = object()
 _SYMBOLS = (torch.SymInt, torch.SymFloat)

@@ -58,7 +58,7 @@ _LIBRARIES = frozenset(
         "socket weakref tqdm wandb tensorboard tensorboardX mlflow transformers timm"
     ).split()
 )
-_CONTAINERS = (dict, list, collections.defaultdict)  # recorded: (python_recording)
+_CONTAINERS = (dict, list, collections.defaultdict, collections.deque)  # python_recording
 _SCAN_DEPTH = 3  # called user functions followed this many calls deep
 _OBJECT_DEPTH = 3  # plain objects reached this many attributes deep from a root
 _MAX_OBJECTS = 256
@@ -296,6 +296,16 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
     return found
 
 
+def entries(obj: Any) -> list[tuple[str, Any, Any]]:
+    """What a dict, list, deque or plain object (as :func:`plain_objects` finds them) holds,
+    as ``(kind, key, value)``: ``"item"`` entries of a container, ``"attr"`` of an object."""
+    if isinstance(obj, dict):
+        return [("item", k, v) for k, v in obj.items()]
+    if isinstance(obj, (list, collections.deque)):
+        return [("item", i, v) for i, v in enumerate(obj)]
+    return [("attr", k, v) for k, v in vars(obj).items()]
+
+
 def _containerish(value: Any) -> bool:
     return type(value) in _CONTAINERS or is_plain_object(value) or _is_user_class(value)
 
@@ -312,7 +322,7 @@ def holds_traced(value: Any, depth: int = 0) -> bool:
         return True
     if depth > 3:
         return False
-    if isinstance(value, (dict, list, tuple)):
+    if isinstance(value, (dict, list, tuple, collections.deque)):
         items = value.values() if isinstance(value, dict) else value
     else:
         items = vars(value).values() if is_plain_object(value) else ()

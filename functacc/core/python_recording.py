@@ -23,15 +23,18 @@ Example:
 from __future__ import annotations
 
 import abc
+import collections
 import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import TraceError
 from .python_location import Location, Root
 from .python_reach import is_scalar
 
 __all__ = [
     "ACTIVE",
+    "RecordingDeque",
     "RecordingDict",
     "RecordingGroup",
     "RecordingList",
@@ -135,17 +138,27 @@ class RecordingDict(dict):
     def __getitem__(self, key: Any) -> Any:
         return self._read(key)
 
+    def _absent(self, key: Any) -> None:
+        """The body found ``key`` absent: a call that finds it present traces again."""
+        if self.recorder.recording and key not in self.written:
+            self.recorder.guard(self.location.child("has", key), False)
+
     def get(self, key: Any, default: Any = None) -> Any:
-        return self._read(key) if dict.__contains__(self, key) else default
+        if dict.__contains__(self, key):
+            return self._read(key)
+        self._absent(key)
+        return default
 
     def __contains__(self, key: object) -> bool:
         if dict.__contains__(self, key):
             self._read(key)
             return True
+        self._absent(key)
         return False
 
     def __missing__(self, key: Any) -> Any:
-        factory = getattr(self.original, "default_factory", None)  # a defaultdict's
+        self._absent(key)  # a defaultdict's entry made on first use
+        factory = getattr(self.original, "default_factory", None)
         if factory is None:
             raise KeyError(key)
         self[key] = value = factory()  # a write, replayed
@@ -304,6 +317,71 @@ class RecordingList(list):
     def __bool__(self) -> bool:
         self._note()
         return list.__len__(self) > 0
+
+
+class RecordingDeque(collections.deque):
+    """A ``collections.deque`` the body reaches (torchvision's ``SmoothedValue`` window),
+    while it is traced: a copy that notes its appends, replayed after each call on the
+    deque itself (its ``maxlen`` drops from the left then, as in eager), and whether the
+    body read it, as :class:`RecordingList` does. Other changes are refused at once."""
+
+    def __init__(self, original: collections.deque, location: Location, recorder: Any):
+        super().__init__(original, original.maxlen)
+        self.location, self.recorder = location, recorder
+        self.read, self.before, self.appended = False, list(original), []
+
+    def items_now(self) -> list:
+        """The items as if the deque had no ``maxlen``: the appends after the original's."""
+        return self.before + self.appended
+
+    def append(self, value: Any) -> None:
+        self.appended.append(value)
+        super().append(value)
+
+    def extend(self, values: Any) -> None:
+        for value in values:
+            self.append(value)
+
+    def _changed(self, *args: Any, **kwargs: Any) -> None:
+        raise TraceError(
+            f"the step changes the deque {self.location.label} other than by appending to "
+            "it. functacc.jit replays a step's appends after each call, as eager makes them; "
+            "other changes (popleft, appendleft, rotate, clear, assigning an item) it cannot "
+            "replay. Fix: append only, or return the values and keep the deque outside the "
+            "step."
+        )
+
+    appendleft = extendleft = pop = popleft = rotate = clear = remove = insert = _changed
+    __setitem__ = __delitem__ = __iadd__ = _changed
+
+    def _note(self) -> None:
+        if self.recorder.recording:
+            self.read = True
+            self.recorder.list_read(self)
+
+    def __len__(self) -> int:
+        self._note()
+        return super().__len__()
+
+    def __getitem__(self, index: Any) -> Any:
+        self._note()
+        return super().__getitem__(index)
+
+    def __iter__(self) -> Any:
+        self._note()
+        return super().__iter__()
+
+    def __reversed__(self) -> Any:
+        self._note()
+        return super().__reversed__()
+
+    def __contains__(self, value: object) -> bool:
+        self._note()
+        return super().__contains__(value)
+
+    def __bool__(self) -> bool:
+        self._note()
+        return super().__len__() > 0
 
 
 def groups_root(linked: Any) -> Root:

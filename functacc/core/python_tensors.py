@@ -34,6 +34,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from .python_location import Location, Root
+from .python_reach import entries
 
 __all__ = [
     "fed_key",
@@ -104,11 +105,7 @@ def held_tensors(
     each with its location."""
     held = list(variables)
     for location, obj in objects:
-        if isinstance(obj, (dict, list)):
-            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-            held += [(location.child("item", k), v) for k, v in items]
-        else:
-            held += [(location.child("attr", k), v) for k, v in vars(obj).items()]
+        held += [(location.child(kind, k), v) for kind, k, v in entries(obj)]
     return [(location, v) for location, v in held if isinstance(v, Tensor)]
 
 

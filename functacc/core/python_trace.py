@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,11 +31,14 @@ from ..errors import TraceError
 from .lookup_tables import install_tables, is_array
 from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template, list_effect
 from .python_location import MISSING, Location, Root, fields_of
+from .python_made import made_template
+from .python_numbers import unstood
 from .python_numpy import TracedArray, numpy_template
 from .python_output import output_template, patch_output
 from .python_reach import holds_traced, is_scalar, plain_objects
 from .python_recording import (
     ACTIVE,
+    RecordingDeque,
     RecordingDict,
     RecordingGroup,
     RecordingList,
@@ -81,6 +85,7 @@ class Recorder:
         self.symbols: dict[Any, Location] = {}  # sympy symbol of a fed value -> location
         self.outputs: list[Tensor | SymInt | SymFloat | SymBool] = []
         self.effects: list[Effect] = []
+        self.made: dict[int, Template | None] = {}  # id(value) -> its template (python_made)
         self.rendered: dict[str, str] = {}  # a '%' stand-in's text -> its token (python_percent)
         self.schedulers: list[SchedulerEvent] = []
         self.seeds: list[Seed] = []
@@ -114,8 +119,10 @@ class Recorder:
                 location.set(copy)  # the body reads and writes the copy while traced
                 self._undo.append(lambda location=location, obj=obj: location.set(obj))
                 self.snapshots.append((location, copy, dict(obj)))
-            elif isinstance(obj, list):
-                copy_ = RecordingList(obj, location, self)
+            elif isinstance(obj, (list, deque)):
+                copy_ = (RecordingList if isinstance(obj, list) else RecordingDeque)(
+                    obj, location, self
+                )
                 self._originals[id(copy_)] = obj
                 location.set(copy_)
                 self._undo.append(lambda location=location, obj=obj: location.set(obj))
@@ -187,8 +194,7 @@ class Recorder:
 
     def _put_contents_back(self) -> None:
         for _, obj, contents in self.snapshots:
-            if isinstance(obj, list):
-                obj[:] = contents
+            if isinstance(obj, (list, deque)):  # recording copies, dropped
                 continue
             fields = obj if isinstance(obj, dict) else fields_of(obj)
             for key in [k for k in fields if k not in contents]:
@@ -240,15 +246,16 @@ class Recorder:
                 self.loose[location] = value
         self.recording = recording
 
-    def list_read(self, lst: RecordingList) -> None:
-        for i, value in enumerate(list(list.__iter__(lst))):
+    def list_read(self, lst: RecordingList | RecordingDeque) -> None:
+        items = lst.before if isinstance(lst, RecordingDeque) else list(list.__iter__(lst))
+        for i, value in enumerate(items):
             self.note_tensors(lst.location.child("item", i), value)
 
     def unfed_tensors(self) -> list[Location]:
         """The tensors the body read from its Python state that are not fed yet (the
         items of a list it read too)."""
         for location, obj, contents in self.snapshots:
-            if isinstance(obj, RecordingList) and obj.read:
+            if isinstance(obj, (RecordingList, RecordingDeque)) and obj.read:
                 for i, value in enumerate(contents):
                     self.note_tensors(location.child("item", i), value)
         return [loc for loc in self.tensor_reads if loc not in self.symbolic_inputs]
@@ -279,16 +286,9 @@ class Recorder:
         made = output_template(value, lambda v: self.template(v, where), self.rendered)
         if made is not None:  # a formatted string or path, a state_dict()
             return made
-        if type(value) in (tuple, list):
-            items = [self.template(v, where) for v in value]
-            if all(t[0] == "const" for t in items):
-                return ("const", value)
-            return (type(value).__name__, items)
-        if type(value) is dict:
-            items = {k: self.template(v, where) for k, v in value.items()}
-            if all(t[0] == "const" for t in items.values()):
-                return ("const", value)
-            return ("dict", items)
+        made = made_template(value, lambda v: self.template(v, where), self.objects, self.made)
+        if made is not None:  # a container, an object the step made (a meter)
+            return made
         if holds_traced(value):
             raise TraceError(
                 f"{where} holds {type(value).__name__} object made while tracing, with traced "
@@ -298,14 +298,14 @@ class Recorder:
                 "float, a tuple or dict of them), or return them and build the object outside "
                 "the step."
             )
-        return ("const", value)
+        return ("const", unstood(value))
 
     def _collect_writes(self) -> list[Location]:
         promote: list[Location] = []
         for location, obj, contents in self.snapshots:
-            if isinstance(obj, list):
+            if isinstance(obj, (list, deque)):
                 # list.__len__ and friends, so that the checks below are not reads
-                now = list(list.__iter__(obj)) if isinstance(obj, RecordingList) else obj
+                now = obj.items_now() if isinstance(obj, deque) else list(list.__iter__(obj))
                 fed = self.symbolic_inputs  # items still holding what was fed: the originals
                 now = [
                     contents[i] if v is fed.get(location.child("item", i), MISSING) else v

@@ -1,0 +1,107 @@
+"""Containers and plain objects a traced step leaves in Python state, made again after each
+call from templates.
+
+A value the body writes is replayed as a *template* (:mod:`.python_effects`). A tuple, list,
+dict or ``deque`` of written values is a template of its items; so is an object of the
+user's own class made in the step (torchvision's ``MetricLogger`` makes a ``SmoothedValue``
+meter on its first update, through a ``defaultdict``): made after the call without its
+``__init__``, as a copy is, with its attributes built from their templates (an object that
+existed before the call stays that object). A container of constants stays the value itself.
+
+Example:
+    >>> from collections import defaultdict, deque
+    >>> made_template(deque([1, 2], maxlen=3), lambda v: ("const", v))
+    ('const', deque([1, 2], maxlen=3))
+    >>> build_made(("deque", [("const", 1)], 3), lambda t: t[1], {})
+    deque([1], maxlen=3)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Container
+from typing import Any
+
+from ..errors import TraceError
+from .python_numbers import unstood
+from .python_reach import holds_traced, is_plain_object
+
+__all__ = ["MADE", "build_made", "made_template"]
+
+MADE = frozenset({"tuple", "list", "dict", "defaultdict", "deque", "object"})
+"""The template kinds of this module."""
+
+Template = tuple
+
+
+def made_template(
+    value: Any,
+    template: Callable[[Any], Template],
+    known: Container[int] = (),
+    cache: dict[int, Template | None] | None = None,
+) -> Template | None:
+    """The template of ``value`` if it is a container, or a plain object the step made
+    (one holding traced values and not among the ``known`` objects, by id, that existed
+    before: those are the same object after the call), else ``None``. ``template`` makes
+    the items'. With a ``cache`` (one per trace), a value reached twice has one template,
+    built into one object after each call, as eager's is one object."""
+    cache = {} if cache is None else cache
+    if id(value) in cache:
+        made = cache[id(value)]
+        if made is None:
+            raise TraceError(
+                f"the step makes a {type(value).__name__} that holds itself, with traced "
+                "values inside, which functacc.jit cannot make again after each call. Fix: "
+                "make it before the step's first call, or keep the values elsewhere."
+            )
+        return made
+    kind = _kind(value, known)
+    if kind is None:
+        return None
+    cache[id(value)] = None  # being made: a cycle back to it is an error
+    if kind in ("dict", "defaultdict"):
+        items: Any = {k: template(v) for k, v in value.items()}
+        constant = all(t[0] == "const" for t in items.values())
+    elif kind == "object":
+        items, constant = {k: template(v) for k, v in vars(value).items()}, False
+    else:
+        items = [template(v) for v in value]
+        constant = all(t[0] == "const" for t in items)
+    extra = {"deque": "maxlen", "defaultdict": "default_factory", "object": "__class__"}
+    made = (
+        ("const", value)
+        if constant
+        else (kind, items, unstood(getattr(value, extra.get(kind, ""), None)))
+    )
+    cache[id(value)] = made
+    return made
+
+
+def _kind(value: Any, known: Container[int]) -> str | None:
+    if type(value) in (tuple, list, dict, deque, defaultdict):
+        return type(value).__name__
+    if is_plain_object(value) and id(value) not in known and holds_traced(value):
+        return "object"
+    return None
+
+
+def build_made(template: Template, build: Callable[[Template], Any], memo: dict) -> Any:
+    """The value a template of :data:`MADE` stands for (``build`` makes its items; ``memo``,
+    one per call, makes a template reached twice one object)."""
+    made = memo.get(id(template))
+    if made is not None:
+        return made
+    kind, items, extra = template
+    if kind in ("tuple", "list"):
+        made = [build(t) for t in items]
+        made = tuple(made) if kind == "tuple" else made
+    elif kind == "deque":
+        made = deque((build(t) for t in items), extra)
+    elif kind == "object":
+        made = extra.__new__(extra)
+        vars(made).update({k: build(t) for k, t in items.items()})
+    else:
+        made = defaultdict(extra) if kind == "defaultdict" else {}
+        made.update({k: build(t) for k, t in items.items()})
+    memo[id(template)] = made
+    return made
