@@ -10,6 +10,7 @@ Before, the EMA's ``update_parameters`` was a TraceError (``AveragedModel`` bran
 
 from __future__ import annotations
 
+import math
 import types
 from collections import defaultdict, deque
 
@@ -163,3 +164,49 @@ def test_torchvision_recipe_with_its_ema_under_inductor() -> None:
     assert [v for _, v in history] == pytest.approx([v for _, v in ref_history], rel=1e-4)
     for a, b in zip(averaged, ref_averaged, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+class RampedEMA(torch.optim.swa_utils.AveragedModel):
+    """The recipe's EMA as projects copying it change it: the decay ramps up with the
+    update count, ``math.exp`` of ``n_averaged`` (a tensor) in Python."""
+
+    def __init__(self, model: nn.Module, decay: float, device: str = "cpu") -> None:
+        self.decay_fn = lambda x: decay * (1 - math.exp(-x / 2000))
+
+        def ema_avg(avg_model_param, model_param, num_averaged):
+            decay = self.decay_fn(num_averaged)
+            return decay * avg_model_param + (1 - decay) * model_param
+
+        super().__init__(model, device, ema_avg, use_buffers=True)
+
+
+def ramped_run(jit: bool) -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ema = RampedEMA(model, 0.999)
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        ema.update_parameters(model)
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model, ema], optimizers=[opt], backend="eager")
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)) for _ in range(6)]
+    losses = [(step if jit else body)(x, y) for x, y in batches]
+    return losses, [t.detach().clone() for t in ema.state_dict().values()], step
+
+
+def test_an_ema_whose_decay_is_math_exp_of_its_count_trains_as_in_eager() -> None:
+    # math.exp(-n_averaged / 2000) reads the tensor's value: a TraceError before (math's
+    # functions took symbols, not one-element tensors); now its value, a number the graph
+    # computes, with no trace per count.
+    losses, averaged, step = ramped_run(jit=True)
+    ref_losses, ref_averaged, _ = ramped_run(jit=False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(averaged, ref_averaged, strict=True))
+    assert int(averaged[0]) == 6 and step.num_traces == 1  # n_averaged, first in the dict

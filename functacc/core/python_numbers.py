@@ -88,8 +88,9 @@ def symbolic_builtins(
 ) -> Iterator[None]:
     """While a step is traced: ``math``'s functions compute with symbols instead of fixing
     them to their value (nanoGPT's ``math.cos`` of a fed step counter in its learning-rate
-    schedule, RAdam's ``math.sqrt``), and so do ``max``/``min`` in the optimizer's module
-    (Adafactor's ``max(eps2, p.norm().item() / ...)``) and in ``scopes`` (the body's module:
+    schedule, RAdam's ``math.sqrt``; of a one-element tensor, its value), and so do
+    ``max``/``min`` in the optimizer's module (Adafactor's ``max(eps2, p.norm().item() /
+    ...)``) and in ``scopes`` (the body's module:
     ``self.best = min(self.best, loss.item())``), and ``float``/``int`` of a tensor there
     (:data:`STAND_INS`); on plain numbers they are Python's own, so the graph computes what
     eager computes, on the host, in double."""
@@ -141,8 +142,18 @@ def _in_graph(name: str) -> Callable:
 
 def _symbolic(python: Callable, sym: Callable, arity: int = 2) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
+        if arity == 1:  # math's: a one-element tensor is its float(), as in eager
+            args = tuple(_number(a) for a in args)
         if len(args) == arity and not kwargs and any(isinstance(a, _SYMBOLS) for a in args):
             return sym(*args)
         return python(*args, **kwargs)
 
     return call
+
+
+def _number(value: Any) -> Any:
+    """A one-element tensor's value (a symbol of the graph while traced), else ``value``:
+    ``math.exp(-n / 2000)`` of an EMA's update count kept in a tensor."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return torch.sym_float(value.item())
+    return value
