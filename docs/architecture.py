@@ -53,6 +53,7 @@ STAGES: dict[str, list[str]] = {
         "core/averaged_model",
         "core/data_assign",
         "core/python_args",
+        "core/mapping_args",
         "core/lookup_tables",
         "core/torch_checkpoint",
         "core/grad_scaler",

@@ -42,6 +42,7 @@ from .graph_passes import (
 )
 from .graph_passes import fingerprint as graph_fingerprint
 from .held_objects import check_declared_optimizers, library_objects, restore_objects
+from .mapping_args import carried
 from .python_args import NumberArguments
 from .python_effects import build
 from .python_state import PythonPlan, PythonState
@@ -117,16 +118,14 @@ class StepBody:
         modules = list(zip(capture.labels, capture.modules, strict=True))
         self.python = PythonState(fn, capture.optimizers, owned, modules)
         self._numbers = NumberArguments(fn, self.python.roots)  # step(x, it): guarded, fed
-        # GradScalers the body holds: their step() selects instead of branching.
-        self.scalers = attach_grad_scalers(capture, self.python.roots)
+        self.scalers = attach_grad_scalers(capture, self.python.roots)  # step(): selects
         declared = [linked.optimizer for linked in capture.optimizers]
         check_declared_optimizers(self.python.roots, declared, capture.params.values())
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
         self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
         self._values = ValueGuard()
         self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")  # CPU's too
-        self._state_watch = BatchWatch()
-        self._batch_watch = BatchWatch()
+        self._state_watch, self._batch_watch = BatchWatch(), BatchWatch()
         self._last: tuple | None = None  # the last call's signature parts and program
         self.last_program: BodyProgram | None = None
         self._specs: dict[int, Any] = {}  # the batch's spec for n plain tensor arguments
@@ -144,7 +143,8 @@ class StepBody:
             leaves, spec = list(args), self._specs.get(len(args))
             if spec is None:
                 spec = self._specs[len(args)] = pytree.tree_flatten((args, kwargs))[1]
-        else:
+        else:  # a UserDict's entries (a BatchEncoding batch) are leaves too
+            args, kwargs = carried(args, kwargs)
             leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         donated = tuple(donated_positions(self.donate, args, leaves)) if self.donate else ()
