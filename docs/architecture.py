@@ -44,6 +44,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_recording",
         "core/python_effects",
         "core/python_made",
+        "core/python_sets",
         "core/python_output",
         "core/python_percent",
         "core/python_files",

@@ -16,6 +16,7 @@ silently, before functacc followed Python state (47f8e2f).
 
 from __future__ import annotations
 
+import collections
 import copy
 import types
 import warnings
@@ -589,6 +590,43 @@ def meters_made() -> Case:
     return Case(body, [model], [opt], state, between, batches=data(), traces=2)
 
 
+Running = collections.namedtuple("Running", "loss steps")
+
+
+def python_containers() -> Case:
+    # A Counter and an OrderedDict (dicts of classes of their own), a namedtuple replaced
+    # in a dict, a set read. Before: the Counter's and the OrderedDict's entries kept the
+    # trace's symbols and counted only the traces (silently); the namedtuple read was baked
+    # in (silently, once it could be written); a set changed between calls was not seen.
+    model, opt = net()
+    counts: collections.Counter = collections.Counter()
+    ordered = collections.OrderedDict(first=0.0)
+    running = {"r": Running(0.0, 0)}
+    skip = {"nothing"}
+
+    def body(x: Tensor, y: Tensor) -> None:
+        value = standard(model, opt, x, y).item()
+        counts["steps"] += 1
+        counts["loss"] += value
+        ordered["first"] += value
+        ordered["last"] = value
+        r = running["r"]
+        running["r"] = r._replace(loss=r.loss + value, steps=r.steps + 1)
+        if "count" not in skip:
+            counts["kept"] += 1
+
+    def between(i: int) -> None:
+        if i == 2:
+            skip.add("count")  # changed in place between calls: read afresh
+
+    def state() -> tuple:
+        return dict(counts), list(ordered.items()), running["r"], type(running["r"])
+
+    # A namedtuple's numbers are guarded, not fed as a counter's are: each call's new value
+    # traces again (4 calls, 4 traces), with eager's values.
+    return Case(body, [model], [opt], state, between, batches=data(), traces=4)
+
+
 def list_items() -> Case:
     # A list's item read by index, changed between calls (was a TraceError saying the step
     # changed the list), and the list grown past it (no retrace: the item is what was read).
@@ -712,6 +750,7 @@ CASES = {
         logger_module_case,
         logger_made_in_step,
         meters_made,
+        python_containers,
         optimizer_only_tensors,
         helper_reads_global,
         attribute_read,
@@ -846,6 +885,7 @@ def test_python_state_matches_eager_under_inductor(name: str) -> None:
 # -- what is an error: nothing changed ---------------------------------------------------------
 def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
     trainer = Trainer()
+    trainer.seen = {1}
     model, opt = trainer.model, trainer.opt
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     history: list[float] = [0.0]
@@ -885,6 +925,10 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         loss = standard(model, opt, x, y)  # the array exists only after the call
         return float((model(x).detach().numpy() > 0).mean()) + loss.item()
 
+    def set_add(x: Tensor, y: Tensor) -> Tensor:
+        trainer.seen.add(x.shape[0])  # a set: what the step read of it would be fixed
+        return standard(model, opt, x, y)
+
     def seed_from_data(x: Tensor, y: Tensor) -> Tensor:
         torch.manual_seed(int(x.abs().sum().item()))
         return standard(model, opt, x, y)
@@ -897,6 +941,7 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "computes_with_lr": (computes_with_lr, functacc.TraceError, "get_last_lr"),
         "structure": (structure, ValueError, "nesterov"),
         "seed_from_data": (seed_from_data, functacc.TraceError, "data-dependent"),
+        "set_add": (set_add, functacc.TraceError, r"changes the set .*seen.*seen\[k\] = True"),
         "counts_by_length": (counts_by_length, functacc.TraceError, "keep a counter"),
         "computes_with_numpy": (
             computes_with_numpy,

@@ -65,23 +65,37 @@ class Effect:
 
 
 def list_effect(
-    location: Location, before: list, after: list, template: Callable[[Any, str], Template]
+    location: Location,
+    before: list,
+    after: list,
+    template: Callable[[Any, str], Template],
+    read: bool = False,
 ) -> tuple | None:
-    """The effect of the body on a list: ``None`` (untouched), or the items it appended."""
+    """The effect of the body on a list (or a deque): ``None`` (untouched), or the items it
+    appended; ``read``: the body also read the list, which an append then cannot keep."""
     if len(after) == len(before) and all(a is b for a, b in zip(after, before, strict=True)):
         return None
-    if len(after) > len(before) and all(
+    appended = len(after) > len(before) and all(
         a is b for a, b in zip(after[: len(before)], before, strict=True)
-    ):
-        added = [template(v, f"an item appended to {location.label}") for v in after[len(before) :]]
-        return ("append", location, added)
-    raise TraceError(
-        f"the step changes the list {location.label} other than by appending to it (it held "
-        f"{len(before)} items, then {len(after)}). functacc.jit replays a step's appends "
-        "after each call, as eager makes them; other changes of a list (pop, insert, "
-        "assigning an item, clear) it cannot replay. Fix: append only, or return the values "
-        "and keep the list outside the step."
     )
+    if not appended:
+        raise TraceError(
+            f"the step changes the list {location.label} other than by appending to it (it "
+            f"held {len(before)} items, then {len(after)}). functacc.jit replays a step's "
+            "appends after each call, as eager makes them; other changes of a list (pop, "
+            "insert, assigning an item, clear) it cannot replay. Fix: append only, or return "
+            "the values and keep the list outside the step."
+        )
+    if read:
+        raise TraceError(
+            f"the step reads the list {location.label} (its length or its items) and appends "
+            "to it. functacc.jit replays the appends after each call, but what the step read "
+            "of the list is fixed when it is traced, where eager reads it afresh (len(history) "
+            f"as a step count would stay {len(before)}). Fix: keep a counter (self.step += 1) "
+            "and read that, or return the values and keep the list outside the step."
+        )
+    added = [template(v, f"an item appended to {location.label}") for v in after[len(before) :]]
+    return ("append", location, added)
 
 
 def build(template: Template, outputs: Any, lrs: dict) -> Any:

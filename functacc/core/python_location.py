@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -60,7 +61,13 @@ class Root:
         return f"Root({self.label})"
 
 
-_LABELS = {"attr": ".{}", "item": "[{!r}]", "len": ".__len__()", "has": ".__contains__({!r})"}
+_LABELS = {
+    "attr": ".{}",
+    "item": "[{!r}]",
+    "len": ".__len__()",
+    "has": ".__contains__({!r})",
+    "keys": ".keys()",
+}
 
 
 class Location:
@@ -125,9 +132,11 @@ class Location:
 
 def _step(value: Any, kind: str, key: Any) -> Any:
     if kind == "len":
-        return len(value) if isinstance(value, (list, dict)) else MISSING
+        return len(value) if isinstance(value, (list, dict, collections.deque)) else MISSING
     if kind == "has":  # whether a dict has the key (a guard on a key the body found absent)
         return dict.__contains__(value, key) if isinstance(value, dict) else MISSING
+    if kind == "keys":  # a dict's keys, in order (a guard for a dict whose reads are unseen)
+        return tuple(dict.keys(value)) if isinstance(value, dict) else MISSING
     if kind == "attr":
         fields = getattr(value, "__dict__", None)
         return fields.get(key, MISSING) if fields is not None else MISSING

@@ -2,7 +2,7 @@
 call from templates.
 
 A value the body writes is replayed as a *template* (:mod:`.python_effects`). A tuple, list,
-dict or ``deque`` of written values is a template of its items; so is an object of the
+dict, ``deque`` or named tuple of written values is a template of its items; so is an object of the
 user's own class made in the step (torchvision's ``MetricLogger`` makes a ``SmoothedValue``
 meter on its first update, through a ``defaultdict``): made after the call without its
 ``__init__``, as a copy is, with its attributes built from their templates (an object that
@@ -28,7 +28,7 @@ from .python_reach import holds_traced, is_plain_object
 
 __all__ = ["MADE", "build_made", "made_template"]
 
-MADE = frozenset({"tuple", "list", "dict", "defaultdict", "deque", "object"})
+MADE = frozenset({"tuple", "namedtuple", "list", "dict", "defaultdict", "deque", "object"})
 """The template kinds of this module."""
 
 Template = tuple
@@ -67,7 +67,8 @@ def made_template(
     else:
         items = [template(v) for v in value]
         constant = all(t[0] == "const" for t in items)
-    extra = {"deque": "maxlen", "defaultdict": "default_factory", "object": "__class__"}
+    extra = {"deque": "maxlen", "defaultdict": "default_factory"}
+    extra.update(object="__class__", namedtuple="__class__")
     made = (
         ("const", value)
         if constant
@@ -80,6 +81,8 @@ def made_template(
 def _kind(value: Any, known: Container[int]) -> str | None:
     if type(value) in (tuple, list, dict, deque, defaultdict):
         return type(value).__name__
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return "namedtuple"
     if is_plain_object(value) and id(value) not in known and holds_traced(value):
         return "object"
     return None
@@ -92,9 +95,9 @@ def build_made(template: Template, build: Callable[[Template], Any], memo: dict)
     if made is not None:
         return made
     kind, items, extra = template
-    if kind in ("tuple", "list"):
+    if kind in ("tuple", "list", "namedtuple"):
         made = [build(t) for t in items]
-        made = tuple(made) if kind == "tuple" else made
+        made = extra(*made) if kind == "namedtuple" else tuple(made) if kind == "tuple" else made
     elif kind == "deque":
         made = deque((build(t) for t in items), extra)
     elif kind == "object":

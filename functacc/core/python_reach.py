@@ -246,10 +246,13 @@ _SCALARS = (int, float, bool, str, bytes, type(None), complex, enum.Enum, torch.
 
 def is_scalar(value: Any) -> bool:
     """A value a trace bakes in and a signature can hold: numbers, strings, ``None``,
-    enums, dtypes, and tuples of them."""
+    enums, dtypes, and tuples (named ones too) and sets of them."""
     if isinstance(value, _SCALARS):
         return True
-    return type(value) is tuple and all(is_scalar(v) for v in value)
+    if isinstance(value, (set, frozenset)):  # guarded by its contents
+        return all(is_scalar(v) for v in value)
+    named = isinstance(value, tuple) and hasattr(type(value), "_fields")  # a namedtuple
+    return (type(value) is tuple or named) and all(is_scalar(v) for v in value)
 
 
 def is_plain_object(value: Any) -> bool:
@@ -276,9 +279,9 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
         location, value, depth = frontier.pop(0)
         if id(value) in found:
             continue
-        if type(value) in _CONTAINERS:
+        if _walked(value):
             found[id(value)] = (location, value)
-            entries = value.items() if isinstance(value, dict) else enumerate(value)
+            entries = dict.items(value) if isinstance(value, dict) else enumerate(value)
             if depth < _OBJECT_DEPTH and len(value) <= 64:
                 frontier.extend(
                     (location.child("item", k), v, depth + 1)
@@ -299,15 +302,25 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
 def entries(obj: Any) -> list[tuple[str, Any, Any]]:
     """What a dict, list, deque or plain object (as :func:`plain_objects` finds them) holds,
     as ``(kind, key, value)``: ``"item"`` entries of a container, ``"attr"`` of an object."""
-    if isinstance(obj, dict):
-        return [("item", k, v) for k, v in obj.items()]
+    if isinstance(obj, dict):  # dict's own items: a recording copy's are not reads
+        return [("item", k, v) for k, v in dict.items(obj)]
     if isinstance(obj, (list, collections.deque)):
         return [("item", i, v) for i, v in enumerate(obj)]
     return [("attr", k, v) for k, v in vars(obj).items()]
 
 
+def _walked(value: Any) -> bool:
+    """A container :func:`plain_objects` walks: a dict, list or deque, or a dict of a class
+    of its own (a ``Counter``, an ``OrderedDict``; not functacc's recording copies)."""
+    if type(value) in _CONTAINERS:
+        return True
+    return isinstance(value, dict) and not type(value).__module__.startswith("functacc.")
+
+
 def _containerish(value: Any) -> bool:
-    return type(value) in _CONTAINERS or is_plain_object(value) or _is_user_class(value)
+    if _walked(value):
+        return True
+    return is_plain_object(value) or _is_user_class(value)
 
 
 def _is_user_class(value: Any) -> bool:

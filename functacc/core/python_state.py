@@ -58,6 +58,8 @@ class Exact:
             self._key: Any = (float, "nan")
         elif isinstance(value, tuple):
             self._key = (tuple, tuple(Exact(v) for v in value))
+        elif isinstance(value, (set, frozenset)):
+            self._key = (frozenset, frozenset(Exact(v) for v in value))
         elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):  # a table
             self._key = table_key(value)
         elif isinstance(value, Tensor):  # where a guarded value was: fed once read

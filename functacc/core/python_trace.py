@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import functools
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +45,7 @@ from .python_recording import (
     groups_root,
     recording,
 )
+from .python_sets import SetWatch, held_sets
 from .python_tensors import held_tensors, installed, tensor_locations
 
 __all__ = ["Recorder", "Retry"]
@@ -111,9 +112,11 @@ class Recorder:
         self.snapshots: list[tuple[Location, Any, Any]] = []  # (location, object, contents)
         self.root_values = [(r, r.get()) for r in self.roots]
         self._undo.append(self._put_roots_back)
+        self.sets = SetWatch(held_sets(self.root_values, self.objects.values()))  # seen.add()
+        self._undo.append(self.sets.restore)
         install_tables(self.root_values, self._originals, self.guards)  # lr_schedule[it]
         for location, obj in self.objects.values():
-            if isinstance(obj, dict):
+            if type(obj) in (dict, defaultdict):
                 copy = RecordingDict(obj, location, self)
                 self._originals[id(copy)] = obj
                 location.set(copy)  # the body reads and writes the copy while traced
@@ -127,16 +130,20 @@ class Recorder:
                 location.set(copy_)
                 self._undo.append(lambda location=location, obj=obj: location.set(obj))
                 self.snapshots.append((location, copy_, list(obj)))
-            else:
-                self.snapshots.append((location, obj, dict(vars(obj))))
-                stop = recording(obj)
+            else:  # an object, or a dict of a class of its own (a Counter, an OrderedDict)
+                fields = obj if isinstance(obj, dict) else vars(obj)
+                self.snapshots.append((location, obj, dict(fields)))
+                stop = None if isinstance(obj, dict) else recording(obj)
                 if stop is not None:
                     self._undo.append(stop)
                 else:  # its reads cannot be seen: every scalar it holds is guarded
                     self._unrecorded.add(id(obj))
-                    for k, v in vars(obj).items():
-                        if not k.startswith("__"):  # a class's __module__, __doc__
-                            self.guard(location.child("attr", k), v)
+                    kind = "item" if isinstance(obj, dict) else "attr"
+                    for k, v in fields.items():
+                        if not (kind == "attr" and k.startswith("__")):  # a class's __doc__
+                            self.guard(location.child(kind, k), v)
+                    if isinstance(obj, dict):  # and which keys it has (a Counter's 0s)
+                        self.guard(location.child("keys", None), tuple(obj))
         self._undo.append(self._put_contents_back)
         # Variables are read without a trace of it: the scalars the body's code loads are
         # guarded (objects' attributes and dicts' entries: only those it reads).
@@ -175,6 +182,7 @@ class Recorder:
         """After the body returned: every write, collected as an effect. Raises
         :class:`Retry` where counters must be fed to the graph first."""
         self.recording = False
+        self.sets.check()
         promote = self._collect_writes() + self.unfed_tensors()
         if promote:
             raise Retry(promote)
@@ -235,9 +243,8 @@ class Recorder:
             raise Retry(new)
 
     def install_loose(self, leaves: dict[int, Tensor]) -> None:
-        """Optimizer tensors no module owns (``log_alpha``), wherever the body's variables
-        and plain objects hold them: the traced tensor that stands for each (``leaves``, by
-        the tensor's id; :class:`~.capture.Capture`). Put back on leaving, as everything."""
+        """Optimizer tensors no module owns (``log_alpha``), where the body's variables and
+        plain objects hold them: the traced tensor for each (``leaves``, by the tensor's id)."""
         variables = [(Location(root), value) for root, value in self.root_values]
         recording, self.recording = self.recording, False  # not the body's writes
         for location, value in held_tensors(variables, self.objects.values()):
@@ -292,11 +299,9 @@ class Recorder:
         if holds_traced(value):
             raise TraceError(
                 f"{where} holds {type(value).__name__} object made while tracing, with traced "
-                "tensors or values inside, which functacc.jit cannot rebuild after each call. "
-                "Fix: make the object before the step's first call (what the step then writes "
-                "into it is replayed), keep tensors and numbers there directly (a tensor, a "
-                "float, a tuple or dict of them), or return them and build the object outside "
-                "the step."
+                "values inside, which functacc.jit cannot make again after each call (a "
+                "library's object). Fix: make it before the step's first call (what the step "
+                "writes into it is replayed), or return the values and build it after the call."
             )
         return ("const", unstood(value))
 
@@ -311,17 +316,8 @@ class Recorder:
                     contents[i] if v is fed.get(location.child("item", i), MISSING) else v
                     for i, v in enumerate(map(self._original, now))
                 ]
-                effect = list_effect(location, contents, now, self.template)
                 read = getattr(obj, "read", False)
-                if effect is not None and read:
-                    raise TraceError(
-                        f"the step reads the list {location.label} (its length or its items) "
-                        "and appends to it. functacc.jit replays the appends after each call, "
-                        "but what the step read of the list is fixed when it is traced, where "
-                        "eager reads it afresh (len(history) as a step count would stay "
-                        f"{len(contents)}). Fix: keep a counter (self.step += 1) and read that, "
-                        "or return the values and keep the list outside the step."
-                    )
+                effect = list_effect(location, contents, now, self.template, read)
                 if effect is not None:
                     self.effects.append(effect)
                 elif read:  # read, not written: its length is part of the signature

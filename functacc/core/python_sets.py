@@ -1,0 +1,73 @@
+"""Sets a traced step reaches: their contents guarded, a change refused.
+
+A ``set`` the body reads (``if name in self.frozen:``) is guarded by its contents, as a
+tuple of numbers is (:func:`~.python_reach.is_scalar`): one changed between calls traces
+again. A set the body changes (``seen.add(k)``) cannot be replayed: what the body read of
+it is unseen (CPython's set methods do not go through Python), so a trace would fix it.
+The change is a clear error advising a dict (``seen[k] = True``, replayed after each call)
+and the set is put back as it was: before, the add happened once, at the trace.
+
+Example:
+    >>> from functacc.core.python_location import Location, Root
+    >>> seen = {1}
+    >>> watch = SetWatch(held_sets([(Root("seen", lambda: seen, None), seen)], []))
+    >>> seen.add(2)
+    >>> watch.check()
+    Traceback (most recent call last):
+    functacc.errors.TraceError: the step changes the set seen. ...
+    >>> watch.restore()
+    >>> seen
+    {1}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import TraceError
+from .python_location import Location, Root
+from .python_reach import entries
+
+__all__ = ["SetWatch", "held_sets"]
+
+
+def held_sets(
+    variables: Iterable[tuple[Root, Any]], objects: Iterable[tuple[Location, Any]]
+) -> list[tuple[Location, set]]:
+    """The sets the body's variables (each root and its value) hold, and the plain
+    objects, dicts and lists it reaches (``objects``, as
+    :func:`~.python_reach.plain_objects` finds them)."""
+    held = [(Location(root), value) for root, value in variables]
+    for location, obj in objects:
+        held += [(location.child(kind, k), v) for kind, k, v in entries(obj)]
+    return [(location, v) for location, v in held if isinstance(v, set)]
+
+
+class SetWatch:
+    """The contents of the sets a trace may change, to put back and compare."""
+
+    def __init__(self, sets: list[tuple[Location, set]]):
+        self.sets = [(location, s, set(s)) for location, s in sets]
+        self.first: str | None = None
+
+    def restore(self) -> None:
+        """Put every set back as it was; note the first that had changed."""
+        for location, now, before in self.sets:
+            if now != before:
+                self.first = self.first or location.label
+                now.clear()
+                now.update(before)
+
+    def check(self) -> None:
+        """Raise the error for a step that changed a set."""
+        for location, now, before in self.sets:
+            if now != before:
+                self.first = self.first or location.label
+        if self.first is not None:
+            raise TraceError(
+                f"the step changes the set {self.first}. functacc.jit replays a step's "
+                "writes after each call, but not a set's: what the step read of it would be "
+                "fixed when traced. Fix: keep a dict (seen[k] = True, and `k in seen` reads "
+                "it), or return the values and update the set after the call."
+            )
