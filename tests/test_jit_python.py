@@ -590,6 +590,26 @@ def meters_made() -> Case:
     return Case(body, [model], [opt], state, between, batches=data(), traces=2)
 
 
+def stepper_attributes() -> Case:
+    # Attributes the step keeps on its optimizer and scheduler: before, an increment
+    # happened at each trace only and a loss.item() stored there stayed the trace's symbol.
+    model, opt = net()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    opt.updates = 0
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        loss = standard(model, opt, x, y)
+        opt.updates += 1
+        sched.step()
+        sched.last_loss = loss.item()
+        return loss
+
+    state = lambda: (opt.updates, sched.last_loss, sched.last_epoch, sched.get_last_lr())  # noqa: E731
+    # Their reads are unseen: a number written where one was (last_loss, from the second
+    # call) is fed as a counter is, one more input (a second graph), then no more traces.
+    return Case(body, [model], [opt], state, batches=data(), traces=2)
+
+
 Running = collections.namedtuple("Running", "loss steps")
 
 
@@ -751,6 +771,7 @@ CASES = {
         logger_made_in_step,
         meters_made,
         python_containers,
+        stepper_attributes,
         optimizer_only_tensors,
         helper_reads_global,
         attribute_read,

@@ -1,4 +1,4 @@
-"""Sets a traced step reaches: their contents guarded, a change refused.
+"""Sets, optimizers and schedulers a traced step reaches, beyond what it records.
 
 A ``set`` the body reads (``if name in self.frozen:``) is guarded by its contents, as a
 tuple of numbers is (:func:`~.python_reach.is_scalar`): one changed between calls traces
@@ -6,6 +6,11 @@ again. A set the body changes (``seen.add(k)``) cannot be replayed: what the bod
 it is unseen (CPython's set methods do not go through Python), so a trace would fix it.
 The change is a clear error advising a dict (``seen[k] = True``, replayed after each call)
 and the set is put back as it was: before, the add happened once, at the trace.
+
+An optimizer's or a scheduler's attributes are compared after the trace
+(:data:`STEPPERS`): one the body wrote is replayed after each call, a number it read and
+wrote is fed as a counter is (before: written once, at the trace; a ``loss.item()`` left
+the trace's symbol there).
 
 Example:
     >>> from functacc.core.python_location import Location, Root
@@ -25,23 +30,37 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from ..errors import TraceError
 from .python_location import Location, Root
 from .python_reach import entries
 
-__all__ = ["SetWatch", "held_sets"]
+__all__ = ["STEPPERS", "SetWatch", "held_sets"]
+
+STEPPERS = (
+    torch.optim.Optimizer,
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+)
+"""Library objects whose attributes a body may write (``opt.my_count += 1``): compared after
+each trace, their writes replayed, and not guarded (a scheduler's ``last_epoch`` moves on
+every call; the body's reads of them are fixed at the trace, as before)."""
 
 
 def held_sets(
-    variables: Iterable[tuple[Root, Any]], objects: Iterable[tuple[Location, Any]]
-) -> list[tuple[Location, set]]:
-    """The sets the body's variables (each root and its value) hold, and the plain
-    objects, dicts and lists it reaches (``objects``, as
+    variables: Iterable[tuple[Root, Any]],
+    objects: Iterable[tuple[Location, Any]],
+    kinds: type | tuple[type, ...] = set,
+) -> list[tuple[Location, Any]]:
+    """The sets (or values of other ``kinds``) the body's variables (each root and its
+    value) hold, and the plain objects, dicts and lists it reaches (``objects``, as
     :func:`~.python_reach.plain_objects` finds them)."""
     held = [(Location(root), value) for root, value in variables]
     for location, obj in objects:
         held += [(location.child(kind, k), v) for kind, k, v in entries(obj)]
-    return [(location, v) for location, v in held if isinstance(v, set)]
+    found = {id(v): (location, v) for location, v in reversed(held) if isinstance(v, kinds)}
+    return list(found.values())
 
 
 class SetWatch:

@@ -45,7 +45,7 @@ from .python_recording import (
     groups_root,
     recording,
 )
-from .python_sets import SetWatch, held_sets
+from .python_sets import STEPPERS, SetWatch, held_sets
 from .python_tensors import held_tensors, installed, tensor_locations
 
 __all__ = ["Recorder", "Retry"]
@@ -114,6 +114,10 @@ class Recorder:
         self._undo.append(self._put_roots_back)
         self.sets = SetWatch(held_sets(self.root_values, self.objects.values()))  # seen.add()
         self._undo.append(self.sets.restore)
+        # Optimizers' and schedulers' attributes the body writes (opt.my_count += 1): unguarded.
+        for location, obj in held_sets(self.root_values, self.objects.values(), STEPPERS):
+            self.snapshots.append((location, obj, dict(vars(obj))))
+            self._unrecorded.add(id(obj))
         install_tables(self.root_values, self._originals, self.guards)  # lr_schedule[it]
         for location, obj in self.objects.values():
             if type(obj) in (dict, defaultdict):
