@@ -265,6 +265,28 @@ def make_fx_traces_generators() -> bool:
     return True
 
 
+@functools.cache
+def make_fx_slices_by_item() -> bool:
+    """Whether ``make_fx`` traces a slice at a tensor's value (MoCo's queue:
+    ``ptr = int(self.queue_ptr)``, then ``queue[:, ptr : ptr + n] = keys``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def write(queue: torch.Tensor, ptr: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        at = ptr.item()
+        queue[:, at : at + keys.shape[1]] = keys
+        return queue
+
+    # torch 2.11 asks for a guard on the slice's length (GuardOnDataDependentSymNode);
+    # 2.14 computes it in the graph.
+    try:
+        make_fx(write, tracing_mode="symbolic")(
+            torch.zeros(2, 6), torch.tensor([2]), torch.ones(2, 2)
+        )
+    except Exception:
+        return False
+    return True
+
+
 def symbolic_max_min() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
     """``max`` and ``min`` of Python numbers a traced optimizer step holds as symbols:
     ``torch.sym_max`` / ``torch.sym_min``, except floats on a torch whose Inductor truncates
