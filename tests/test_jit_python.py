@@ -906,7 +906,7 @@ def test_python_state_matches_eager_under_inductor(name: str) -> None:
 # -- what is an error: nothing changed ---------------------------------------------------------
 def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
     trainer = Trainer()
-    trainer.seen = {1}
+    trainer.seen, trainer.window = {1}, deque([0.5], maxlen=3)
     model, opt = trainer.model, trainer.opt
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     history: list[float] = [0.0]
@@ -946,6 +946,11 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         loss = standard(model, opt, x, y)  # the array exists only after the call
         return float((model(x).detach().numpy() > 0).mean()) + loss.item()
 
+    def deque_appendleft(x: Tensor, y: Tensor) -> Tensor:
+        loss = standard(model, opt, x, y)
+        trainer.window.appendleft(loss.item())  # only appends are replayed
+        return loss
+
     def set_add(x: Tensor, y: Tensor) -> Tensor:
         trainer.seen.add(x.shape[0])  # a set: what the step read of it would be fixed
         return standard(model, opt, x, y)
@@ -962,6 +967,7 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "computes_with_lr": (computes_with_lr, functacc.TraceError, "get_last_lr"),
         "structure": (structure, ValueError, "nesterov"),
         "seed_from_data": (seed_from_data, functacc.TraceError, "data-dependent"),
+        "deque_appendleft": (deque_appendleft, functacc.TraceError, "deque .*window.*appendleft"),
         "set_add": (set_add, functacc.TraceError, r"changes the set .*seen.*seen\[k\] = True"),
         "counts_by_length": (counts_by_length, functacc.TraceError, "keep a counter"),
         "computes_with_numpy": (
