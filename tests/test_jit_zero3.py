@@ -259,3 +259,36 @@ def test_an_lstm_over_varying_lengths_under_zero3_matches_eager() -> None:
     step.sync_modules()
     assert_close(model.state_dict(), ref_model.state_dict(), **EXACT, what="model")
     assert_close(opt.state_dict(), ref_opt.state_dict(), **EXACT, what="optimizer")
+
+
+def averaged_objects() -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ema_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=ema_fn, use_buffers=True)
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        ema.update_parameters(model)  # reads the parameters (gathered) after the update
+        return loss.detach()
+
+    return model, opt, ema, body
+
+
+def test_zero3_with_an_averaged_model_updated_in_the_step_equals_eager() -> None:
+    # torch's AveragedModel as an EMA (its copy-or-average selected in the graph,
+    # core/averaged_model.py): the averaged copy stays whole, the model's parameters are
+    # gathered where update_parameters reads them.
+    model, opt, ema, body = averaged_objects()
+    ref_model, _, ref_ema, eager = averaged_objects()
+    step = zero3_step(body, [model, ema], [opt])
+    for x, y in data(4):
+        assert_close(step(x, y), eager(x, y), **EXACT, what="loss")
+    step.sync_modules()
+    assert_close(ema.state_dict(), ref_ema.state_dict(), **EXACT, what="averaged model")
+    assert_close(model.state_dict(), ref_model.state_dict(), **EXACT, what="model")
+    assert int(ema.n_averaged) == 4 and step.num_traces == 1
