@@ -35,8 +35,7 @@ def batches() -> list[transformers.BatchEncoding]:
     return made
 
 
-def glue_run(jit: bool) -> tuple:
-    torch.manual_seed(0)
+def glue_model() -> nn.Module:
     config = transformers.BertConfig(
         num_hidden_layers=1,
         hidden_size=32,
@@ -46,7 +45,12 @@ def glue_run(jit: bool) -> tuple:
         max_position_embeddings=32,
         num_labels=3,
     )
-    model = transformers.BertForSequenceClassification(config)
+    return transformers.BertForSequenceClassification(config)
+
+
+def glue_run(jit: bool) -> tuple:
+    torch.manual_seed(0)
+    model = glue_model()
     no_decay = ["bias", "LayerNorm.weight"]
     optimizer_grouped_parameters = [
         {
@@ -116,3 +120,45 @@ def test_a_batch_encoding_with_state_the_signature_cannot_hold_gets_advice_that_
     ):
         step(batch)
     assert torch.equal(step(dict(batch)), body(dict(batch)))  # the advice, done
+
+
+class Trainer:
+    """A trainer that keeps the model's last output, as notebooks and callbacks read it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.last_outputs = None
+
+    def step(self, batch: transformers.BatchEncoding) -> transformers.modeling_outputs.ModelOutput:
+        outputs = self.model(**batch)
+        outputs.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.last_outputs = outputs
+        return outputs
+
+
+def test_a_model_output_kept_and_returned_by_the_step_is_eagers() -> None:
+    # A SequenceClassifierOutput made in the step and stored on the trainer was a
+    # TraceError (an object made while tracing); it is made again from its leaves after
+    # each call (a type registered with torch's pytree), as it is returned.
+    def run(jit: bool) -> list:
+        torch.manual_seed(0)
+        model = glue_model()
+        trainer = Trainer(model)
+        step = functacc.jit(
+            trainer.step, modules=[model], optimizers=[trainer.opt], backend="eager"
+        )
+        kept = []
+        for batch in batches()[:3]:
+            out = (step if jit else trainer.step)(batch)
+            kept.append((type(trainer.last_outputs), trainer.last_outputs.logits, out.loss))
+        return kept
+
+    for (cls, logits, loss), (ref_cls, ref_logits, ref_loss) in zip(
+        run(True), run(False), strict=True
+    ):
+        assert cls is ref_cls is transformers.modeling_outputs.SequenceClassifierOutput
+        assert torch.equal(logits.detach(), ref_logits.detach())
+        assert torch.equal(loss.detach(), ref_loss.detach())

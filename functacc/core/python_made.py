@@ -6,7 +6,9 @@ dict, ``deque`` or named tuple of written values is a template of its items; so 
 user's own class made in the step (torchvision's ``MetricLogger`` makes a ``SmoothedValue``
 meter on its first update, through a ``defaultdict``): made after the call without its
 ``__init__``, as a copy is, with its attributes built from their templates (an object that
-existed before the call stays that object). A container of constants stays the value itself.
+existed before the call stays that object); a value of a type registered with torch's
+pytree (transformers' ``ModelOutput``) is made from its leaves. A container of constants
+stays the value itself.
 
 Example:
     >>> from collections import defaultdict, deque
@@ -22,13 +24,17 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Container
 from typing import Any
 
+import torch.utils._pytree as pytree
+
 from ..errors import TraceError
 from .python_numbers import unstood
 from .python_reach import holds_traced, is_plain_object
 
 __all__ = ["MADE", "build_made", "made_template"]
 
-MADE = frozenset({"tuple", "namedtuple", "list", "dict", "defaultdict", "deque", "object"})
+MADE = frozenset(
+    {"tuple", "namedtuple", "list", "dict", "defaultdict", "deque", "object", "pytree"}
+)
 """The template kinds of this module."""
 
 Template = tuple
@@ -64,16 +70,19 @@ def made_template(
         constant = all(t[0] == "const" for t in items.values())
     elif kind == "object":
         items, constant = {k: template(v) for k, v in vars(value).items()}, False
+    elif kind == "pytree":  # a model's output: its leaves
+        leaves, spec = pytree.tree_flatten(value)
+        items, constant = [template(v) for v in leaves], False
     else:
         items = [template(v) for v in value]
         constant = all(t[0] == "const" for t in items)
     extra = {"deque": "maxlen", "defaultdict": "default_factory"}
     extra.update(object="__class__", namedtuple="__class__")
-    made = (
-        ("const", value)
-        if constant
-        else (kind, items, unstood(getattr(value, extra.get(kind, ""), None)))
-    )
+    made = ("const", value)
+    if kind == "pytree":
+        made = (kind, items, spec)
+    elif not constant:  # a defaultdict(float) made while traced: float, not its stand-in
+        made = (kind, items, unstood(getattr(value, extra.get(kind, ""), None)))
     cache[id(value)] = made
     return made
 
@@ -85,6 +94,8 @@ def _kind(value: Any, known: Container[int]) -> str | None:
         return "namedtuple"
     if is_plain_object(value) and id(value) not in known and holds_traced(value):
         return "object"
+    if pytree._get_node_type(value) in pytree.SUPPORTED_NODES:  # transformers' ModelOutput
+        return "pytree"
     return None
 
 
@@ -103,6 +114,8 @@ def build_made(template: Template, build: Callable[[Template], Any], memo: dict)
     elif kind == "object":
         made = extra.__new__(extra)
         vars(made).update({k: build(t) for k, t in items.items()})
+    elif kind == "pytree":
+        made = pytree.tree_unflatten([build(t) for t in items], extra)
     else:
         made = defaultdict(extra) if kind == "defaultdict" else {}
         made.update({k: build(t) for k, t in items.items()})
