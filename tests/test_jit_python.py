@@ -951,6 +951,10 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         trainer.window.appendleft(loss.item())  # only appends are replayed
         return loss
 
+    def deque_mean(x: Tensor, y: Tensor) -> float:
+        trainer.window.append(standard(model, opt, x, y).item())
+        return sum(trainer.window) / len(trainer.window)  # read at its trace-time length
+
     def set_add(x: Tensor, y: Tensor) -> Tensor:
         trainer.seen.add(x.shape[0])  # a set: what the step read of it would be fixed
         return standard(model, opt, x, y)
@@ -968,6 +972,7 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "structure": (structure, ValueError, "nesterov"),
         "seed_from_data": (seed_from_data, functacc.TraceError, "data-dependent"),
         "deque_appendleft": (deque_appendleft, functacc.TraceError, "deque .*window.*appendleft"),
+        "deque_mean": (deque_mean, functacc.TraceError, "reads the deque .*window.*appends"),
         "set_add": (set_add, functacc.TraceError, r"changes the set .*seen.*seen\[k\] = True"),
         "counts_by_length": (counts_by_length, functacc.TraceError, "keep a counter"),
         "computes_with_numpy": (

@@ -70,6 +70,7 @@ def list_effect(
     after: list,
     template: Callable[[Any, str], Template],
     read: bool = False,
+    noun: str = "list",
 ) -> tuple | None:
     """The effect of the body on a list (or a deque): ``None`` (untouched), or the items it
     appended; ``read``: the body also read the list, which an append then cannot keep."""
@@ -80,19 +81,19 @@ def list_effect(
     )
     if not appended:
         raise TraceError(
-            f"the step changes the list {location.label} other than by appending to it (it "
+            f"the step changes the {noun} {location.label} other than by appending to it (it "
             f"held {len(before)} items, then {len(after)}). functacc.jit replays a step's "
-            "appends after each call, as eager makes them; other changes of a list (pop, "
+            f"appends after each call, as eager makes them; other changes of a {noun} (pop, "
             "insert, assigning an item, clear) it cannot replay. Fix: append only, or return "
             "the values and keep the list outside the step."
         )
     if read:
         raise TraceError(
-            f"the step reads the list {location.label} (its length or its items) and appends "
+            f"the step reads the {noun} {location.label} (its length or its items) and appends "
             "to it. functacc.jit replays the appends after each call, but what the step read "
-            "of the list is fixed when it is traced, where eager reads it afresh (len(history) "
+            f"of the {noun} is fixed when it is traced, where eager reads it afresh (len(history) "
             f"as a step count would stay {len(before)}). Fix: keep a counter (self.step += 1) "
-            "and read that, or return the values and keep the list outside the step."
+            f"and read that, or return the values and keep the {noun} outside the step."
         )
     added = [template(v, f"an item appended to {location.label}") for v in after[len(before) :]]
     return ("append", location, added)

@@ -321,7 +321,8 @@ class Recorder:
                     for i, v in enumerate(map(self._original, now))
                 ]
                 read = getattr(obj, "read", False)
-                effect = list_effect(location, contents, now, self.template, read)
+                noun = "deque" if isinstance(obj, deque) else "list"
+                effect = list_effect(location, contents, now, self.template, read, noun)
                 if effect is not None:
                     self.effects.append(effect)
                 elif read:  # read, not written: its length is part of the signature
