@@ -528,6 +528,8 @@ def logger_made_in_step() -> Case:
 
     def state() -> tuple:
         current = logger.Logger.CURRENT
+        if current is None:  # before the first call
+            return (None, logger.HISTORY)
         kinds = (type(current).__name__, type(current.name2val), current.name2val.default_factory)
         return (*kinds, dict(current.name2val), dict(current.name2cnt), logger.HISTORY)
 
@@ -581,7 +583,8 @@ def meters_made() -> Case:
 
     def state() -> tuple:
         windows = {k: (list(m.deque), m.deque.maxlen, m.total, m.count) for k, m in meters.items()}
-        return windows, type(trainer.stats), trainer.stats.loss, list(firsts)
+        stats = trainer.stats
+        return windows, type(stats), stats and stats.loss, list(firsts)
 
     def between(i: int) -> None:  # a new Stats each call, as eager makes it
         made.append(trainer.stats)
@@ -604,7 +607,12 @@ def stepper_attributes() -> Case:
         sched.last_loss = loss.item()
         return loss
 
-    state = lambda: (opt.updates, sched.last_loss, sched.last_epoch, sched.get_last_lr())  # noqa: E731
+    state = lambda: (  # noqa: E731
+        opt.updates,
+        getattr(sched, "last_loss", None),
+        sched.last_epoch,
+        sched.get_last_lr(),
+    )
     # Their reads are unseen: a number written where one was (last_loss, from the second
     # call) is fed as a counter is, one more input (a second graph), then no more traces.
     return Case(body, [model], [opt], state, batches=data(), traces=2)
@@ -876,7 +884,18 @@ def test_python_state_matches_eager_bit_for_bit(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["counter", "counter_branch", "scheduler_in_body", "list_append", "trainer_method"]
+    "name",
+    [
+        "counter",
+        "counter_branch",
+        "scheduler_in_body",
+        "list_append",
+        "trainer_method",
+        "meters_made",
+        "logger_made_in_step",
+        "python_containers",
+        "stepper_attributes",
+    ],
 )
 def test_warmup_runs_nothing_then_the_calls_match_eager(name: str) -> None:
     run_both(name, "eager", exactly, warm=True)
