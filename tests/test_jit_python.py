@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_jit import assert_same, tensors_of
+from test_real_code_torchvision import SmoothedValue
 from torch import Tensor, nn
 
 import functacc
@@ -545,19 +546,6 @@ class Stats:
         self.loss = loss
 
 
-class Window:
-    """torchvision's SmoothedValue: a deque window and the global sums."""
-
-    def __init__(self, size: int = 2) -> None:
-        self.deque: deque = deque(maxlen=size)
-        self.total, self.count = 0.0, 0
-
-    def update(self, value: float, n: int = 1) -> None:
-        self.deque.append(value)
-        self.count += n
-        self.total += value * n
-
-
 def meters_made() -> Case:
     # torchvision's MetricLogger: meters a defaultdict makes on first use, a deque window
     # with a maxlen, `assert isinstance(v, float)` of an .item(), and an object made each
@@ -565,8 +553,8 @@ def meters_made() -> Case:
     # trace only (silently), the meter and the object made in the step were TraceErrors,
     # isinstance(loss.item(), float) was False, and a key found absent stayed absent.
     model, opt = net()
-    meters: defaultdict = defaultdict(Window)
-    meters["lr"] = Window(3)  # added before the loop, as train_one_epoch does
+    meters: defaultdict = defaultdict(SmoothedValue)
+    meters["lr"] = SmoothedValue(3)  # added before the loop, as train_one_epoch does
     trainer = types.SimpleNamespace(stats=None)
     firsts: list = []
     made: list = []

@@ -15,8 +15,7 @@ from torch import Tensor
 
 from ..errors import TraceError
 from .python_location import Location
-from .python_reach import entries, plain_objects
-from .python_tensors import held_tensors
+from .python_reach import entries, held, plain_objects
 
 __all__ = ["dropped_gradient_error", "outside_tensor_error"]
 
@@ -96,8 +95,8 @@ def _tensors_held(roots: Sequence[Any]) -> list[str]:
     """Where the body's variables, and the plain objects, dicts and lists it reaches, hold
     tensors that require grad (not fed to the graph: python_tensors), in words."""
     variables = [(Location(root), root.get()) for root in roots]
-    held = held_tensors(variables, plain_objects(list(roots)).values())
-    return [location.label for location, value in held if value.requires_grad]
+    tensors = held(variables, plain_objects(list(roots)).values(), Tensor)
+    return [location.label for location, value in tensors if value.requires_grad]
 
 
 def _real_with_history(text: str) -> bool:

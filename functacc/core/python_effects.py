@@ -85,7 +85,7 @@ def list_effect(
             f"held {len(before)} items, then {len(after)}). functacc.jit replays a step's "
             f"appends after each call, as eager makes them; other changes of a {noun} (pop, "
             "insert, assigning an item, clear) it cannot replay. Fix: append only, or return "
-            "the values and keep the list outside the step."
+            f"the values and keep the {noun} outside the step."
         )
     if read:
         raise TraceError(

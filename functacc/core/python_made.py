@@ -65,26 +65,31 @@ def made_template(
     if kind is None:
         return None
     cache[id(value)] = None  # being made: a cycle back to it is an error
-    if kind in ("dict", "defaultdict"):
-        items: Any = {k: template(v) for k, v in value.items()}
-        constant = all(t[0] == "const" for t in items.values())
-    elif kind == "object":
-        items, constant = {k: template(v) for k, v in vars(value).items()}, False
-    elif kind == "pytree":  # a model's output: its leaves
-        leaves, spec = pytree.tree_flatten(value)
-        items, constant = [template(v) for v in leaves], False
+    extra = _extra(kind, value)
+    if kind == "pytree":  # a model's output: its leaves
+        leaves, extra = pytree.tree_flatten(value)
+        items: Any = [template(v) for v in leaves]
+    elif kind in ("dict", "defaultdict", "object"):
+        fields = vars(value) if kind == "object" else value
+        items = {k: template(v) for k, v in fields.items()}
     else:
         items = [template(v) for v in value]
-        constant = all(t[0] == "const" for t in items)
-    extra = {"deque": "maxlen", "defaultdict": "default_factory"}
-    extra.update(object="__class__", namedtuple="__class__")
-    made = ("const", value)
-    if kind == "pytree":
-        made = (kind, items, spec)
-    elif not constant:  # a defaultdict(float) made while traced: float, not its stand-in
-        made = (kind, items, unstood(getattr(value, extra.get(kind, ""), None)))
+    templates = items.values() if isinstance(items, dict) else items
+    constant = kind not in ("object", "pytree") and all(t[0] == "const" for t in templates)
+    made = ("const", value) if constant else (kind, items, extra)
     cache[id(value)] = made
     return made
+
+
+def _extra(kind: str, value: Any) -> Any:
+    """What making ``value`` again takes beyond its items."""
+    if kind == "deque":
+        return value.maxlen
+    if kind == "defaultdict":  # a defaultdict(float) made while traced: float, not its stand-in
+        return unstood(value.default_factory)
+    if kind in ("object", "namedtuple"):
+        return type(value)
+    return None
 
 
 def _kind(value: Any, known: Container[int]) -> str | None:

@@ -31,7 +31,7 @@ import functools
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -41,7 +41,9 @@ from .python_location import MISSING, Location, Root
 
 __all__ = [
     "code_scopes",
+    "entries",
     "find_roots",
+    "held",
     "holds_traced",
     "is_plain_object",
     "is_scalar",
@@ -307,6 +309,20 @@ def entries(obj: Any) -> list[tuple[str, Any, Any]]:
     if isinstance(obj, (list, collections.deque)):
         return [("item", i, v) for i, v in enumerate(obj)]
     return [("attr", k, v) for k, v in vars(obj).items()]
+
+
+def held(
+    variables: Iterable[tuple[Location, Any]],
+    objects: Iterable[tuple[Location, Any]],
+    kinds: type | tuple[type, ...],
+) -> list[tuple[Location, Any]]:
+    """The values of ``kinds`` the body's ``variables`` (each root's location and value) and
+    the plain objects, dicts and lists it reaches (``objects``, as :func:`plain_objects`
+    finds them) hold, each with its location (a value held in two places: twice)."""
+    found = list(variables)
+    for location, obj in objects:
+        found += [(location.child(kind, k), v) for kind, k, v in entries(obj)]
+    return [(location, v) for location, v in found if isinstance(v, kinds)]
 
 
 def _walked(value: Any) -> bool:

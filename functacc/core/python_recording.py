@@ -319,6 +319,22 @@ class RecordingList(list):
         return list.__len__(self) > 0
 
 
+def _reading(cls: type, name: str) -> Callable[..., Any]:
+    """``cls``'s method ``name``, noting first that the body read the container."""
+    method = getattr(cls, name)
+
+    def read(self: Any, *args: Any) -> Any:
+        self._note()
+        return method(self, *args)
+
+    read.__name__ = name
+    return read
+
+
+_DEQUE_READS = ("__len__", "__getitem__", "__iter__", "__reversed__", "__contains__")
+_DEQUE_READS += ("count", "index")
+
+
 class RecordingDeque(collections.deque):
     """A ``collections.deque`` the body reaches (torchvision's ``SmoothedValue`` window),
     while it is traced: a copy that notes its appends, replayed after each call on the
@@ -359,29 +375,10 @@ class RecordingDeque(collections.deque):
             self.read = True
             self.recorder.list_read(self)
 
-    def __len__(self) -> int:
-        self._note()
-        return super().__len__()
-
-    def __getitem__(self, index: Any) -> Any:
-        self._note()
-        return super().__getitem__(index)
-
-    def __iter__(self) -> Any:
-        self._note()
-        return super().__iter__()
-
-    def __reversed__(self) -> Any:
-        self._note()
-        return super().__reversed__()
-
-    def __contains__(self, value: object) -> bool:
-        self._note()
-        return super().__contains__(value)
-
-    def __bool__(self) -> bool:
-        self._note()
-        return super().__len__() > 0
+    # Reads (bool() goes through __len__).
+    __len__, __getitem__, __iter__, __reversed__, __contains__, count, index = (
+        _reading(collections.deque, name) for name in _DEQUE_READS
+    )
 
 
 def groups_root(linked: Any) -> Root:

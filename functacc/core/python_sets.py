@@ -15,7 +15,7 @@ the trace's symbol there).
 Example:
     >>> from functacc.core.python_location import Location, Root
     >>> seen = {1}
-    >>> watch = SetWatch(held_sets([(Root("seen", lambda: seen, None), seen)], []))
+    >>> watch = SetWatch([(Location(Root("seen", lambda: seen, None)), seen)])
     >>> seen.add(2)
     >>> watch.check()
     Traceback (most recent call last):
@@ -27,16 +27,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 
 from ..errors import TraceError
-from .python_location import Location, Root
-from .python_reach import entries
+from .python_location import Location
 
-__all__ = ["STEPPERS", "SetWatch", "held_sets"]
+__all__ = ["STEPPERS", "SetWatch"]
 
 STEPPERS = (
     torch.optim.Optimizer,
@@ -48,25 +44,10 @@ each trace, their writes replayed, and not guarded (a scheduler's ``last_epoch``
 every call; the body's reads of them are fixed at the trace, as before)."""
 
 
-def held_sets(
-    variables: Iterable[tuple[Root, Any]],
-    objects: Iterable[tuple[Location, Any]],
-    kinds: type | tuple[type, ...] = set,
-) -> list[tuple[Location, Any]]:
-    """The sets (or values of other ``kinds``) the body's variables (each root and its
-    value) hold, and the plain objects, dicts and lists it reaches (``objects``, as
-    :func:`~.python_reach.plain_objects` finds them)."""
-    held = [(Location(root), value) for root, value in variables]
-    for location, obj in objects:
-        held += [(location.child(kind, k), v) for kind, k, v in entries(obj)]
-    found = {id(v): (location, v) for location, v in reversed(held) if isinstance(v, kinds)}
-    return list(found.values())
-
-
 class SetWatch:
     """The contents of the sets a trace may change, to put back and compare."""
 
-    def __init__(self, sets: list[tuple[Location, set]]):
+    def __init__(self, sets: list[tuple[Location, set]]):  # python_reach.held(..., set)
         self.sets = [(location, s, set(s)) for location, s in sets]
         self.first: str | None = None
 

@@ -34,12 +34,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from .python_location import Location, Root
-from .python_reach import entries
 
 __all__ = [
     "fed_key",
     "feedable",
-    "held_tensors",
     "installed",
     "module_containers",
     "optimizer_tensors",
@@ -95,18 +93,6 @@ def owned_tensors(modules: Sequence[nn.Module], optimizers: Sequence[Any]) -> se
             values = state.values() if isinstance(state, dict) else ()
             ids.update(id(v) for v in values if isinstance(v, Tensor))
     return ids
-
-
-def held_tensors(
-    variables: Iterable[tuple[Location, Any]], objects: Iterable[tuple[Location, Any]]
-) -> list[tuple[Location, Tensor]]:
-    """The tensors the body's ``variables`` (each root's location and value) and the plain
-    objects, dicts and lists it reaches (``objects``, as ``plain_objects`` finds them) hold,
-    each with its location."""
-    held = list(variables)
-    for location, obj in objects:
-        held += [(location.child(kind, k), v) for kind, k, v in entries(obj)]
-    return [(location, v) for location, v in held if isinstance(v, Tensor)]
 
 
 def optimizer_tensors(

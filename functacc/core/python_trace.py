@@ -35,7 +35,7 @@ from .python_made import made_template
 from .python_numbers import unstood
 from .python_numpy import TracedArray, numpy_template
 from .python_output import output_template, patch_output
-from .python_reach import holds_traced, is_scalar, plain_objects
+from .python_reach import held, holds_traced, is_scalar, plain_objects
 from .python_recording import (
     ACTIVE,
     RecordingDeque,
@@ -45,8 +45,8 @@ from .python_recording import (
     groups_root,
     recording,
 )
-from .python_sets import STEPPERS, SetWatch, held_sets
-from .python_tensors import held_tensors, installed, tensor_locations
+from .python_sets import STEPPERS, SetWatch
+from .python_tensors import installed, tensor_locations
 
 __all__ = ["Recorder", "Retry"]
 
@@ -112,10 +112,12 @@ class Recorder:
         self.snapshots: list[tuple[Location, Any, Any]] = []  # (location, object, contents)
         self.root_values = [(r, r.get()) for r in self.roots]
         self._undo.append(self._put_roots_back)
-        self.sets = SetWatch(held_sets(self.root_values, self.objects.values()))  # seen.add()
+        self.variables = [(Location(root), value) for root, value in self.root_values]
+        self.sets = SetWatch(held(self.variables, self.objects.values(), set))  # seen.add()
         self._undo.append(self.sets.restore)
         # Optimizers' and schedulers' attributes the body writes (opt.my_count += 1): unguarded.
-        for location, obj in held_sets(self.root_values, self.objects.values(), STEPPERS):
+        steppers = held(self.variables, self.objects.values(), STEPPERS)
+        for location, obj in {id(o): (loc, o) for loc, o in reversed(steppers)}.values():
             self.snapshots.append((location, obj, dict(vars(obj))))
             self._unrecorded.add(id(obj))
         install_tables(self.root_values, self._originals, self.guards)  # lr_schedule[it]
@@ -249,9 +251,8 @@ class Recorder:
     def install_loose(self, leaves: dict[int, Tensor]) -> None:
         """Optimizer tensors no module owns (``log_alpha``), where the body's variables and
         plain objects hold them: the traced tensor for each (``leaves``, by the tensor's id)."""
-        variables = [(Location(root), value) for root, value in self.root_values]
         recording, self.recording = self.recording, False  # not the body's writes
-        for location, value in held_tensors(variables, self.objects.values()):
+        for location, value in held(self.variables, self.objects.values(), Tensor):
             if id(value) in leaves:
                 installed(location, leaves[id(value)], self._originals)
                 self.loose[location] = value
