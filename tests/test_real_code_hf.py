@@ -168,3 +168,31 @@ def test_a_model_output_kept_and_returned_by_the_step_is_eagers(backend: str) ->
         else:  # Inductor's fused float32 kernels round differently
             torch.testing.assert_close(logits.detach(), ref_logits.detach(), rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_batch_encodings_of_varying_lengths_and_a_frozen_embedding_train_as_in_eager() -> None:
+    # Padded to each batch's longest sequence, as DataCollatorWithPadding pads: one trace per
+    # length (the entries are the call's inputs, their shapes its signature), eager's numbers
+    # bit for bit; the word embeddings frozen, as fine-tuning recipes sometimes do.
+    def run(jit: bool) -> list:
+        torch.manual_seed(0)
+        model = glue_model()
+        model.bert.embeddings.word_embeddings.requires_grad_(False)
+        trainer = Trainer(model)
+        step = functacc.jit(
+            trainer.step, modules=[model], optimizers=[trainer.opt], backend="eager"
+        )
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for length in (8, 12, 8, 12):
+            ids = torch.randint(0, 100, (4, length), generator=g)
+            batch = transformers.BatchEncoding({"input_ids": ids, "labels": ids[:, 0] % 3})
+            losses.append((step if jit else trainer.step)(batch).loss.detach())
+        frozen = model.bert.embeddings.word_embeddings.weight
+        return [*losses, *(p.detach().clone() for p in model.parameters())], frozen.grad, step
+
+    got, frozen_grad, step = run(True)
+    want, ref_frozen_grad, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert frozen_grad is None and ref_frozen_grad is None
+    assert step.num_traces <= 3, [t.reason for t in step.traces]  # the 2 lengths, the grads

@@ -23,6 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from .mapping_args import carried
+
 __all__ = [
     "AmbientWatch",
     "BatchWatch",
@@ -165,7 +167,7 @@ def batch_names(args: tuple, kwargs: dict, positional: Sequence[str] = ()) -> li
     own parameter names for its positional arguments (``inputs['input_ids']`` and
     ``targets`` for ``step(inputs, targets)``), ``args[i]`` past them, and the keyword."""
     names = []
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+    for path, leaf in pytree.tree_flatten_with_path(carried(args, kwargs))[0]:  # a UserDict's too
         if not isinstance(leaf, Tensor):
             continue
         top, rest = path[1], pytree.keystr(path[2:])
