@@ -31,6 +31,7 @@ STAGES: dict[str, list[str]] = {
         "core/own_step",
         "core/own_step_state",
         "core/own_step_trace",
+        "core/scalar_reads",
         "core/body_trace",
         "core/body_errors",
         "core/python_state",

@@ -977,7 +977,7 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "scheduler_between": (scheduler_between, functacc.TraceError, "between two steps"),
         "computes_with_lr": (computes_with_lr, functacc.TraceError, "get_last_lr"),
         "structure": (structure, ValueError, "nesterov"),
-        "seed_from_data": (seed_from_data, functacc.TraceError, "data-dependent"),
+        "seed_from_data": (seed_from_data, functacc.TraceError, "computed from tensor values"),
         "deque_appendleft": (deque_appendleft, functacc.TraceError, "deque .*window.*appendleft"),
         "deque_mean": (deque_mean, functacc.TraceError, "reads the deque .*window.*appends"),
         "set_add": (set_add, functacc.TraceError, r"changes the set .*seen.*seen\[k\] = True"),

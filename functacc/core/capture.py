@@ -32,6 +32,7 @@ from .functional import (
 from .model_watch import HookWatch, ModelWatch, StructureWatch
 from .optimizers import TracedOptimizer, link_optimizer, trace_optimizer
 from .python_tensors import optimizer_tensors
+from .scalar_reads import buffer_reads
 
 __all__ = ["Capture"]
 
@@ -300,6 +301,7 @@ class Capture:
             if self.rest is not None:  # ZeRO-3: backward gathers the parameters again
                 stack.enter_context(self.rest.regathering())
             stack.enter_context(ForeachVersions())  # as eager counts foreach writes
+            stack.enter_context(buffer_reads(self, self.buffers, buffers, python))
             yield exit_
             self._leave(by_name, leaves, buffers, tables, traced_opts, exit_)
         write_back_attributes(self.attributes, attribute_inputs, reassigned)
@@ -341,11 +343,8 @@ class Capture:
         with torch.no_grad():
             for n in self.buffers:
                 value, placeholder = current[n], by_name[f"buffer {n}"]
-                if (
-                    not isinstance(value, Tensor)
-                    or value.shape != placeholder.shape
-                    or (value.dtype != placeholder.dtype)
-                ):
+                kept = (placeholder.shape, placeholder.dtype)
+                if not isinstance(value, Tensor) or (value.shape, value.dtype) != kept:
                     got = describe_tensor(value) if isinstance(value, Tensor) else repr(value)
                     raise argument_error(
                         f"the step assigned {got} to the buffer {n!r}, which holds "

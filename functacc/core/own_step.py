@@ -38,8 +38,9 @@ from ..errors import argument_error
 from ..optim._torch import check_owned_parameters
 from .own_step_state import _NotAhead, initial_state
 from .python_location import Location, Root
+from .scalar_reads import ScalarOf
 
-__all__ = ["LBFGS_ADVICE", "OwnStepLink", "ScalarOf", "check_traceable"]
+__all__ = ["LBFGS_ADVICE", "OwnStepLink", "check_traceable"]
 
 # Tested: pytorch/examples' time_sequence_prediction this way equals its eager loop.
 LBFGS_ADVICE = (
@@ -261,34 +262,3 @@ def _kind(value: Any) -> str | None:
     if isinstance(value, Tensor):
         return "tensor"
     return None
-
-
-class ScalarOf:
-    """The number a 0-dim state tensor holds (an optimizer's step count), as a source of a
-    fed value: read on the host before each call (a CPU tensor: no device sync)."""
-
-    def __init__(self, location: Location, siblings: Callable[[], list[ScalarOf]]):
-        self.location = location
-        self.label = f"{location.label}.item()"
-        self._siblings = siblings
-
-    @property
-    def siblings(self) -> list[ScalarOf]:
-        """The same entry of every parameter's state (fed together)."""
-        return self._siblings()
-
-    def get(self) -> Any:
-        value = self.location.get()
-        return value.item() if isinstance(value, Tensor) else value
-
-    def set(self, value: Any) -> None:
-        """Nothing to install: the traced step reads the number through ``.item()``."""
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ScalarOf) and self.location == other.location
-
-    def __hash__(self) -> int:
-        return hash(("item", self.location))
-
-    def __repr__(self) -> str:
-        return f"ScalarOf({self.label})"

@@ -1,9 +1,9 @@
 """An optimizer traced whole while the step body is traced (:mod:`.own_step` links it
 across calls): its real ``step()`` runs over the traced parameters, the state's
 placeholders and the fed hyperparameters. Python numbers the step computes with stay
-symbolic (:class:`_Scalars`, :func:`symbolic_builtins`: ``max``, ``min`` and ``math`` on
-symbols), so a branch on one is a guard; under a GradScaler :meth:`OwnStepTrace.unless`
-selects the state a skipped step leaves.
+symbolic (:class:`~.scalar_reads.ScalarReads`, :func:`symbolic_builtins`: ``max``, ``min``
+and ``math`` on symbols), so a branch on one is a guard; under a GradScaler
+:meth:`OwnStepTrace.unless` selects the state a skipped step leaves.
 
 Example:
     >>> from functacc.core.own_step_trace import OwnStepTrace
@@ -24,65 +24,12 @@ from torch import Tensor
 
 from ..errors import argument_error
 from ..optim import TransformOptimizer
-from .own_step import OwnStepLink, ScalarOf, _fed
+from .own_step import OwnStepLink, _fed
 from .python_location import Location
 from .python_numbers import symbolic_builtins
+from .scalar_reads import ScalarReads
 
 __all__ = ["OwnStepTrace"]
-
-
-class _Scalars(torch.overrides.TorchFunctionMode):
-    """While an optimizer's step() is traced: the Python number a 0-dim state tensor holds.
-
-    ``.item()`` of a state scalar that is not fed gives a symbol without a value; each is
-    noted (``symbols``), so that a branch on it makes it fed at the next trace. A fed one
-    starts as its fed number, follows whole-number increments (``step_t += 1``, exact in
-    float32 up to 2**24) and is what ``.item()`` gives; any other write stops that (the
-    next ``.item()`` is a symbol without a value again)."""
-
-    def __init__(self, sources: dict[int, ScalarOf], fed: dict[int, Any], symbols: dict):
-        super().__init__()
-        self.sources, self.values, self.symbols = sources, dict(fed), symbols
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        target = args[0] if args else None
-        if func in _FROM_NUMBER and isinstance(target, (torch.SymFloat, torch.SymInt)):
-            # torch.as_tensor(lr / ...) of a fed number: traced as that number's tensor
-            # (torch.tensor would fix it to its value at the trace)
-            floating = isinstance(target, torch.SymFloat)
-            dtype = kwargs.get("dtype") or (torch.get_default_dtype() if floating else torch.int64)
-            device = kwargs.get("device")
-            return torch.scalar_tensor(target, dtype=dtype, device=device)
-        key = id(target)
-        if key in self.sources and func in _ITEM:
-            if key in self.values:
-                value = self.values[key]
-                return value  # the fed symbol, or what increments made of it
-            result = func(*args, **kwargs)
-            if hasattr(result, "node"):
-                self.symbols[result.node.expr] = self.sources[key]
-            return result
-        result = func(*args, **kwargs)
-        if key in self.values:
-            other = args[1] if len(args) > 1 else kwargs.get("other")
-            alpha = kwargs.get("alpha", 1)
-            if func in _ADDS and _whole(other) and _whole(alpha):
-                self.values[key] = self.values[key] + other * alpha
-            elif func in _WRITES or getattr(func, "__name__", "").endswith("_"):
-                del self.values[key]
-        return result
-
-
-_SYMBOLS = (torch.SymInt, torch.SymFloat)
-_ITEM = {Tensor.item, Tensor.__float__, Tensor.__int__}
-_FROM_NUMBER = {torch.as_tensor, torch.tensor}
-_ADDS = {Tensor.add_, Tensor.__iadd__}
-_WRITES = {Tensor.copy_, Tensor.fill_, Tensor.zero_, Tensor.__isub__, Tensor.__imul__}
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- while the body is traced ---------------------------------------------------------------
@@ -175,7 +122,7 @@ class OwnStepTrace:
                 group["params"] = [self.leaf_of(n) for n in names if owners.owns(n)]
         nested = _nested_entries(opt)
         try:
-            with torch.no_grad(), _Scalars(sources, fed, symbols), symbolic_builtins(opt):
+            with torch.no_grad(), ScalarReads(sources, fed, symbols), symbolic_builtins(opt):
                 result = type(opt).step(opt)
             _check_nested_unchanged(opt, nested, self.link.label)
         finally:

@@ -55,7 +55,7 @@ class _Float(float, metaclass=_Builtin):
     def __new__(cls, x: Any = 0.0, /) -> Any:  # a SymFloat where a tensor is given
         if isinstance(x, Tensor) and x.numel() == 1:
             return torch.sym_float(x.item())
-        return float(x)
+        return torch.sym_float(x) if isinstance(x, _SYMBOLS) else float(x)
 
 
 class _Int(int, metaclass=_Builtin):
@@ -65,6 +65,8 @@ class _Int(int, metaclass=_Builtin):
         if isinstance(x, Tensor) and x.numel() == 1 and not args and not kwargs:
             value = x.item()  # int() of a float truncates, as torch.sym_int does
             return torch.sym_int(value) if x.is_floating_point() else value
+        if isinstance(x, _SYMBOLS) and not args and not kwargs:  # int(t.item()): no guard
+            return torch.sym_int(x) if isinstance(x, torch.SymFloat) else x
         return int(x, *args, **kwargs)
 
 

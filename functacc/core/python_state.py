@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -99,8 +100,12 @@ class PythonState:
         self._recorder: Recorder | None = None
         self._owned: set[int] = set()
         # Per trace with fed numbers it branched on: that condition, over the fed locations.
-        self.branches: list[tuple[Callable[[dict], bool], list[Location]]] = []
+        self.branches: list[tuple[Callable[[dict], bool], list[Location], str]] = []
         self._branch_keys: set[tuple] = set()
+        # Whether traces follow .item() of the modules' one-element buffers (scalar_reads):
+        # from the first trace that branched on a value it could not name.
+        self.item_reads = False
+        self._scalar_buffers = any(b.numel() == 1 for _, m in modules for b in m.buffers())
 
     # -- per call ------------------------------------------------------------------------
     def key(self) -> tuple:
@@ -116,10 +121,10 @@ class PythonState:
             return guarded + fed
         # Each trace's branches on fed numbers (if self.step % 100 == 0): which hold now.
         held = tuple(
-            check({f"t{i}": loc.get() for i, loc in enumerate(locs)})
-            for check, locs in self.branches
+            (f"branch on fed numbers {text}", check({f"t{i}": x.get() for i, x in enumerate(xs)}))
+            for check, xs, text in self.branches
         )
-        return (*guarded, *fed, ("branches on fed numbers", held))
+        return (*guarded, *fed, *held)
 
     def inputs(self, plan: PythonPlan | None = None) -> list[int | float]:
         """The fed values now: the graph's Python-number and Python-state tensor inputs."""
@@ -153,6 +158,7 @@ class PythonState:
     def scope(self, fed: Sequence[Location], placeholders: Sequence[Tensor]) -> Iterator[Recorder]:
         symbolic = dict(zip(fed, placeholders, strict=True))
         recorder = Recorder(self.roots, symbolic, self.optimizers, self.pinned, self._owned)
+        recorder.item_reads = self.item_reads
         self._recorder = recorder
         with recorder:
             yield recorder
@@ -173,6 +179,9 @@ class PythonState:
         if not symbols or recorder is None:
             return False
         branched = {recorder.symbols[s] for s in symbols if s in recorder.symbols}
+        if not branched and self._scalar_buffers and not self.item_reads:
+            self.item_reads = True  # perhaps a buffer's .item(): the next trace names it
+            return True
         # A number an optimizer keeps in a tensor (its step count) that its step() branches
         # on: fed from now on as a number (its siblings too), so the branch is a guard.
         scalars = {s for loc in branched for s in getattr(loc, "siblings", ())} - set(self.fed)
@@ -201,7 +210,8 @@ class PythonState:
             check = eval(f"lambda L: bool({branches})", dict(SYMPY_INTERP))
             # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
             numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]
-            self.branches.append((check, numbers))
+            text = re.sub(r"L\['t(\d+)'\]", lambda m: numbers[int(m[1])].label, branches)
+            self.branches.append((check, numbers, text))
         self.loose.update(recorder.loose)
         for loc, value in recorder.guards.items():
             self.guards.setdefault(loc, None)
