@@ -126,3 +126,48 @@ def test_a_flag_written_through_data_then_read_again_is_an_error_that_changes_no
     with pytest.raises(functacc.TraceError, match=r"if model\.flag\.item\(\)"):
         step(torch.ones(2, 3))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class CountsCalls(nn.Module):
+    """tests/test_errors.py's model that counts its calls in a Python attribute (an error
+    advising a registered buffer), written as that advice says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.layer(x) * (2.0 if self.calls > 2 else 1.0)
+
+
+@pytest.mark.parametrize("door", ["compile_step", "jit"])
+def test_the_attribute_errors_advice_a_counting_buffer_works(door: str) -> None:
+    # Before 2026-11-28 the advised buffer was a TraceError as soon as the forward
+    # branched on it (`self.calls > 2` is a tensor): the advice did not work.
+    def run(door: str | None) -> tuple[list[float], torch.Tensor, int, int]:
+        torch.manual_seed(0)
+        model = CountsCalls()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> float:
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        if door == "compile_step":
+            step = functacc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+            losses = [step(x, y).item() for _ in range(6)]
+        else:
+            step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+            losses = [(step if door else body)(x, y) for _ in range(6)]
+        traces = len(step.traces) if door else 0
+        return losses, model.layer.weight.detach().clone(), int(model.calls), traces
+
+    eager, compiled = run(None), run(door)
+    assert compiled[0] == eager[0] and torch.equal(compiled[1], eager[1])
+    assert compiled[2] == eager[2] == 6 and compiled[3] <= 2  # calls <= 2, then > 2

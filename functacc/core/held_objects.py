@@ -31,7 +31,13 @@ from ..errors import argument_error
 from .python_location import Root
 from .python_reach import entries, is_plain_object, plain_objects
 
-__all__ = ["check_declared_optimizers", "held_values", "library_objects", "restore_objects"]
+__all__ = [
+    "check_declared_optimizers",
+    "held_values",
+    "library_objects",
+    "restore_objects",
+    "unwrapped",
+]
 
 
 def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> list[tuple[Any, dict]]:
@@ -96,6 +102,16 @@ def held_values(roots: list[Root]) -> list[Any]:
     return values
 
 
+def unwrapped(o: Any) -> Any:
+    """The optimizer ``o`` wraps as ``o.optimizer`` (Hugging Face Accelerate's
+    ``AcceleratedOptimizer``, an ``Optimizer`` subclass that does not run its
+    ``__init__``, delegating ``param_groups``, ``state`` and ``step()``), else ``o``."""
+    inner = getattr(o, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" not in vars(o):
+        return inner
+    return o
+
+
 def check_declared_optimizers(
     roots: list[Root], declared: Sequence[Any], params: Iterable[Tensor]
 ) -> None:
@@ -106,7 +122,7 @@ def check_declared_optimizers(
     ids = {id(p) for p in params}
     known = {id(d) for d in declared}
     for value in held_values(roots):
-        if not isinstance(value, torch.optim.Optimizer) or id(value) in known:
+        if not isinstance(value, torch.optim.Optimizer) or id(unwrapped(value)) in known:
             continue
         if not any(id(p) in ids for group in value.param_groups for p in group["params"]):
             continue

@@ -83,8 +83,11 @@ class ScalarReads(torch.overrides.TorchFunctionMode):
     def __init__(self, sources: dict[int, ScalarOf], fed: dict[int, Any], symbols: dict):
         super().__init__()
         self.sources, self.values, self.symbols = sources, dict(fed), symbols
-        self.tensors: dict[int, Tensor] = {}  # a fed source: its version, checked on reads
-        self.versions: dict[int, int] = {}
+        self.tensors: dict[int, Tensor] = {}  # kept alive while their ids are keys
+        self.versions: dict[int, int] = {}  # a known number's tensor: checked on reads
+        # Tensors computed from a source whose number is not known (self.calls > 2): a
+        # branch on one feeds that source next time.
+        self.origins: dict[int, ScalarOf] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -96,7 +99,7 @@ class ScalarReads(torch.overrides.TorchFunctionMode):
             dtype = kwargs.get("dtype") or (torch.get_default_dtype() if floating else torch.int64)
             return torch.scalar_tensor(target, dtype=dtype, device=kwargs.get("device"))
         key = id(target)
-        if key not in self.sources and key not in self.values:
+        if key not in self.sources and key not in self.values and key not in self.origins:
             return func(*args, **kwargs)
         if func in _READS:
             return _READS[func](self._read(target))
@@ -117,8 +120,11 @@ class ScalarReads(torch.overrides.TorchFunctionMode):
             # (self.step - after - 1).clamp(min=0.): the number, exact while whole
             op, names = _ARITHMETIC[func]
             value = op(self._whole_value(target), *_operands(self, names, args, kwargs))
+            self.tensors[id(result)] = result
             if value is not None:
-                self.values[id(result)], self.tensors[id(result)] = value, result
+                self.values[id(result)] = value
+            elif (origin := self.sources.get(key) or self.origins.get(key)) is not None:
+                self.origins[id(result)] = origin
         return result
 
     def _read(self, target: Tensor) -> Any:
@@ -127,9 +133,10 @@ class ScalarReads(torch.overrides.TorchFunctionMode):
         value = self._value(target)
         if value is None:
             value = Tensor.item(target)
-            source = self.sources.get(id(target))
+            source = self.sources.get(id(target)) or self.origins.get(id(target))
             for symbol in value.node.expr.free_symbols if hasattr(value, "node") else ():
-                self.symbols[symbol] = source  # a bool's: Eq(u0, 1)'s u0
+                if source is not None:
+                    self.symbols[symbol] = source  # a bool's: Eq(u0, 1)'s u0
             return value
         if target.dtype == torch.bool:
             return value if isinstance(value, (bool, torch.SymBool)) else value != 0
@@ -201,6 +208,12 @@ _ARITHMETIC: dict[Any, tuple[Callable[..., Any], tuple[str, ...]]] = {
     **_ops([Tensor.__mod__, Tensor.remainder, torch.remainder], operator.mod, ("other",)),
     **_ops([Tensor.__neg__, Tensor.neg, torch.neg], operator.neg, ()),
 }
+for name in ("lt", "le", "gt", "ge", "eq", "ne"):  # self.calls > 2: a bool
+    _ARITHMETIC |= _ops(
+        [getattr(Tensor, f"__{name}__"), getattr(Tensor, name), getattr(torch, name)],
+        getattr(operator, name),
+        ("other",),
+    )
 _ARITHMETIC = {k: (_whole_op(op), names) for k, (op, names) in _ARITHMETIC.items()}
 _ARITHMETIC |= {
     **_ops([Tensor.clamp, torch.clamp], _clamp, ("min", "max")),

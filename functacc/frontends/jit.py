@@ -39,6 +39,7 @@ from ..core.body import StepBody
 from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.capture import Capture
 from ..core.grad_scaler import hold_grad_scaler
+from ..core.held_objects import unwrapped
 from ..parallel.jit_strategy import jit_strategy
 from ..parallel.mesh import world_size
 from ..parallel.tp_setup import TensorParallelSetup, split_parallel
@@ -319,6 +320,7 @@ def build_jitted(
         raise ValueError(f"donate must hold argument positions (ints >= 0); got {donate!r}")
     labels = _labels(fn, modules, "modules")
     opt_labels = _labels(fn, optimizers, "optimizers")
+    optimizers = [unwrapped(o) for o in optimizers]  # Accelerate's wrapper: its optimizer
     holder = nn.ModuleDict(dict(zip(labels, modules, strict=True)))
     recomputed = validate_remat(holder, remat, remat_policy, stacklevel=stacklevel)
     tensor_parallel, parallel = split_parallel(parallel)

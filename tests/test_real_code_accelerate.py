@@ -1,0 +1,125 @@
+"""Hugging Face Accelerate's training loops through ``functacc.jit``, against eager.
+
+The step bodies are those of accelerate's examples (``examples/by_feature/
+gradient_accumulation.py``: ``with accelerator.accumulate(model):``, ``accelerator.backward``,
+the prepared optimizer and scheduler stepped in the step; ``examples/cv_example.py`` with
+clipping on the steps that sync), over the objects ``accelerator.prepare`` returns: an
+``AcceleratedOptimizer`` wraps the optimizer, an ``AcceleratedScheduler`` the schedule, and
+under ``mixed_precision="bf16"`` the model's forward runs under autocast.
+
+Before 2026-11-28 ``jit(..., optimizers=[optimizer])`` of the prepared optimizer failed
+with ``AttributeError: 'AcceleratedOptimizer' object has no attribute
+'_optimizer_step_pre_hooks'``. With ``backend="eager"`` losses, weights, the learning rate
+and the accelerator's step count are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import accelerate
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from test_real_code_hf import batches, glue_model
+from torch import nn
+
+import functacc
+
+
+def fresh(**kwargs) -> accelerate.Accelerator:
+    """An Accelerator as a new script makes it (its state is process-wide)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return accelerate.Accelerator(cpu=True, **kwargs)
+
+
+def accumulation_run(jit: str | None, mixed_precision: str, steps: int) -> tuple:
+    accelerator = fresh(mixed_precision=mixed_precision, gradient_accumulation_steps=steps)
+    torch.manual_seed(0)
+    model = glue_model()
+    optimizer = torch.optim.AdamW(params=model.parameters(), lr=1e-3)
+    lr_scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 2, 10)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    model.train()
+
+    def train_step(batch: transformers.BatchEncoding) -> float:
+        with accelerator.accumulate(model):
+            output = model(**batch)
+            loss = output.loss
+            accelerator.backward(loss)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        return loss.item()
+
+    step: Callable = train_step
+    if jit is not None:
+        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    losses = [step(b) for b in batches()]
+    weights = [p.detach().clone() for p in model.parameters()]
+    traces = len(step.traces) if jit else 0
+    return losses, weights, lr_scheduler.get_last_lr(), accelerator.step, traces
+
+
+@pytest.mark.parametrize(("mixed_precision", "steps"), [("no", 2), ("no", 1), ("bf16", 2)])
+def test_gradient_accumulation_example_matches_eager(mixed_precision: str, steps: int) -> None:
+    eager = accumulation_run(None, mixed_precision, steps)
+    jitted = accumulation_run("eager", mixed_precision, steps)
+    assert jitted[0] == eager[0]
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+    assert jitted[2:4] == eager[2:4] and eager[3] == 6
+    assert jitted[4] <= 2  # accumulating and syncing calls: one trace each
+
+
+def cv_run(jit: str | None) -> tuple:
+    accelerator = fresh(gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=8)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    mean = torch.tensor([0.5, 0.4, 0.3])[None, :, None, None]
+    std = torch.tensor([0.2, 0.2, 0.3])[None, :, None, None]
+
+    def train_step(batch: dict[str, torch.Tensor]) -> float:
+        with accelerator.accumulate(model):
+            inputs = (batch["image"] - mean) / std
+            outputs = model(inputs)
+            loss = F.cross_entropy(outputs, batch["label"])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        return loss.item()
+
+    step: Callable = train_step
+    if jit is not None:
+        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(8):
+        batch = {"image": torch.rand(4, 3, 8, 8, generator=g), "label": torch.arange(4) % 4}
+        losses.append(step(batch))
+    state = [t.detach().clone() for t in model.state_dict().values()]
+    return losses, state, lr_scheduler.get_last_lr(), accelerator.step
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_cv_example_with_clipping_on_synced_steps_matches_eager(backend: str) -> None:
+    eager, jitted = cv_run(None), cv_run(backend)
+    assert jitted[2:] == eager[2:] and eager[3] == 8
+    if backend == "eager":
+        assert jitted[0] == eager[0]
+        assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+    else:  # Inductor fuses the arithmetic: float32 rounding
+        torch.testing.assert_close(jitted[0], eager[0], rtol=1e-4, atol=1e-5)
+        for a, b in zip(jitted[1], eager[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
