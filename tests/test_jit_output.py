@@ -557,3 +557,46 @@ def test_wandb_logged_in_the_step_gets_eagers_points(tmp_path, monkeypatch) -> N
     jitted = wandb_run(True, tmp_path / "jit", monkeypatch)
     assert jitted == eager
     assert [step for step, _ in eager] == [2, 4, 6] and eager[-1][1]["iter"] == 2
+
+
+def test_stream_writes_tqdm_write_and_a_librarys_print_show_eagers_text(capsys) -> None:
+    # sys.stdout.write and tqdm.write of an f-string, and Accelerate's accelerator.print
+    # (a library method that calls print): before 2026-11-28 each wrote the trace's tokens
+    # ("loss \x00functacc0:.4f\x00") once per trace and nothing on the other calls.
+    import sys
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+
+    def run(jit: bool) -> tuple[str, str]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def body(x: torch.Tensor) -> float:
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            sys.stdout.write(f"write {loss.item():.5f}\n")
+            tqdm.write(f"tqdm {loss.item():.4e}")
+            accelerator.print(f"accelerate {loss.item():.3f}")
+            sys.stderr.write("err %.4f\n" % loss.item())
+            return loss.item()
+
+        step = (
+            functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+        )
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(4, 3, generator=g) for _ in range(4)]
+        capsys.readouterr()
+        for x in xs:
+            step(x)
+        captured = capsys.readouterr()
+        return captured.out, captured.err
+
+    eager, jitted = run(False), run(True)
+    assert jitted == eager
+    assert eager[0].count("write ") == eager[0].count("tqdm ") == 4
+    assert eager[0].count("accelerate ") == eager[1].count("err ") == 4

@@ -161,6 +161,8 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         note(function, texts, kwargs, what)
 
     patch(builtins, "print", _noting(builtins.print, note_print, "print()"))
+    for name in ("stdout", "stderr"):  # sys.stdout.write(...), tqdm.write(...)
+        patch(sys, name, _NotingStream(getattr(sys, name), name, note))
     patch(builtins, "open", noting_open(builtins.open, note, _from_user))
     for name in ("write_text", "write_bytes"):  # (folder / "metrics.txt").write_text(...)
         patch(Path, name, _noting(getattr(Path, name), note, f"Path.{name}()"))
@@ -175,6 +177,9 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         for name in methods or [n for n in vars(cls) if n.startswith("add_")]:
             real = vars(cls)[name]
             patch(cls, name, _noting(real, note, f"{class_name}.{name}()"))
+    tqdm = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    if tqdm is not None:  # tqdm.write(f"..."): a classmethod, noted whole (its text, end)
+        patch(tqdm, "write", staticmethod(_noting(tqdm.write, note, "tqdm.write()")))
     wandb = sys.modules.get("wandb")
     if inspect.ismethod(getattr(wandb, "log", None)):  # wandb.init() bound it to its run
         patch(wandb, "log", _noting(wandb.log, note, "wandb.log()"))
@@ -193,14 +198,46 @@ def patch_output(recorder: Any) -> Callable[[], None]:
 
 def _noting(real: Callable, note: Callable, what: str) -> Callable:
     """``real`` (a function, or a method set on its class), noted instead of run when the
-    user's code calls it."""
+    user's code calls it, or a library's code with text the step formatted (Accelerate's
+    ``accelerator.print(f"loss {loss.item():.4f}")`` calls ``print``)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not _from_user(1):
+        formatted = any(isinstance(a, str) and has_tokens(a) for a in (*args, *kwargs.values()))
+        if not formatted and not _from_user(1):
             return real(*args, **kwargs)
         return note(real, args, kwargs, what)
 
     return call
+
+
+class _NotingStream:
+    """``sys.stdout`` or ``sys.stderr`` while the body is traced: a write from the user's
+    code, or of text the step formatted (``tqdm.write(f"loss {loss.item():.4f}")``), is
+    noted and made after each call; anything else reaches the stream."""
+
+    def __init__(self, stream: Any, name: str, note: Callable):
+        self._stream, self._name, self._note = stream, name, note
+
+    def write(self, text: Any) -> Any:
+        installed = vars(sys).get(self._name) is self
+        if installed and isinstance(text, str) and (has_tokens(text) or _from_user(1)):
+            self._note(_WRITERS[self._name], (text,), {}, f"sys.{self._name}.write()")
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _write_stdout(text: str) -> int:
+    return sys.stdout.write(text)  # the stream of the call's time, as eager writes to
+
+
+def _write_stderr(text: str) -> int:
+    return sys.stderr.write(text)
+
+
+_WRITERS = {"stdout": _write_stdout, "stderr": _write_stderr}
 
 
 def _formatting(real: Callable, recorder: Any, tensor: str = "") -> Callable:
