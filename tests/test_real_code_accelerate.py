@@ -123,3 +123,45 @@ def test_cv_example_with_clipping_on_synced_steps_matches_eager(backend: str) ->
         torch.testing.assert_close(jitted[0], eager[0], rtol=1e-4, atol=1e-5)
         for a, b in zip(jitted[1], eager[1], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def tracking_run(jit: str | None, folder: str) -> tuple[list[float], list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accelerator = fresh(log_with="tensorboard", project_dir=folder)
+    accelerator.init_trackers("run")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = {"global_step": 0}
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        state["global_step"] += 1
+        logs = {"train_loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]}
+        accelerator.log(logs, step=state["global_step"])
+        return loss.item()
+
+    step: Callable = train_step
+    if jit is not None:
+        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    g = torch.Generator().manual_seed(1)
+    losses = [
+        step(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(4)
+    ]
+    accelerator.end_training()
+    events = EventAccumulator(f"{folder}/run")
+    events.Reload()
+    return losses, [(e.step, e.value) for e in events.Scalars("train_loss")]
+
+
+def test_accelerator_log_in_the_step_writes_eagers_points(tmp_path) -> None:
+    # accelerator.log(...) reaches the trackers (here TensorBoard's) through accelerate's
+    # code: before 2026-11-28 the jitted step logged no point at all, silently.
+    eager = tracking_run(None, str(tmp_path / "eager"))
+    jitted = tracking_run("eager", str(tmp_path / "jit"))
+    assert jitted == eager and [s for s, _ in eager[1]] == [1, 2, 3, 4]

@@ -60,6 +60,7 @@ _NOTED_METHODS = (
     ("torch.utils.tensorboard.writer", "SummaryWriter", None),  # writer.add_scalar(...)
     ("tensorboardX.writer", "SummaryWriter", None),
     ("wandb.sdk.wandb_run", "Run", ("log",)),  # run.log({...}); wandb.log below
+    ("accelerate.accelerator", "Accelerator", ("log", "print")),  # its trackers, main rank
 )
 
 
@@ -198,16 +199,31 @@ def patch_output(recorder: Any) -> Callable[[], None]:
 
 def _noting(real: Callable, note: Callable, what: str) -> Callable:
     """``real`` (a function, or a method set on its class), noted instead of run when the
-    user's code calls it, or a library's code with text the step formatted (Accelerate's
-    ``accelerator.print(f"loss {loss.item():.4f}")`` calls ``print``)."""
+    user's code calls it, or a library's code with values the step computes (Accelerate's
+    ``accelerator.print(f"loss {loss.item():.4f}")`` calls ``print``; a tracker calls
+    ``SummaryWriter.add_scalar`` with the loss)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        formatted = any(isinstance(a, str) and has_tokens(a) for a in (*args, *kwargs.values()))
-        if not formatted and not _from_user(1):
+        if not _traced_values(args, kwargs) and not _from_user(1):
             return real(*args, **kwargs)
         return note(real, args, kwargs, what)
 
     return call
+
+
+def _traced_values(args: Sequence[Any], kwargs: dict) -> bool:
+    """Whether a call's arguments hold what the step computes: text it formatted, or a
+    number (``{"loss": loss.item()}``), one level into a dict or a list."""
+    values = [*args, *kwargs.values()]
+    values += [v for a in values if isinstance(a, (dict, list, tuple)) for v in _items(a)]
+    return any(
+        isinstance(v, (torch.SymInt, torch.SymFloat)) or (isinstance(v, str) and has_tokens(v))
+        for v in values
+    )
+
+
+def _items(container: Any) -> Any:
+    return container.values() if isinstance(container, dict) else container
 
 
 class _NotingStream:
