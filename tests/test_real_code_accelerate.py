@@ -165,3 +165,69 @@ def test_accelerator_log_in_the_step_writes_eagers_points(tmp_path) -> None:
     eager = tracking_run(None, str(tmp_path / "eager"))
     jitted = tracking_run("eager", str(tmp_path / "jit"))
     assert jitted == eager and [s for s, _ in eager[1]] == [1, 2, 3, 4]
+
+
+def diffusion_run(jit: str | None) -> tuple:
+    # The training step of diffusers' examples/unconditional_image_generation/
+    # train_unconditional.py: DDPM noise and timesteps drawn in the step, the scheduler's
+    # add_noise (its alphas_cumprod a tensor kept on a plain object), a UNet2DModel, clipping
+    # on syncing steps, and diffusers' EMAModel stepped over the parameters (a Python count
+    # and a list of shadow tensors on a library object), with a small UNet.
+    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+
+    accelerator = fresh(gradient_accumulation_steps=1)
+    torch.manual_seed(0)
+    model = UNet2DModel(
+        sample_size=8,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+    )
+    ema_model = EMAModel(model.parameters(), decay=0.9999, use_ema_warmup=True, power=0.75)
+    noise_scheduler = DDPMScheduler(num_train_timesteps=100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-6)
+    lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=10)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    state = {"global_step": 0}
+
+    def train_step(clean_images: torch.Tensor) -> dict:
+        noise = torch.randn(clean_images.shape, dtype=clean_images.dtype)
+        bsz = clean_images.shape[0]
+        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (bsz,)).long()
+        noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+        with accelerator.accumulate(model):
+            model_output = model(noisy_images, timesteps).sample
+            loss = F.mse_loss(model_output.float(), noise.float())
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            ema_model.step(model.parameters())
+            state["global_step"] += 1
+        logs = {"loss": loss.detach().item(), "lr": lr_scheduler.get_last_lr()[0]}
+        logs["step"], logs["ema_decay"] = state["global_step"], ema_model.cur_decay_value
+        return logs
+
+    step: Callable = train_step
+    if jit is not None:
+        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    g = torch.Generator().manual_seed(1)
+    logs = [step(torch.rand(2, 3, 8, 8, generator=g) * 2 - 1) for _ in range(5)]
+    weights = [p.detach().clone() for p in [*model.parameters(), *ema_model.shadow_params]]
+    return logs, weights, ema_model.optimization_step, len(step.traces) if jit else 0
+
+
+def test_diffusers_unconditional_training_step_matches_eager() -> None:
+    # Before 2026-11-28: "its Python state kept changing shape" (each of the EMA's 114
+    # shadow tensors was found by a trace of its own, past the limit of 16).
+    eager, jitted = diffusion_run(None), diffusion_run("eager")
+    assert jitted[0] == eager[0] and jitted[2] == eager[2] == 5
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+    assert jitted[3] <= 2  # the EMA's warm-up branch (decay 0 at its first step), then one

@@ -236,17 +236,15 @@ class Recorder:
         self.guard(mapping.location.child("item", key), value)
         self.note_tensors(mapping.location.child("item", key), value)
 
-    def note_tensors(self, location: Location, value: Any) -> None:
+    def note_tensors(self, location: Location, value: Any, stop: bool = True) -> list:
         """The body reads ``value`` at ``location``: a tensor there not fed yet stops the
         trace at once (:class:`Retry` feeds it), before the body can update it in place."""
-        new = [
-            loc
-            for loc in tensor_locations(location, value, self.owned)
-            if loc not in self.symbolic_inputs
-        ]
+        new = [loc for loc in tensor_locations(location, value, self.owned)]
+        new = [loc for loc in new if loc not in self.symbolic_inputs]
         self.tensor_reads.update(dict.fromkeys(new))
-        if new and self.recording:
+        if new and self.recording and stop:
             raise Retry(new)
+        return new
 
     def install_loose(self, leaves: dict[int, Tensor]) -> None:
         """Optimizer tensors no module owns (``log_alpha``), where the body's variables and
@@ -260,8 +258,10 @@ class Recorder:
 
     def list_read(self, lst: RecordingList | RecordingDeque) -> None:
         items = lst.before if isinstance(lst, RecordingDeque) else list(list.__iter__(lst))
-        for i, value in enumerate(items):
-            self.note_tensors(lst.location.child("item", i), value)
+        at = lst.location.child  # every item's tensors at once (an EMA's shadow_params)
+        new = [x for i, v in enumerate(items) for x in self.note_tensors(at("item", i), v, False)]
+        if new and self.recording:
+            raise Retry(new)
 
     def unfed_tensors(self) -> list[Location]:
         """The tensors the body read from its Python state that are not fed yet (the
