@@ -1383,3 +1383,34 @@ def test_numpy_arrays_made_in_the_step_are_eagers_after_each_call(backend: str) 
         assert type(out) is type(out0) and out.dtype == out0.dtype
         np.testing.assert_allclose(out, out0, **tol)
         assert loss == pytest.approx(loss0, rel=1e-5) if tol else loss == loss0
+
+
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_an_ema_of_many_tensors_kept_in_a_dict_or_list_is_fed_at_once(kind: str) -> None:
+    # An EMA kept as {name: tensor} (or a list, as diffusers' EMAModel.shadow_params), 20
+    # tensors updated in place in the step. Before 2026-11-28 each tensor took a trace of
+    # its own and the 17th failed: "its Python state kept changing shape".
+    def run(jit: bool) -> tuple[list[float], list[Tensor], int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ema: Any = kept if kind == "dict" else list(kept.values())
+
+        def body(x: Tensor) -> float:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for i, (n, p) in enumerate(model.named_parameters()):
+                    ema[n if kind == "dict" else i].mul_(0.9).add_(p, alpha=0.1)
+            return loss.item()
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        losses = [(step if jit else body)(torch.full((2, 4), 0.5 * i)) for i in range(3)]
+        return losses, list(kept.values()), step.num_traces
+
+    (got, got_ema, traces), (want, want_ema, _) = run(True), run(False)
+    assert got == want and traces <= 2
+    assert all(torch.equal(a, b) for a, b in zip(got_ema, want_ema, strict=True))

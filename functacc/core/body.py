@@ -291,7 +291,7 @@ class StepBody:
                 raise
             break
         else:
-            raise TraceError(f"{self.engine.cache.what}: its Python state kept changing shape")
+            raise TraceError(f"{self.engine.cache.what}: {self.python.unsettled()}")
         if self.remat is not None:
             self.remat.rewrite(traced.graph, batch_inputs=len(tensors))
         python = self.python.finish(body.recorder, fed, traced.number_guard)

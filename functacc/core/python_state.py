@@ -105,6 +105,7 @@ class PythonState:
         # Whether traces follow .item() of the modules' one-element buffers (scalar_reads):
         # from the first trace that branched on a value it could not name.
         self.item_reads = False
+        self._learned: list[Any] = []  # what the last failed trace found (unsettled())
         self._scalar_buffers = any(b.numel() == 1 for _, m in modules for b in m.buffers())
 
     # -- per call ------------------------------------------------------------------------
@@ -163,11 +164,22 @@ class PythonState:
         with recorder:
             yield recorder
 
+    def unsettled(self) -> str:
+        """Why tracing stopped learning the body's Python state: what the last trace found."""
+        found = ", ".join(getattr(loc, "label", str(loc)) for loc in self._learned[:4])
+        return (
+            "its Python state kept changing: each trace found more of it to feed to the graph "
+            f"or to guard (the last found {found or 'a branch on a fed number'}). Fix: keep "
+            "the tensors and numbers the step reads in fewer places (a module's buffers, "
+            "given in modules=), or pass them as arguments."
+        )
+
     def retry(self, exc: BaseException) -> bool:
         """After a failed trace: whether tracing again can succeed — counters to feed
         (:class:`Retry`), or fed values the body branched on, to guard instead."""
         recorder = self._recorder
         promote = exc.promote if isinstance(exc, Retry) else []
+        self._learned = list(promote)
         if not promote and recorder is not None:  # a tensor of its Python state: feed it
             promote = recorder.unfed_tensors()
         if promote:

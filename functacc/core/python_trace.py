@@ -234,7 +234,8 @@ class Recorder:
         """A recording dict's entry was read."""
         self._read_first.add((id(mapping), key))
         self.guard(mapping.location.child("item", key), value)
-        self.note_tensors(mapping.location.child("item", key), value)
+        if self.note_tensors(mapping.location.child("item", key), value, False):
+            self._note_all(mapping.location.child, dict.items(mapping))
 
     def note_tensors(self, location: Location, value: Any, stop: bool = True) -> list:
         """The body reads ``value`` at ``location``: a tensor there not fed yet stops the
@@ -258,8 +259,12 @@ class Recorder:
 
     def list_read(self, lst: RecordingList | RecordingDeque) -> None:
         items = lst.before if isinstance(lst, RecordingDeque) else list(list.__iter__(lst))
-        at = lst.location.child  # every item's tensors at once (an EMA's shadow_params)
-        new = [x for i, v in enumerate(items) for x in self.note_tensors(at("item", i), v, False)]
+        self._note_all(lst.location.child, enumerate(items))
+
+    def _note_all(self, at: Callable, pairs: Any) -> None:
+        """The tensors of a list or dict the body read, all at once (an EMA's shadow tensors,
+        {name: tensor}), not one per trace."""
+        new = [x for k, v in pairs for x in self.note_tensors(at("item", k), v, False)]
         if new and self.recording:
             raise Retry(new)
 
@@ -268,8 +273,8 @@ class Recorder:
         items of a list it read too)."""
         for location, obj, contents in self.snapshots:
             if isinstance(obj, (RecordingList, RecordingDeque)) and obj.read:
-                for i, value in enumerate(contents):
-                    self.note_tensors(location.child("item", i), value)
+                for i, value in enumerate(contents):  # all of them (not one per trace)
+                    self.note_tensors(location.child("item", i), value, False)
         return [loc for loc in self.tensor_reads if loc not in self.symbolic_inputs]
 
     def guard(self, location: Location, value: Any) -> None:
@@ -372,11 +377,9 @@ class Recorder:
         numeric = (int, float)
         if target in self.symbolic_inputs or target in self.pinned:
             return False
-        if not isinstance(old, numeric) or isinstance(old, bool):
+        if isinstance(old, bool) or isinstance(new, bool) or not isinstance(old, numeric):
             return False
-        if not (isinstance(new, (*numeric, SymInt, SymFloat)) and not isinstance(new, bool)):
-            return False
-        return always or key in self._read_first
+        return isinstance(new, (*numeric, SymInt, SymFloat)) and (always or key in self._read_first)
 
     # -- optimizers, schedulers and seeds ------------------------------------------------------
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
@@ -386,11 +389,10 @@ class Recorder:
     def overrides(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         """Per param group, the hyperparameters the body assigned before this
         ``opt.step()`` (their new values, which that step uses)."""
-        out = []
-        for group in optimizer.param_groups:
-            written = getattr(group, "written", set())
-            out.append({k: dict.__getitem__(group, k) for k in written if k in group})
-        return out
+        return [
+            {k: dict.__getitem__(g, k) for k in getattr(g, "written", set()) if k in g}
+            for g in optimizer.param_groups
+        ]
 
 
 def _external(location: Any) -> bool:
