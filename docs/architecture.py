@@ -41,6 +41,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_reach",
         "core/python_location",
         "core/python_numbers",
+        "core/python_clock",
         "core/python_trace",
         "core/python_recording",
         "core/python_effects",

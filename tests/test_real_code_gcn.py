@@ -5,7 +5,7 @@ matrix, ``torch.spmm`` in each layer), switches the model to training and back t
 evaluation mode inside, evaluates after the update with ``.item()`` (its ``test()``) and
 prints every ``print_every`` epochs; the model and the optimizer come as arguments. Cora is
 replaced by a random graph of 40 nodes (nothing is downloaded), and the clock its print
-reads by a fixed one: a clock read in a step is a clear error (tests/test_real_code.py).
+reads by a fixed one, so that its printed lines can be compared with eager's.
 
 On the eager backend it ran already. Before (5145621) under Inductor it failed, sparse or
 dense: Inductor cannot take sparse tensors ("Cannot access storage of SparseTensorImpl"),

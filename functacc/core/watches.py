@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..errors import argument_error, attribute_change_error, host_random_error
 from .model_watch import HELD_DEPTH, held_items
+from .python_clock import fed_clock
 
 __all__ = ["AttributeWatch", "ClockWatch", "GradWatch", "HeldRandomWatch", "HostRandomWatch"]
 
@@ -284,12 +285,13 @@ def _caller_level() -> int:
 
 
 class ClockWatch:
-    """Refuses a step whose own code reads the clock (``time.time()``, ``perf_counter()``,
-    ...): its Python runs once, at the trace, so the time read there would be every call's
-    (minGPT's trainer, ``tnow = time.time(); self.iter_dt = tnow - self.iter_time``, then
-    went back in time on every call). Only calls from the user's code on the tracing thread
-    count: torch, functacc, installed packages and other threads (a loader's, tqdm's) read
-    clocks meanwhile."""
+    """The clock read by a step's own code (``time.time()``, ``perf_counter()``, ...): its
+    Python runs once, at the trace, so the time read there would be every call's (minGPT's
+    trainer, ``tnow = time.time(); self.iter_dt = tnow - self.iter_time``, then went back in
+    time on every call). A jitted body's numeric reads are fed (:mod:`.python_clock`); the
+    others (``ctime()``, a plain traced function's) are refused. Only calls from the user's
+    code on the tracing thread count: torch, functacc, installed packages and other threads
+    (a loader's, tqdm's) read clocks meanwhile."""
 
     _READS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns")
     # These read it when not given a time: time.ctime() in fast_neural_style's log line.
@@ -299,6 +301,7 @@ class ClockWatch:
 
     def __enter__(self) -> None:
         self.tracer = threading.get_ident()
+        self.reads = 0  # the step's clock reads so far: each one fed (python_clock)
         names = [*self._READS, *self._READS_UNLESS_GIVEN]
         self.patched = [(name, getattr(time, name)) for name in names]
         for name, original in self.patched:
@@ -314,6 +317,10 @@ class ClockWatch:
             given = self._READS_UNLESS_GIVEN.get(name)
             reads = given is None or len(args) <= given or args[given] is None
             if reads and threading.get_ident() == self.tracer and is_user_code(where):
+                fed = fed_clock(name, self.reads)
+                self.reads += 1
+                if fed is not None:
+                    return fed
                 raise argument_error(
                     f"the step reads the clock (time.{name}() at {where}:{caller.f_lineno}); "
                     "functacc runs a step's Python once, when it traces, so every call would "
