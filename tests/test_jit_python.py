@@ -1414,3 +1414,27 @@ def test_an_ema_of_many_tensors_kept_in_a_dict_or_list_is_fed_at_once(kind: str)
     (got, got_ema, traces), (want, want_ema, _) = run(True), run(False)
     assert got == want and traces <= 2
     assert all(torch.equal(a, b) for a, b in zip(got_ema, want_ema, strict=True))
+
+
+@pytest.mark.inductor
+def test_python_floats_the_graph_computes_are_doubles_under_inductor() -> None:
+    # Inductor declares a float symbol of its C++ kernels as a 32-bit float: before
+    # 2026-11-28 a time stamp kept in the step (state["t"] = now) came back rounded to 128
+    # seconds and the differences were 0.0. Eager computes Python floats in double.
+    model = nn.Linear(2, 1)
+    state = {"t": 1795819255.5602171, "dt": 0.0, "total": 0.0}
+
+    def body(x: Tensor, now: float) -> Tensor:
+        state["dt"] = now - state["t"]
+        state["t"] = now
+        state["total"] += 0.1
+        return model(x).sum()
+
+    step = functacc.jit(body, modules=[model], backend="inductor")
+    total, previous = 0.0, state["t"]
+    for i in range(4):
+        now = 1795819255.5602171 + i * 1.25
+        step(torch.ones(1, 2), now)
+        total += 0.1
+        assert (state["t"], state["dt"], state["total"]) == (now, now - previous, total)
+        previous = now

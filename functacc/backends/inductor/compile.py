@@ -19,10 +19,15 @@ from torch.fx import GraphModule
 from ..._compat import INDUCTOR_COMPILES_SIZE_GENERIC_INDEXING, warn_where_inductor_differs
 from ...errors import TraceError
 from ..graph_transport import copy_graph
-from . import independent_loops, input_checks
+from . import floats, independent_loops, input_checks
 from .bias_add import BiasAfterMatmul
 from .call import direct_call
-from .floats import floats_as_tensors, lerp_weights_as_tensors, no_tensorify
+from .floats import (
+    float_symbols_in_double,
+    floats_as_tensors,
+    lerp_weights_as_tensors,
+    no_tensorify,
+)
 from .independent_loops import independent_loops_nowait
 from .input_checks import input_checks_first
 
@@ -44,7 +49,7 @@ class CpuPasses(CustomGraphPass):
         # The two code-generation changes are keyed by their files' contents: a graph
         # compiled with and without them has the same key otherwise, and the cache would
         # hand back the other's code.
-        codegen = (input_checks.__file__, independent_loops.__file__)
+        codegen = (input_checks.__file__, independent_loops.__file__, floats.__file__)
         return BiasAfterMatmul().uuid() + get_hash_for_files(codegen)
 
 
@@ -136,6 +141,7 @@ def compile_inductor(
         # way (seen with Rprop and timm's ADOPT on a cold cache), and the pass's answer, a
         # restart, is for Dynamo, which a make_fx graph has not.
         stack.enter_context(no_tensorify())
+        stack.enter_context(float_symbols_in_double())
         try:
             compiled = compile_fx(graph, list(fakes))
         except Exception as exc:

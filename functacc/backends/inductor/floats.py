@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["floats_as_tensors", "lerp_weights_as_tensors", "no_tensorify"]
+__all__ = [
+    "float_symbols_in_double",
+    "floats_as_tensors",
+    "lerp_weights_as_tensors",
+    "no_tensorify",
+]
 
 
 def floats_as_tensors(gm: GraphModule, fakes: Sequence[Any]) -> tuple[list[Any], list[int]]:
@@ -131,3 +136,51 @@ def no_tensorify() -> Iterator[None]:
 
 def _skip_tensorify(gm: GraphModule, shape_env: Any, fake_mode: Any) -> None:
     """The pass, off: it changes nothing, as with its switch off."""
+
+
+@contextlib.contextmanager
+def float_symbols_in_double() -> Iterator[None]:
+    """While compiling: a float symbol reaches Inductor's C++ kernels as a ``double``, where
+    Inductor declares it ``const float`` (``KernelArgs.cpp_argdefs``). Eager computes with
+    Python floats in double: in float, a time stamp (1.8e9) kept steps of 128 seconds and a
+    loss summed over the calls (``self.total += loss.item()``) drifted. A float tensor's
+    arithmetic with it rounds to float at the end, as eager's float ops do with a scalar."""
+    from torch._inductor import codecache
+    from torch._inductor.codegen import common
+
+    original = getattr(common.KernelArgs, "cpp_argdefs", None)
+    bindings = getattr(codecache, "CppPythonBindingsCodeCache", None)
+    if original is None or bindings is None:  # another torch's code generation: as it is
+        yield
+        return
+    parse = vars(bindings).get("extra_parse_arg", "")
+
+    def argdefs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        defs, calls, types = original(self, *args, **kwargs)
+        defs = [_double(d) for d in defs]
+        types = ["const double" if t == "const float" else t for t in types]
+        return defs, calls, types
+
+    common.KernelArgs.cpp_argdefs = argdefs
+    bindings.extra_parse_arg = parse + _PARSE_DOUBLE  # the binding reads a double
+    try:
+        yield
+    finally:
+        common.KernelArgs.cpp_argdefs = original
+        bindings.extra_parse_arg = parse
+
+
+# A specialization beside Inductor's parse_arg<float> (a str.format template: braces doubled).
+_PARSE_DOUBLE = """
+template <> inline double parse_arg<double>(PyObject* args, size_t n) {{
+    auto result = PyFloat_AsDouble(PyTuple_GET_ITEM(args, n));
+    if(result == -1.0 && PyErr_Occurred()) [[unlikely]]
+        throw std::runtime_error("expected float arg");
+    return result;
+}}
+"""
+
+
+def _double(definition: str) -> str:
+    scalar = definition.startswith("const float ") and "*" not in definition
+    return "const double " + definition[len("const float ") :] if scalar else definition
