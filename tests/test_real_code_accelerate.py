@@ -231,3 +231,39 @@ def test_diffusers_unconditional_training_step_matches_eager() -> None:
     assert jitted[0] == eager[0] and jitted[2] == eager[2] == 5
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
     assert jitted[3] <= 2  # the EMA's warm-up branch (decay 0 at its first step), then one
+
+
+def dataloader_run(jit: str | None) -> tuple[list[tuple[float, bool]], list[torch.Tensor]]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = fresh(gradient_accumulation_steps=3)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(20, 4, generator=g), torch.randn(20, 2, generator=g))
+    loader = DataLoader(data, batch_size=4)  # 5 batches: the last accumulation is cut short
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, bool]:
+        with accelerator.accumulate(model):
+            loss = F.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss.item(), accelerator.sync_gradients
+
+    step: Callable = train_step
+    if jit is not None:
+        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    out = [step(x, y) for _ in range(2) for x, y in loader]
+    return out, [p.detach().clone() for p in model.parameters()]
+
+
+def test_accumulation_syncs_at_the_end_of_a_prepared_dataloader_as_in_eager() -> None:
+    # accelerate syncs the gradients on every 3rd batch and at the end of the prepared
+    # dataloader (GradientState.end_of_dataloader, set by its iteration outside the step).
+    eager, jitted = dataloader_run(None), dataloader_run("eager")
+    assert jitted[0] == eager[0]
+    assert [s for _, s in eager[0]] == [False, False, True, False, True] * 2
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
