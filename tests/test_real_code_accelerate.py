@@ -267,3 +267,89 @@ def test_accumulation_syncs_at_the_end_of_a_prepared_dataloader_as_in_eager() ->
     assert jitted[0] == eager[0]
     assert [s for _, s in eager[0]] == [False, False, True, False, True] * 2
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+
+
+def text_to_image_run(jit: str | None) -> tuple[list[float], list[torch.Tensor], float]:
+    # The training step of diffusers' examples/text_to_image/train_text_to_image.py: a
+    # frozen VAE encodes the images to latents, a frozen CLIP text encoder the captions, a
+    # UNet2DConditionModel predicts the noise, the loss is gathered and summed into
+    # train_loss with .item(), clipped on syncing steps; small configs, random weights.
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+
+    accelerator = fresh(gradient_accumulation_steps=1)
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        block_out_channels=(8,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        norm_num_groups=4,
+        sample_size=8,
+    )
+    text_config = transformers.CLIPTextConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        vocab_size=50,
+        max_position_embeddings=8,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    text_encoder = transformers.CLIPTextModel(text_config)
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        norm_num_groups=4,
+        attention_head_dim=2,
+    )
+    vae.requires_grad_(False)
+    text_encoder.requires_grad_(False)
+    noise_scheduler = DDPMScheduler(num_train_timesteps=100)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    state = {"train_loss": 0.0}
+
+    def train_step(pixel_values: torch.Tensor, input_ids: torch.Tensor) -> float:
+        with accelerator.accumulate(unet):
+            latents = vae.encode(pixel_values).latent_dist.sample() * vae.config.scaling_factor
+            noise = torch.randn_like(latents)
+            bsz = latents.shape[0]
+            timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (bsz,))
+            noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps.long())
+            encoder_hidden_states = text_encoder(input_ids, return_dict=False)[0]
+            if noise_scheduler.config.prediction_type == "epsilon":
+                target = noise
+            else:
+                target = noise_scheduler.get_velocity(latents, noise, timesteps)
+            pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+            loss = F.mse_loss(pred.float(), target.float(), reduction="mean")
+            avg_loss = accelerator.gather(loss.repeat(bsz)).mean()
+            state["train_loss"] += avg_loss.item() / accelerator.gradient_accumulation_steps
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(unet.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss.item()
+
+    step: Callable = train_step
+    if jit is not None:
+        modules = [unet, vae, text_encoder]
+        step = functacc.jit(train_step, modules=modules, optimizers=[optimizer], backend=jit)
+    g = torch.Generator().manual_seed(1)
+    losses = [
+        step(torch.rand(2, 3, 8, 8, generator=g) * 2 - 1, torch.randint(0, 50, (2, 8), generator=g))
+        for _ in range(3)
+    ]
+    return losses, [p.detach().clone() for p in unet.parameters()], state["train_loss"]
+
+
+def test_diffusers_text_to_image_training_step_matches_eager() -> None:
+    eager, jitted = text_to_image_run(None), text_to_image_run("eager")
+    assert jitted[0] == eager[0] and jitted[2] == eager[2]
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
