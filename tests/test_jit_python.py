@@ -1438,3 +1438,44 @@ def test_python_floats_the_graph_computes_are_doubles_under_inductor() -> None:
         total += 0.1
         assert (state["t"], state["dt"], state["total"]) == (now, now - previous, total)
         previous = now
+
+
+@pytest.mark.inductor
+def test_an_ema_in_a_dict_and_stream_writes_under_inductor(capsys) -> None:
+    # This session's host-side features under Inductor: a 20-tensor EMA in a dict fed at
+    # once, sys.stdout.write and tqdm.write of the loss made after each call.
+    import sys
+
+    from tqdm import tqdm
+
+    def run(jit: bool) -> tuple[list[float], list[Tensor], list[str]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        def body(x: Tensor) -> float:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    ema[n].mul_(0.9).add_(p, alpha=0.1)
+            sys.stdout.write(f"write {loss.item():.6e}\n")
+            tqdm.write(f"tqdm {loss.item():.6e}")
+            return loss.item()
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="inductor")
+        capsys.readouterr()
+        losses = [(step if jit else body)(torch.full((2, 4), 0.5 * i)) for i in range(3)]
+        return losses, list(ema.values()), capsys.readouterr().out.splitlines()
+
+    (got, got_ema, lines), (want, want_ema, want_lines) = run(True), run(False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_ema, want_ema, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert [line.split()[0] for line in lines] == [line.split()[0] for line in want_lines]
+    assert len(lines) == 6 and [float(line.split()[1]) for line in lines] == pytest.approx(
+        [float(line.split()[1]) for line in want_lines], rel=1e-5
+    )

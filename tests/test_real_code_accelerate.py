@@ -16,6 +16,7 @@ and the accelerator's step count are compared bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import accelerate
 import pytest
@@ -37,6 +38,13 @@ def fresh(**kwargs) -> accelerate.Accelerator:
     return accelerate.Accelerator(cpu=True, **kwargs)
 
 
+def as_run(train_step: Callable, jit: str | None, modules: list, optimizer: Any) -> Any:
+    """The step as the run takes it: eager's own function, or jitted on ``jit``'s backend."""
+    if jit is None:
+        return train_step
+    return functacc.jit(train_step, modules=modules, optimizers=[optimizer], backend=jit)
+
+
 def accumulation_run(jit: str | None, mixed_precision: str, steps: int) -> tuple:
     accelerator = fresh(mixed_precision=mixed_precision, gradient_accumulation_steps=steps)
     torch.manual_seed(0)
@@ -56,9 +64,7 @@ def accumulation_run(jit: str | None, mixed_precision: str, steps: int) -> tuple
             optimizer.zero_grad()
         return loss.item()
 
-    step: Callable = train_step
-    if jit is not None:
-        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    step = as_run(train_step, jit, [model], optimizer)
     losses = [step(b) for b in batches()]
     weights = [p.detach().clone() for p in model.parameters()]
     traces = len(step.traces) if jit else 0
@@ -100,9 +106,7 @@ def cv_run(jit: str | None) -> tuple:
             optimizer.zero_grad()
         return loss.item()
 
-    step: Callable = train_step
-    if jit is not None:
-        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    step = as_run(train_step, jit, [model], optimizer)
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(8):
@@ -146,9 +150,7 @@ def tracking_run(jit: str | None, folder: str) -> tuple[list[float], list[tuple[
         accelerator.log(logs, step=state["global_step"])
         return loss.item()
 
-    step: Callable = train_step
-    if jit is not None:
-        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    step = as_run(train_step, jit, [model], optimizer)
     g = torch.Generator().manual_seed(1)
     losses = [
         step(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(4)
@@ -215,9 +217,7 @@ def diffusion_run(jit: str | None) -> tuple:
         logs["step"], logs["ema_decay"] = state["global_step"], ema_model.cur_decay_value
         return logs
 
-    step: Callable = train_step
-    if jit is not None:
-        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    step = as_run(train_step, jit, [model], optimizer)
     g = torch.Generator().manual_seed(1)
     logs = [step(torch.rand(2, 3, 8, 8, generator=g) * 2 - 1) for _ in range(5)]
     weights = [p.detach().clone() for p in [*model.parameters(), *ema_model.shadow_params]]
@@ -253,9 +253,7 @@ def dataloader_run(jit: str | None) -> tuple[list[tuple[float, bool]], list[torc
             optimizer.zero_grad()
         return loss.item(), accelerator.sync_gradients
 
-    step: Callable = train_step
-    if jit is not None:
-        step = functacc.jit(train_step, modules=[model], optimizers=[optimizer], backend=jit)
+    step = as_run(train_step, jit, [model], optimizer)
     out = [step(x, y) for _ in range(2) for x, y in loader]
     return out, [p.detach().clone() for p in model.parameters()]
 
@@ -337,10 +335,7 @@ def text_to_image_run(jit: str | None) -> tuple[list[float], list[torch.Tensor],
             optimizer.zero_grad()
         return loss.item()
 
-    step: Callable = train_step
-    if jit is not None:
-        modules = [unet, vae, text_encoder]
-        step = functacc.jit(train_step, modules=modules, optimizers=[optimizer], backend=jit)
+    step = as_run(train_step, jit, [unet, vae, text_encoder], optimizer)
     g = torch.Generator().manual_seed(1)
     losses = [
         step(torch.rand(2, 3, 8, 8, generator=g) * 2 - 1, torch.randint(0, 50, (2, 8), generator=g))

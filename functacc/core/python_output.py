@@ -204,7 +204,7 @@ def _noting(real: Callable, note: Callable, what: str) -> Callable:
     ``SummaryWriter.add_scalar`` with the loss)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not _traced_values(args, kwargs) and not _from_user(1):
+        if not _from_user(1) and not _traced_values(args, kwargs):
             return real(*args, **kwargs)
         return note(real, args, kwargs, what)
 

@@ -122,8 +122,8 @@ class PythonState:
             return guarded + fed
         # Each trace's branches on fed numbers (if self.step % 100 == 0): which hold now.
         held = tuple(
-            (f"branch on fed numbers {text}", check({f"t{i}": x.get() for i, x in enumerate(xs)}))
-            for check, xs, text in self.branches
+            (label, check({f"t{i}": x.get() for i, x in enumerate(xs)}))
+            for check, xs, label in self.branches
         )
         return (*guarded, *fed, *held)
 
@@ -223,7 +223,7 @@ class PythonState:
             # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
             numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]
             text = re.sub(r"L\['t(\d+)'\]", lambda m: numbers[int(m[1])].label, branches)
-            self.branches.append((check, numbers, text))
+            self.branches.append((check, numbers, f"branch on fed numbers {text}"))
         self.loose.update(recorder.loose)
         for loc, value in recorder.guards.items():
             self.guards.setdefault(loc, None)
