@@ -20,7 +20,7 @@ import collections
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
-__all__ = ["MISSING", "Location", "Root", "fields_of"]
+__all__ = ["MISSING", "Location", "ModuleRoot", "Root", "fields_of"]
 
 
 class _Missing:
@@ -59,6 +59,14 @@ class Root:
 
     def __repr__(self) -> str:
         return f"Root({self.label})"
+
+
+class ModuleRoot(Root):
+    """A module whose Python attributes the body writes (a torchmetrics ``Metric``'s
+    ``_update_count``): followed as a plain object is, its tensors left to the capture."""
+
+    def __init__(self, label: str, module: Any):
+        super().__init__(f"module {label}", lambda: module, None, loaded=False)
 
 
 _LABELS = {

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .python_location import MISSING, Location, Root
+from .python_location import MISSING, Location, ModuleRoot, Root
 
 __all__ = [
     "code_scopes",
@@ -290,13 +290,13 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
                     for k, v in entries
                     if _containerish(v)
                 )
-        elif is_plain_object(value) or _is_user_class(value):  # Logger.CURRENT: a class's
-            found[id(value)] = (location, value)
+        elif is_plain_object(value) or _is_user_class(value) or _followed(location, value):
+            found[id(value)] = (location, value)  # Logger.CURRENT: a class's
             if depth < _OBJECT_DEPTH:
                 frontier.extend(
                     (location.child("attr", k), v, depth + 1)
                     for k, v in vars(value).items()
-                    if _containerish(v)
+                    if _containerish(v) and k not in _MODULE_INTERNALS
                 )
     return found
 
@@ -323,6 +323,15 @@ def held(
     for location, obj in objects:
         found += [(location.child(kind, k), v) for kind, k, v in entries(obj)]
     return [(location, v) for location, v in found if isinstance(v, kinds)]
+
+
+# A module's own tables and hooks (its parameters are the capture's, not Python state).
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _followed(location: Location, value: Any) -> bool:
+    """A module whose attributes the body writes, at its own root (python_state)."""
+    return isinstance(location.root, ModuleRoot) and not location.steps
 
 
 def _walked(value: Any) -> bool:

@@ -37,7 +37,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .lookup_tables import table_key, table_repr
 from .python_effects import build
-from .python_location import MISSING, Location, Root
+from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_reach import find_roots
 from .python_recording import groups_root
 from .python_replay import QUIET, PythonPlan, Replay
@@ -107,6 +107,8 @@ class PythonState:
         self.item_reads = False
         self._learned: list[Any] = []  # what the last failed trace found (unsettled())
         self._scalar_buffers = any(b.numel() == 1 for _, m in modules for b in m.buffers())
+        self._modules = list(modules)
+        self._followed: set[int] = set()  # modules whose attributes it writes (ModuleRoot)
 
     # -- per call ------------------------------------------------------------------------
     def key(self) -> tuple:
@@ -178,6 +180,8 @@ class PythonState:
         """After a failed trace: whether tracing again can succeed — counters to feed
         (:class:`Retry`), or fed values the body branched on, to guard instead."""
         recorder = self._recorder
+        if self._follow(getattr(exc, "changed_modules", ())):
+            return True
         promote = exc.promote if isinstance(exc, Retry) else []
         self._learned = list(promote)
         if not promote and recorder is not None:  # a tensor of its Python state: feed it
@@ -208,6 +212,23 @@ class PythonState:
             self.fed.pop(loc, None)
             self.pinned.add(loc)
         return True
+
+    def _follow(self, modules: Sequence[Any]) -> bool:
+        """Modules whose Python attributes the body wrote (a torchmetrics ``Metric``'s
+        ``self._update_count += 1``, ``self._computed = None``): from the next trace on,
+        followed as a plain object's are (counters fed, writes replayed, scalars guarded).
+        Whether one is new."""
+        new = [m for m in modules if id(m) not in self._followed]
+        for module in new:
+            self._followed.add(id(module))
+            label = next(
+                ".".join(filter(None, [top_label, name]))
+                for top_label, top in self._modules
+                for name, sub in top.named_modules()
+                if sub is module
+            )
+            self.roots.append(ModuleRoot(label, module))
+        return bool(new)
 
     def finish(
         self, recorder: Recorder, fed: list[Location], branches: str | None = None

@@ -118,18 +118,30 @@ def module_containers(modules: Iterable[tuple[str, nn.Module]]) -> list[Root]:
     """The lists and dicts the step's modules keep as public plain attributes
     (torchvision's ``AnchorGenerator.cell_anchors``, a list of tensors; a dict of
     masks): roots of the Python state, so that the tensors read from them are fed to the
-    graph on every call, as a closure's are. Not ``_private`` ones: a module's own
-    bookkeeping (``nn.LSTM._flat_weights``, the parameter tables). ``modules``: (label,
-    module) pairs."""
+    graph on every call, as a closure's are. A ``_private`` one only where it holds tensors
+    and the module is not torch's own (a torchmetrics ``Metric``'s ``_defaults``, which
+    ``reset()`` clones): not a module's bookkeeping (``nn.LSTM._flat_weights``, the
+    parameter tables). ``modules``: (label, module) pairs."""
     roots: list[Root] = []
     for label, module in modules:
         for name, sub in module.named_modules():
             for attr, value in vars(sub).items():
-                if type(value) in (list, dict) and not attr.startswith("_"):
+                if type(value) in (list, dict) and _held_by_user(sub, attr, value):
                     roots.append(
                         _attribute_root(".".join(filter(None, [label, name, attr])), sub, attr)
                     )
     return roots
+
+
+def _held_by_user(module: nn.Module, attr: str, value: list | dict) -> bool:
+    if not attr.startswith("_"):
+        return True
+    items = value.values() if isinstance(value, dict) else value
+    torchs = type(module).__module__.startswith("torch.")
+    return not torchs and attr not in _MODULE_TABLES and any(isinstance(v, Tensor) for v in items)
+
+
+_MODULE_TABLES = frozenset(vars(nn.Module()))
 
 
 def _attribute_root(label: str, module: nn.Module, attr: str) -> Root:

@@ -122,23 +122,21 @@ class Recorder:
             self._unrecorded.add(id(obj))
         install_tables(self.root_values, self._originals, self.guards)  # lr_schedule[it]
         for location, obj in self.objects.values():
-            if type(obj) in (dict, defaultdict):
-                copy = RecordingDict(obj, location, self)
+            if type(obj) in (dict, defaultdict) or isinstance(obj, (list, deque)):
+                kind = {dict: RecordingDict, defaultdict: RecordingDict, list: RecordingList}
+                copy = kind.get(type(obj), RecordingDeque)(obj, location, self)
                 self._originals[id(copy)] = obj
                 location.set(copy)  # the body reads and writes the copy while traced
                 self._undo.append(lambda location=location, obj=obj: location.set(obj))
-                self.snapshots.append((location, copy, dict(obj)))
-            elif isinstance(obj, (list, deque)):
-                copy_ = (RecordingList if isinstance(obj, list) else RecordingDeque)(
-                    obj, location, self
+                self.snapshots.append(
+                    (location, copy, dict(obj) if isinstance(obj, dict) else list(obj))
                 )
-                self._originals[id(copy_)] = obj
-                location.set(copy_)
-                self._undo.append(lambda location=location, obj=obj: location.set(obj))
-                self.snapshots.append((location, copy_, list(obj)))
             else:  # an object, or a dict of a class of its own (a Counter, an OrderedDict)
                 fields = obj if isinstance(obj, dict) else vars(obj)
-                self.snapshots.append((location, obj, dict(fields)))
+                # What it held (a dict root of its own is a recording copy by now).
+                self.snapshots.append(
+                    (location, obj, {k: self._original(v) for k, v in fields.items()})
+                )
                 stop = None if isinstance(obj, dict) else recording(obj)
                 if stop is not None:
                     self._undo.append(stop)

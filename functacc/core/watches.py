@@ -55,7 +55,9 @@ class AttributeWatch:
     A compiled step runs the forward's Python once per trace, not once per step: a counter
     kept as ``self.calls += 1`` would stop counting, and a tensor stored as
     ``self.last = out.mean()`` would be a tracing placeholder, not a value. Eager runs them
-    every step, so both are errors (the attributes are put back). Setting an attribute
+    every step, so both are errors (the attributes are put back) that name the modules:
+    a jitted body's Python state then follows those modules' attributes from the next
+    trace on (:meth:`.python_state.PythonState.retry`). Setting an attribute
     that was ``None`` or absent to a non-tensor (a lazily built cache) happens once in
     eager too, and is allowed. The caches torch's own modules rebuild when the trace swaps
     their tensors (``nn.LSTM``'s ``_flat_weights``) are put back without an error.
@@ -71,7 +73,7 @@ class AttributeWatch:
         }
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        changed = []
+        changed, modules = [], []
         for name, module in self.model.named_modules():
             before = self.before.get(name, {})
             attrs = vars(module)
@@ -86,12 +88,17 @@ class AttributeWatch:
                     continue  # a lazily built cache: set once, in eager too
                 if k not in caches:
                     changed.append(f"{name}.{k}" if name else k)
+                    modules.append(module)
                 if k in before:
                     attrs[k] = old
                 else:
                     del attrs[k]
         if changed and kind is None:
-            raise attribute_change_error(changed)
+            error = attribute_change_error(changed)
+            # Which modules: a jitted body's Python state follows them from its next trace
+            # (PythonState.retry), as it follows a plain object's attributes.
+            error.changed_modules = list({id(m): m for m in modules}.values())
+            raise error
 
 
 class GradWatch:
