@@ -53,6 +53,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_iterators",
         "core/c10d_in_trace",
         "core/value_checks",
+        "core/metric_checks",
         "core/averaged_model",
         "core/data_assign",
         "core/python_args",

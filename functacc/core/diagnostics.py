@@ -141,6 +141,17 @@ def translate(
             "in optimizers=. Fix: create the scaler outside the step and refer to it by name "
             f"there, and pass its optimizer in optimizers=. Inputs were: {signature}."
         )
+    metric = _in_package(exc, "torchmetrics") if _is_data_dependent(exc) else None
+    if metric is not None:
+        return TraceError(
+            f"torchmetrics reads a tensor's value on the host in {metric} {where}\n"
+            "A graph traced once cannot (its argument checks under validate_args=True, a "
+            "MetricCollection's compute groups on its first update, a check in compute()). "
+            "Fix: build the metric with validate_args=False (a MetricCollection with "
+            "compute_groups=False); call metric.update(...) in the step and compute() after "
+            "it; or update it outside the jitted step with tensors the step returns "
+            f"(metric.update(logits, y) after the call). Inputs were: {signature}."
+        )
     utility = _optim_utility(exc) or _library_call(exc) if _is_data_dependent(exc) else None
     if utility is not None:
         owner = "torch's own code" if utility[1] == "torch" else f"code of {utility[1]}"
@@ -255,6 +266,16 @@ def _library_call(exc: BaseException) -> tuple[str, str] | None:
         )
         tb = tb.tb_next
     return None
+
+
+def _in_package(exc: BaseException, package: str) -> str | None:
+    """The innermost function of ``package`` that ``exc`` was raised in, if any."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == package:
+            found = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    return found
 
 
 def _in_function(exc: BaseException, name: str) -> bool:

@@ -8,7 +8,7 @@ body is traced, that check from ``torch.distributions`` is ``torch._assert_async
 same condition: the graph checks it on every call and the call fails (a ``RuntimeError``
 naming the check) where eager would raise, before any state is written; a valid call
 computes what eager computes. So is ``clip_grad_norm_(..., error_if_nonfinite=True)``'s
-check of the total norm.
+check of the total norm, and so are torchmetrics' checks (:mod:`.metric_checks`).
 
 Example:
     >>> import torch
@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from .metric_checks import metric_checks_in_graph
 
 __all__ = ["value_checks_in_graph"]
 
@@ -65,6 +67,7 @@ def value_checks_in_graph() -> Iterator[None]:
 
     torch._is_all_true, clip_grad._get_total_norm = is_all_true, total_norm
     try:
-        yield
+        with metric_checks_in_graph():
+            yield
     finally:
         torch._is_all_true, clip_grad._get_total_norm = real, real_total
