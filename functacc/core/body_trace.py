@@ -112,6 +112,9 @@ class TracedBody:
         n_fixed = self.n_state + len(self.fed)
         python, capture = self.step.python, self.step.capture
         batch = {id(t): i for i, t in enumerate(flat[n_fixed:]) if isinstance(t, Tensor)}
+        # Before the recording starts (a torchmetrics Metric's hash, met by modules(), reads
+        # its list states).
+        scopes = module_scopes(self.step.fn, capture.modules)
         with (
             python.scope(self.fed, flat[self.n_state : n_fixed]) as recorder,
             mask_checks_on_values(batch, self.real_batch, self.value_guarded),
@@ -133,7 +136,7 @@ class TracedBody:
                 # A torch.compile'd module or function in the body is traced through (the
                 # whole step is compiled here); Dynamo refuses FX's trace by default.
                 torch._dynamo.config.patch(error_on_nested_fx_trace=False),
-                symbolic_builtins(scopes=module_scopes(self.step.fn, capture.modules)),
+                symbolic_builtins(scopes=scopes),
                 no_batches_drawn(outside_iterators(python.roots, self.leaves)),
                 collectives_in_graph(),
                 value_checks_in_graph(),
