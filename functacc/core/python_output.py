@@ -61,6 +61,9 @@ _NOTED_METHODS = (
     ("tensorboardX.writer", "SummaryWriter", None),
     ("wandb.sdk.wandb_run", "Run", ("log",)),  # run.log({...}); wandb.log below
     ("accelerate.accelerator", "Accelerator", ("log", "print")),  # its trackers, main rank
+    ("lightning_fabric.fabric", "Fabric", ("log", "log_dict", "print")),  # its loggers
+    ("lightning_fabric.loggers.csv_logs", "CSVLogger", ("log_metrics",)),
+    ("lightning_fabric.loggers.tensorboard", "TensorBoardLogger", ("log_metrics",)),
 )
 
 
