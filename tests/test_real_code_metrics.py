@@ -281,3 +281,76 @@ def test_more_classes_than_declared_fail_the_call_as_in_eager_and_change_nothing
     after = (*model.parameters(), acc.tp, acc.fp)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     assert acc._update_count == 1
+
+
+def timm_meter_run(jit: bool) -> tuple:
+    # timm's train.py, train_one_epoch: losses_m = utils.AverageMeter(), then per batch
+    # losses_m.update(loss.item(), input.size(0)) (a library object holding numbers).
+    from timm.utils import AverageMeter
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses_m = AverageMeter()
+
+    def step(input: torch.Tensor, target: torch.Tensor) -> None:
+        loss = nn.functional.cross_entropy(model(input), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses_m.update(loss.item(), input.size(0))
+
+    if jit:
+        step = functacc.jit(step, modules=[model], optimizers=[optimizer], backend="eager")
+    g = torch.Generator().manual_seed(1)
+    for n in (8, 8, 8, 4):
+        step(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+    return dict(vars(losses_m)), [p.detach().clone() for p in model.parameters()]
+
+
+def test_timms_average_meter_updated_in_the_step_runs_as_in_eager() -> None:
+    # Before 2026-11-28 the meter kept the trace's symbols (val = zuf0) and counted only the
+    # traces' batches, silently: timm's objects were never followed.
+    eager, jitted = timm_meter_run(False), timm_meter_run(True)
+    assert jitted[0] == eager[0] and eager[0]["count"] == 28
+    assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+
+
+def test_a_library_object_left_holding_a_traced_value_is_an_error_that_changes_nothing() -> None:
+    # A queue.Queue the step puts loss.item() into (for a logging thread): its code is not
+    # followed, so the put would run once, at the trace, leaving a symbol in the queue
+    # (before 2026-11-28, silently). Now a TraceError, the queue and the model as before;
+    # its advice (put after the call what the step returns) runs.
+    import queue
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses: queue.Queue = queue.Queue()
+
+    def step(x: torch.Tensor) -> float:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.put(loss.item())
+        return loss.item()
+
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(TraceError, match=r"left a value of its trace .* in .*losses'?\.queue"):
+        jitted(torch.ones(2, 4))
+    assert losses.qsize() == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+    def fixed(x: torch.Tensor) -> float:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    jitted = functacc.jit(fixed, modules=[model], optimizers=[opt], backend="eager")
+    for _ in range(2):
+        losses.put(jitted(torch.ones(2, 4)))
+    assert losses.qsize() == 2 and isinstance(losses.get(), float)

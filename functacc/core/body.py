@@ -41,7 +41,7 @@ from .graph_passes import (
     written_inputs,
 )
 from .graph_passes import fingerprint as graph_fingerprint
-from .held_objects import check_declared_optimizers, library_objects, restore_objects
+from .held_objects import check_declared_optimizers, library_objects
 from .mapping_args import carried
 from .python_args import NumberArguments
 from .python_effects import build
@@ -264,8 +264,7 @@ class StepBody:
         stand_ins = self.capture.stand_ins(names, state)
         # Counters the body writes are fed from the first trace, numbers it branches on are
         # guarded: each discovery traces again (fake tensors, cheap), never compiles twice.
-        # Library objects the body holds (a GradScaler) as they were: a failed trace, or
-        # one that traces again, must not leave its fake tensors in them.
+        # The objects the body holds (a GradScaler) are left as they were by every trace.
         held = library_objects(self.python.roots, [x for x in leaves if not _is_t(x)])
         for _ in range(_MAX_PYTHON_RETRACES):
             fed = self.python.prepare()
@@ -285,13 +284,14 @@ class StepBody:
                     on_error=lambda exc: self._trace_error(exc, plan.signature),
                 )
             except Exception as exc:
-                restore_objects(held)
+                held.restore()
                 if self.python.retry(exc):
                     continue
                 raise
             break
         else:
             raise TraceError(f"{self.engine.cache.what}: {self.python.unsettled()}")
+        held.refuse_left_behind()  # a library's meter that kept a symbol of the trace
         if self.remat is not None:
             self.remat.rewrite(traced.graph, batch_inputs=len(tensors))
         python = self.python.finish(body.recorder, fed, traced.number_guard)

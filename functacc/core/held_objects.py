@@ -11,7 +11,7 @@ Example:
     >>> scaler = torch.amp.GradScaler("cpu")
     >>> saved = library_objects([], [scaler])
     >>> scaler._per_optimizer_states[0]["stage"] = "changed"
-    >>> restore_objects(saved)
+    >>> saved.restore()
     >>> dict(scaler._per_optimizer_states)
     {}
 """
@@ -27,61 +27,128 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import argument_error
+from ..errors import TraceError, argument_error
 from .python_location import Root
-from .python_reach import entries, is_plain_object, plain_objects
+from .python_reach import entries, plain_objects
 
 __all__ = [
+    "Held",
     "check_declared_optimizers",
     "held_values",
     "library_objects",
+    "refuse_left_behind",
     "restore_objects",
     "unwrapped",
 ]
 
 
-def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> list[tuple[Any, dict]]:
-    """The library objects the body holds directly (a ``torch.amp.GradScaler``, a
-    scheduler) or is given (``more``: the call's arguments), each with a copy of its
-    attributes. Their code is not scanned, so a trace may leave fake tensors in them
-    (GradScaler makes its scale at the first ``scale()``); :func:`restore_objects` puts
-    back what they held before the trace."""
-    values = list(more)
+class Held(list):
+    """What :func:`library_objects` found: ``(object, its attributes copied, where)``."""
+
+    def restore(self) -> None:
+        """Each object's attributes exactly as they were found."""
+        restore_objects(self)
+
+    def refuse_left_behind(self) -> None:
+        """See :func:`refuse_left_behind`."""
+        refuse_left_behind(self)
+
+
+def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> Held:
+    """The objects the body holds (a ``torch.amp.GradScaler``, a scheduler, a trainer and
+    the logger it keeps) or is given (``more``: the call's arguments), reached through
+    attributes and containers a few levels deep, each with a copy of its attributes and
+    where it was found. A library's code is not scanned, so a trace may leave fake tensors
+    or symbols in them (GradScaler makes its scale at the first ``scale()``; a meter's
+    ``update(loss.item())``); :func:`restore_objects` puts back what they held before."""
+    frontier: list[tuple[str, Any, int]] = [(f"argument {i}", v, 0) for i, v in enumerate(more)]
     for root in roots:
         try:
-            values.append(root.get())
+            frontier.append((root.label, root.get(), 0))
         except Exception:  # a cell not yet filled, a global not yet defined
             continue
-    saved, seen = [], set()
-    for value in values:
-        if id(value) in seen or is_plain_object(value) or not hasattr(value, "__dict__"):
-            continue
-        if isinstance(value, (Tensor, nn.Module, torch.optim.Optimizer, torch.Generator)):
-            continue
-        if inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value):
+    saved = Held()
+    seen: set[int] = set()
+    while frontier and len(seen) < _BUDGET:
+        label, value, depth = frontier.pop(0)
+        if id(value) in seen or depth > _DEPTH:
             continue
         seen.add(id(value))
-        saved.append((value, _containers_copied(vars(value))))
+        if type(value) in (list, tuple, collections.deque) and len(value) <= _WIDE:
+            frontier += [(f"{label}[{i}]", v, depth + 1) for i, v in enumerate(value)]
+        elif isinstance(value, dict) and len(value) <= _WIDE:
+            frontier += [(f"{label}[{k!r}]", v, depth + 1) for k, v in dict.items(value)]
+        elif _object(value):
+            saved.append((value, _containers_copied(vars(value)), label))
+            frontier += [(f"{label}.{k}", v, depth + 1) for k, v in vars(value).items()]
     return saved
+
+
+_DEPTH, _BUDGET, _WIDE = 6, 2048, 256  # how far library_objects looks
+
+
+def _object(value: Any) -> bool:
+    """An object whose attributes a trace may change: not a tensor, a module, an optimizer,
+    a generator (the capture's), a function, a class or a Python module."""
+    if not isinstance(getattr(value, "__dict__", None), dict):
+        return False
+    if isinstance(value, (Tensor, nn.Module, torch.optim.Optimizer, torch.Generator)):
+        return False
+    return not (inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value))
+
+
+def refuse_left_behind(saved: list[tuple[Any, dict, str]]) -> None:
+    """After a trace that succeeded: a :class:`TraceError` for values of the trace (symbols, fake
+    tensors, a formatted number's token) that a call into code functacc does not follow left
+    in the objects (timm's ``AverageMeter.update(loss.item(), n)``), all put back first."""
+    for value, _, label in saved:
+        for name, v in vars(value).items():
+            found = _traced(v)
+            if found is not None:
+                restore_objects(saved)
+                raise TraceError(
+                    f"the step left a value of its trace ({found}) in {label}.{name} "
+                    f"({type(value).__name__}): a call in the step into code functacc.jit "
+                    "does not follow (a library's) stored it. That call runs once, when the "
+                    "step is traced, where eager runs it on every call. Fix: make the call "
+                    "after the step with values the step returns (return loss.item(); then "
+                    "meter.update(loss, n)); nothing was changed."
+                )
+
+
+def _traced(value: Any, depth: int = 0) -> str | None:
+    """What of a trace ``value`` holds, a few containers deep, if anything."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"the symbol {value}"
+    if isinstance(value, Tensor) and type(value) not in (Tensor, nn.Parameter, nn.Buffer):
+        return f"a traced {type(value).__name__}"
+    if isinstance(value, str) and "\x00functacc" in value:
+        return "a number formatted while traced"
+    if depth < 3 and type(value) in (list, tuple, collections.deque, dict):
+        items = dict.values(value) if isinstance(value, dict) else value
+        return next((t for t in map(lambda v: _traced(v, depth + 1), items) if t), None)
+    return None
 
 
 def _containers_copied(value: Any, depth: int = 0) -> Any:
     """``value`` with its dicts and lists copied (a GradScaler's per-optimizer state dicts
     are filled in place) down to a few levels; everything else kept as the same object (a
     scheduler's optimizer stays that optimizer)."""
-    if depth > 3 or type(value) not in (dict, list, collections.defaultdict):
+    if depth > 3 or type(value) not in (dict, list, collections.defaultdict, collections.deque):
         return value
     if isinstance(value, list):
         return [_containers_copied(v, depth + 1) for v in value]
+    if isinstance(value, collections.deque):  # a queue.Queue's items
+        return collections.deque((_containers_copied(v, depth + 1) for v in value), value.maxlen)
     copied = copy.copy(value)  # a defaultdict keeps its default factory
     for k, v in value.items():
         copied[k] = _containers_copied(v, depth + 1)
     return copied
 
 
-def restore_objects(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+def restore_objects(saved: list[tuple[Any, dict[str, Any], str]]) -> None:
     """Each object's attributes exactly as :func:`library_objects` saw them."""
-    for value, attributes in saved:
+    for value, attributes, _ in saved:
         current = vars(value)
         for name in [n for n in current if n not in attributes]:
             del current[name]

@@ -60,6 +60,9 @@ _LIBRARIES = frozenset(
         "socket weakref tqdm wandb tensorboard tensorboardX mlflow transformers timm"
     ).split()
 )
+# Libraries of models and training utilities whose objects that hold only numbers are state
+# the body keeps (timm's AverageMeter, updated with loss.item()): recorded as a user's are.
+_MODEL_LIBRARIES = frozenset(("timm", "transformers"))
 _CONTAINERS = (dict, list, collections.defaultdict, collections.deque)  # python_recording
 _SCAN_DEPTH = 3  # called user functions followed this many calls deep
 _OBJECT_DEPTH = 3  # plain objects reached this many attributes deep from a root
@@ -269,6 +272,8 @@ def is_plain_object(value: Any) -> bool:
     if not hasattr(value, "__dict__"):
         return False
     top = (type(value).__module__ or "").split(".")[0]
+    if top in _MODEL_LIBRARIES:  # a meter of theirs (timm's AverageMeter): numbers only
+        return all(isinstance(v, (int, float)) for v in vars(value).values())
     return top not in _LIBRARIES
 
 

@@ -119,8 +119,12 @@ def trace(
                 *watches,
             ):
                 stack.enter_context(watch)
-            dims = dynamic if symbolic else None
-            traced = _trace(fn, detached, devices, dims, functional, strict)
+            try:
+                traced = _trace(
+                    fn, detached, devices, dynamic if symbolic else None, functional, strict
+                )
+            except _MixedGuard:  # sizes this trace cannot keep symbolic: these sizes, fixed
+                traced = _trace(fn, detached, devices, None, functional, strict)
     except Exception as exc:
         if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
             raise
@@ -163,11 +167,23 @@ def _trace(
     dynamic_fakes = [f for f, dims in zip(fakes, dynamic, strict=True) if dims]
     # Guards over the inputs with symbolic dimensions only (named t0, t1, ... in that
     # order); the static dimensions are checked exactly by the caller.
-    guard = shape_env.produce_guards_expression(dynamic_fakes)
+    try:
+        guard = shape_env.produce_guards_expression(dynamic_fakes)
+        number_guard = _number_guard(shape_env, fakes)
+    except AssertionError as exc:  # a guard over a size and a Python number together
+        if "sources must not be empty" in str(exc):
+            raise _MixedGuard from exc
+        raise
     traced = Traced(graph, fakes, guard, fakes[0].fake_mode)
     traced.example_fakes = fakes
-    traced.number_guard = _number_guard(shape_env, fakes)
+    traced.number_guard = number_guard
     return traced
+
+
+class _MixedGuard(Exception):
+    """The trace branched on a Python number computed from a symbolic size (timm's
+    ``AverageMeter``: ``self.count += input.size(0)``, then ``if self.count``): its guard
+    names both, which neither the size guard nor the number guard can hold."""
 
 
 def _tensor(value: Any) -> bool:
