@@ -89,10 +89,12 @@ _DEPTH, _BUDGET, _WIDE = 6, 2048, 256  # how far library_objects looks
 
 def _object(value: Any) -> bool:
     """An object whose attributes a trace may change: not a tensor, a module, an optimizer,
-    a generator (the capture's), a function, a class or a Python module."""
+    a generator (the capture's), functacc's own, a function, a class or a Python module."""
     if not isinstance(getattr(value, "__dict__", None), dict):
         return False
     if isinstance(value, (Tensor, nn.Module, torch.optim.Optimizer, torch.Generator)):
+        return False
+    if type(value).__module__.startswith("functacc."):  # another jitted step, its engine
         return False
     return not (inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value))
 
