@@ -283,7 +283,7 @@ def test_more_classes_than_declared_fail_the_call_as_in_eager_and_change_nothing
     assert acc._update_count == 1
 
 
-def timm_meter_run(jit: bool) -> tuple:
+def timm_meter_run(jit: bool, backend: str = "eager") -> tuple:
     # timm's train.py, train_one_epoch: losses_m = utils.AverageMeter(), then per batch
     # losses_m.update(loss.item(), input.size(0)) (a library object holding numbers).
     from timm.utils import AverageMeter
@@ -301,7 +301,7 @@ def timm_meter_run(jit: bool) -> tuple:
         losses_m.update(loss.item(), input.size(0))
 
     if jit:
-        step = functacc.jit(step, modules=[model], optimizers=[optimizer], backend="eager")
+        step = functacc.jit(step, modules=[model], optimizers=[optimizer], backend=backend)
     g = torch.Generator().manual_seed(1)
     for n in (8, 8, 8, 4):
         step(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
@@ -314,6 +314,15 @@ def test_timms_average_meter_updated_in_the_step_runs_as_in_eager() -> None:
     eager, jitted = timm_meter_run(False), timm_meter_run(True)
     assert jitted[0] == eager[0] and eager[0]["count"] == 28
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
+
+
+@pytest.mark.inductor
+def test_timms_average_meter_under_inductor() -> None:
+    # The meter's count of batch sizes branched on, with a last batch of 4: fixed sizes.
+    eager, jitted = timm_meter_run(False), timm_meter_run(True, "inductor")
+    assert jitted[0]["count"] == eager[0]["count"] == 28
+    assert jitted[0]["sum"] == pytest.approx(eager[0]["sum"], rel=1e-6)
+    torch.testing.assert_close(jitted[1], eager[1], rtol=1e-5, atol=1e-6)
 
 
 def test_a_library_object_left_holding_a_traced_value_is_an_error_that_changes_nothing() -> None:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from .python_location import MISSING, Location, ModuleRoot, Root
 
 __all__ = [
+    "MODULE_TABLES",
     "code_scopes",
     "entries",
     "find_roots",
@@ -301,7 +302,7 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
                 frontier.extend(
                     (location.child("attr", k), v, depth + 1)
                     for k, v in vars(value).items()
-                    if _containerish(v) and k not in _MODULE_INTERNALS
+                    if _containerish(v) and k not in MODULE_TABLES
                 )
     return found
 
@@ -330,8 +331,9 @@ def held(
     return [(location, v) for location, v in found if isinstance(v, kinds)]
 
 
-# A module's own tables and hooks (its parameters are the capture's, not Python state).
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+MODULE_TABLES = frozenset(vars(nn.Module()))
+"""A module's own attributes: its tables and hooks (its tensors are the capture's, not
+Python state)."""
 
 
 def _followed(location: Location, value: Any) -> bool:

@@ -34,6 +34,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from .python_location import Location, Root
+from .python_reach import MODULE_TABLES
 
 __all__ = [
     "fed_key",
@@ -138,10 +139,7 @@ def _held_by_user(module: nn.Module, attr: str, value: list | dict) -> bool:
         return True
     items = value.values() if isinstance(value, dict) else value
     torchs = type(module).__module__.startswith("torch.")
-    return not torchs and attr not in _MODULE_TABLES and any(isinstance(v, Tensor) for v in items)
-
-
-_MODULE_TABLES = frozenset(vars(nn.Module()))
+    return not torchs and attr not in MODULE_TABLES and any(isinstance(v, Tensor) for v in items)
 
 
 def _attribute_root(label: str, module: nn.Module, attr: str) -> Root:

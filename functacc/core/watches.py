@@ -24,12 +24,13 @@ from torch import Tensor, nn
 from ..errors import argument_error, attribute_change_error, host_random_error
 from .model_watch import HELD_DEPTH, held_items
 from .python_clock import fed_clock
+from .python_reach import MODULE_TABLES
 
 __all__ = ["AttributeWatch", "ClockWatch", "GradWatch", "HeldRandomWatch", "HostRandomWatch"]
 
 _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
 
-_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+_MODULE_INTERNALS = MODULE_TABLES | {"training"}
 
 # Caches torch's own modules rebuild in their forward whenever the tensors they were built
 # from are not the module's own (the trace swaps in its inputs): ``RNNBase`` keeps its
