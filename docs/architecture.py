@@ -48,6 +48,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_made",
         "core/python_sets",
         "core/python_output",
+        "core/host_calls",
         "core/python_percent",
         "core/python_files",
         "core/python_iterators",

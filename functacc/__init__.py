@@ -13,6 +13,7 @@ Example:
 
 from . import optim, parallel
 from .core.functional import functionalize
+from .core.host_calls import host
 from .data import DeviceLoader, buckets
 from .errors import RetraceError, TraceError
 from .frontends.accelerate import accelerate
@@ -43,6 +44,7 @@ __all__ = [
     "buckets",
     "compile_step",
     "functionalize",
+    "host",
     "init_distributed",
     "jit",
     "load",

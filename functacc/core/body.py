@@ -138,6 +138,7 @@ class StepBody:
     def program(self, args: tuple, kwargs: dict) -> tuple[BodyProgram, list, list, list]:
         """The program for a call with ``args`` and ``kwargs`` (traced and compiled if new;
         nothing runs), and the state, batch leaves and batch tensors it takes."""
+        self.python.new_call()
         names, state, context = self.capture.read()
         if not kwargs and all(type(a) is Tensor for a in args):  # no pytree walk
             leaves, spec = list(args), self._specs.get(len(args))
@@ -294,7 +295,7 @@ class StepBody:
         held.refuse_left_behind()  # a library's meter that kept a symbol of the trace
         if self.remat is not None:
             self.remat.rewrite(traced.graph, batch_inputs=len(tensors))
-        python = self.python.finish(body.recorder, fed, traced.number_guard)
+        python = self.python.finish(body.recorder, fed, traced.number_guard, traced.branch_sites)
         self._value_guarded |= body.value_guarded
         self.python.generator_resets(python, traced.graph, known)
         plan.key, plan.family = keys()  # with the guards this trace found
@@ -373,8 +374,7 @@ class StepBody:
         return program
 
     def _captures(self, devices: frozenset[torch.device]) -> bool:
-        """Whether this program is captured as a CUDA graph (``cuda_graphs``, checked
-        against the devices the step runs on and the ranks' collectives)."""
+        """Whether this program is a CUDA graph (``cuda_graphs``, devices, collectives)."""
         if not devices and not self.cuda_graphs:
             return False
         device = min(devices, key=str) if devices else torch.device("cpu")

@@ -19,6 +19,7 @@ naming what changed, and ``max_traces`` bounds them (:class:`functacc.RetraceErr
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,6 +264,8 @@ def _fix(reason: str, static: bool = False) -> str:
             "often, make it a tensor buffer (register_buffer, updated in place), which the "
             "graph reads afresh on every call."
         )
+    if "branch on fed numbers" in reason:
+        return branch_fix(reason)
     if (" dim " in reason or "guard" in reason) and static:
         return (
             "Each new input size costs a trace and a compile, and this step traces static "
@@ -281,6 +284,20 @@ def _fix(reason: str, static: bool = False) -> str:
         "mode, trainable parameters, the modules' plain attributes such as a dropout's p, "
         "optimizer structure, ambient autocast). Keep what changed constant between steps, "
         "or expect one trace per variant."
+    )
+
+
+def branch_fix(reason: str) -> str:
+    """The advice for a step traced again because it branched in Python on a number that
+    changed (a counter, the clock, a number it computed), naming the function it was in."""
+    site = re.search(r" at [^ ]+:\d+ in ([A-Za-z_]\w*)", reason)
+    name = site[1] if site else "show"
+    return (
+        "The step branches in Python on numbers that change between calls: each new outcome "
+        "costs a trace. If that code only shows or logs what the step computed (a progress "
+        "bar, a time formatted), wrap the function the step calls with functacc.host "
+        f"({name} = functacc.host({name})): it then runs after each call with the call's "
+        "values, not traced. Else branch with tensors (torch.where) or keep the number constant."
     )
 
 

@@ -30,7 +30,7 @@ from torch.fx import GraphModule
 from ..backends import Backend, Compiled, check_generators, compile_graph
 from ..backends.background import BackgroundCompiled
 from . import tracer
-from .cache import WARN_FROM, ProgramCache, SizeGuard, TraceRecord, log
+from .cache import WARN_FROM, ProgramCache, SizeGuard, TraceRecord, branch_fix, log
 from .diagnostics import run_error
 from .graph_passes import host_scalars
 from .recurrent import static_sizes
@@ -244,7 +244,9 @@ class Engine:
             f"functacc: traced {self.cache.what} again ({time.perf_counter() - plan.started:.1f}"
             f" s, the graph of an earlier trace: no compile): {plan.reason}"
         )
-        if self.reused >= WARN_FROM:
+        if self.reused >= WARN_FROM and "branch on fed numbers" in plan.reason:
+            log.warning("%s. %s", message, branch_fix(plan.reason))
+        elif self.reused >= WARN_FROM:
             log.warning(
                 "%s. %d traces so far gave a graph traced before: what changed is part of "
                 "the signature but not of the graph, and each new value costs a trace (host "

@@ -7,7 +7,10 @@ once, so the time it read would be every call's. Instead each read of ``time.tim
 ``perf_counter()``, ``monotonic()`` (and their ``_ns`` forms) in the step's own code is a
 :class:`ClockRead`: a number fed to the graph, read on the host when the call starts, so
 what the step computes and logs with it is computed with this call's time. The time is the
-call's start, not the moment the body reached the read: within one step of eager's.
+call's start, not the moment the body reached the read: within one step of eager's. Each
+clock is read once per call (:func:`new_call`): the signature's check of the branches taken
+on it, the trace and the run see one value, so a program is kept under the branches its
+trace took (a key read a moment later could name another's: a progress bar's ``Tot: 1s``).
 
 Example:
     >>> read = ClockRead(0, "perf_counter")
@@ -20,12 +23,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["NUMERIC_CLOCKS", "ClockRead", "fed_clock"]
+__all__ = ["NUMERIC_CLOCKS", "ClockRead", "fed_clock", "new_call"]
 
 NUMERIC_CLOCKS = frozenset(
     ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns")
 )
 _CLOCKS = {name: getattr(time, name) for name in NUMERIC_CLOCKS}  # not a watch's stand-in
+_NOW: dict[str, Any] = {}  # this call's reading of each clock
+
+
+def new_call() -> None:
+    """A jitted call starts: the clocks it reads are read afresh, once."""
+    _NOW.clear()
 
 
 class ClockRead:
@@ -36,7 +45,10 @@ class ClockRead:
         self.label = f"time.{name}() (the step's read {index})"
 
     def get(self) -> Any:
-        return _CLOCKS[self.name]()
+        value = _NOW.get(self.name)
+        if value is None:
+            value = _NOW[self.name] = _CLOCKS[self.name]()
+        return value
 
     def set(self, value: Any) -> None:
         """Nothing to install: the traced step reads it through the clock."""

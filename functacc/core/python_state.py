@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..errors import TraceError
 from .lookup_tables import table_key, table_repr
+from .python_clock import new_call
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_reach import find_roots
@@ -111,6 +112,11 @@ class PythonState:
         self._followed: set[int] = set()  # modules whose attributes it writes (ModuleRoot)
 
     # -- per call ------------------------------------------------------------------------
+    def new_call(self) -> None:
+        """A call starts: the clocks the body reads are read once for its key, trace and
+        run (:mod:`.python_clock`)."""
+        new_call()
+
     def key(self) -> tuple:
         """The part of the signature the body's Python reads: the guarded values and the
         types of the fed ones."""
@@ -231,11 +237,15 @@ class PythonState:
         return bool(new)
 
     def finish(
-        self, recorder: Recorder, fed: list[Location], branches: str | None = None
+        self,
+        recorder: Recorder,
+        fed: list[Location],
+        branches: str | None = None,
+        sites: Sequence[str] = (),
     ) -> PythonPlan:
         """After a successful trace: keep its guards and the condition on the fed numbers
-        it branched on (``branches``, over ``t0, t1, ...`` in ``fed``'s order), and plan its
-        Python side."""
+        it branched on (``branches``, over ``t0, t1, ...`` in ``fed``'s order; made at
+        ``sites`` of the user's code), and plan its Python side."""
         if branches and (branches, tuple(fed)) not in self._branch_keys:
             from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
@@ -244,7 +254,7 @@ class PythonState:
             # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
             numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]
             text = re.sub(r"L\['t(\d+)'\]", lambda m: numbers[int(m[1])].label, branches)
-            self.branches.append((check, numbers, f"branch on fed numbers {text}"))
+            self.branches.append((check, numbers, _branch_label(text, branches, numbers, sites)))
         self.loose.update(recorder.loose)
         for loc, value in recorder.guards.items():
             self.guards.setdefault(loc, None)
@@ -315,6 +325,16 @@ class PythonState:
             event.scheduler.step(*[build(a, (), {}) for a in event.args])
             replay.lrs[id(event.scheduler)].append(list(event.scheduler.get_last_lr()))
         return replay
+
+
+def _branch_label(text: str, branches: str, numbers: list[Location], sites: Sequence[str]) -> str:
+    """How a retrace names a trace's branches on fed numbers: the condition, or where it
+    is long (a progress bar's arithmetic on the clock), the numbers and the lines."""
+    at = f" at {', '.join(sites[:3])}{' ...' if len(sites) > 3 else ''}" if sites else ""
+    if len(text) <= 200:
+        return f"branch on fed numbers {text}{at}"
+    used = dict.fromkeys(numbers[int(i)].label for i in re.findall(r"L\['t(\d+)'\]", branches))
+    return f"branch on fed numbers {', '.join(used)}{at}"
 
 
 def generator_key(g: torch.Generator) -> int:

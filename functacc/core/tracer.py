@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -60,8 +61,10 @@ class Traced:
         # symbols live, from the very fakes it was traced with.
         self.fake_mode = fake_mode
         self.example_fakes: list[Any] = []
-        # The condition over the Python-number inputs under which the graph holds.
+        # The condition over the Python-number inputs under which the graph holds, and
+        # where in the user's code it branched ("utils.py:53 in progress_bar").
         self.number_guard: str | None = None
+        self.branch_sites: list[str] = []
 
 
 def trace(
@@ -159,6 +162,7 @@ def _trace(
             traced = Traced(graph, None, None, mode)
             traced.example_fakes = fakes
             traced.number_guard = _number_guard(mode.shape_env, fakes)
+            traced.branch_sites = _branch_sites(mode.shape_env) if traced.number_guard else []
             return traced
         fakes = symbolic_fakes(detached, dynamic, strict=strict)
         with _eager_kernels():
@@ -177,6 +181,7 @@ def _trace(
     traced = Traced(graph, fakes, guard, fakes[0].fake_mode)
     traced.example_fakes = fakes
     traced.number_guard = number_guard
+    traced.branch_sites = _branch_sites(shape_env) if number_guard else []
     return traced
 
 
@@ -210,6 +215,20 @@ def _number_guard(shape_env: Any, fakes: Sequence[Any]) -> str | None:
     if not numbers:
         return None
     return shape_env.produce_guards_expression(numbers) or None
+
+
+def _branch_sites(shape_env: Any) -> list[str]:
+    """Where the user's code made the trace's guards, in order, each once."""
+    from .python_output import is_user_code
+
+    sites: dict[str, None] = {}
+    for guard in shape_env.guards:
+        frame = getattr(guard.sloc, "framework_loc", None)
+        filename = getattr(frame, "filename", None)
+        if filename is not None and is_user_code(filename):
+            name = os.path.basename(filename)
+            sites[f"{name}:{frame.lineno} in {frame.name}"] = None
+    return list(sites)
 
 
 def _make_fx(

@@ -1,0 +1,111 @@
+"""``functacc.host(fn)``: a function of the step that runs on the host, after each call.
+
+A progress bar or a logger of the user's own, called in the step with the numbers it
+computed, branches in Python on them: kuangliu/pytorch-cifar's ``progress_bar(batch_idx,
+len(loader), msg)`` draws ``int(65 * current / total)`` bars and formats the clock with
+``if days > 0: ...``. Traced, each branch is a guard on a number that changes every call:
+one trace per call (a tenth of a second or more, with no compile), where eager draws the bar
+in microseconds. Wrapped with :func:`host`, such a function is not traced: while the step
+body is traced its call is noted, with its arguments as templates of the call's values
+(numbers the graph computes, text formatted from them), and made after each call, in the
+body's order with its other output (as ``print`` is: :mod:`.python_output`). It reads and
+writes its own Python state (a global ``last_time``) on the host, as eager does.
+
+What it returns is not known in the trace: the body gets a stand-in that refuses every use
+(a ``TraceError`` naming the function), so a host function whose result the step uses is an
+error, not a silent ``None``. Numbers and text it is given are the call's; an object given
+(a list) is passed as it is after the call.
+
+Example:
+    >>> import functacc
+    >>> shown = []
+    >>> show = functacc.host(lambda step, loss: shown.append(f"{step}: {loss:.2f}"))
+    >>> show(3, 0.25), shown  # called outside a traced step: runs at once
+    (None, ['3: 0.25'])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import TraceError
+from .python_recording import ACTIVE
+
+__all__ = ["host"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def host(fn: F) -> F:
+    """``fn``, run on the host after each call of a jitted step that calls it, with that
+    call's values, instead of being traced (a progress bar, a logger of your own).
+
+    Args:
+        fn: a function whose result the step does not use.
+
+    Returns:
+        The wrapped function; called outside a traced step, it runs at once.
+
+    Example:
+        >>> import functacc
+        >>> @functacc.host
+        ... def progress(step, loss):
+        ...     print(f"step {step}: {loss:.4f}")
+        >>> progress(1, 0.5)
+        step 1: 0.5000
+    """
+    if not callable(fn):
+        raise TypeError(f"functacc.host expects a function, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not ACTIVE:
+            return fn(*args, **kwargs)
+        recorder = ACTIVE[-1]
+        where = f"the arguments of {getattr(fn, '__qualname__', 'a host function')}()"
+        recorder.effects.append(
+            (
+                "call",
+                fn,
+                [recorder.template(a, where) for a in args],
+                {k: recorder.template(v, where) for k, v in kwargs.items()},
+            )
+        )
+        return _Unknown(getattr(fn, "__qualname__", "a host function"))
+
+    # Not the user's code to the walk that finds what a body reads (python_reach): its
+    # globals (ACTIVE) are functacc's, and fn's run on the host.
+    call.__module__ = __name__
+    return call  # type: ignore[return-value]
+
+
+class _Unknown:
+    """What a host function gives the traced body: its result exists only after the call,
+    so any use of it is an error (a discarded result, the common case, is fine)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "_name", name)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        name = object.__getattribute__(self, "_name")
+        raise TraceError(
+            f"the step uses the result of {name}(), a functacc.host function: it runs after "
+            "each call, so its result does not exist inside the step. Fix: call it where its "
+            "result is used, outside the step, or do not wrap it with functacc.host."
+        )
+
+    def __repr__(self) -> str:
+        return f"<result of {object.__getattribute__(self, '_name')}(), known after the call>"
+
+
+for _use in (
+    "__bool__", "__getattr__", "__setattr__", "__iter__", "__len__", "__getitem__",
+    "__contains__", "__call__", "__str__", "__format__", "__int__", "__float__", "__index__",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__lt__", "__le__", "__gt__", "__ge__", "__neg__",
+):  # fmt: skip
+    setattr(_Unknown, _use, _Unknown._refuse)
