@@ -44,6 +44,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_clock",
         "core/python_trace",
         "core/python_recording",
+        "core/python_lists",
         "core/python_effects",
         "core/python_made",
         "core/python_sets",

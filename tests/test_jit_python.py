@@ -756,9 +756,44 @@ def optimizer_only_tensors() -> Case:
     return Case(body, [model], [opt], state, batches=data())
 
 
+def rollout_lists() -> Case:
+    # An agent's rollout buffer, read as PPO-PyTorch reads it (tests/test_real_code_rl.py):
+    # torch's C++ takes the lists (torch.tensor(rewards), torch.stack(states)), a Python
+    # loop goes over reversed() of them; the step then empties them. Before 2026-11-28 the
+    # rewards were baked into the graph (the first rollout's on every call, silently) and
+    # the stacked states were a TraceError.
+    model, opt = net()
+    buffer = SimpleNamespace(rewards=[], states=[])
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        returns, running = [], 0.0
+        for reward in reversed(buffer.rewards):
+            running = reward + 0.9 * running
+            returns.insert(0, running)
+        weights = torch.tensor(buffer.rewards) + torch.tensor(returns)
+        states = torch.stack(buffer.states)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x + states), y) * weights.mean()
+        loss.backward()
+        opt.step()
+        del buffer.states[:]
+        buffer.rewards.clear()
+        return loss
+
+    def between(i: int) -> None:
+        g = torch.Generator().manual_seed(i)
+        buffer.rewards[:] = torch.rand(5, generator=g, dtype=torch.float64).tolist()
+        buffer.states[:] = list(torch.randn(8, 4, generator=g).unbind())
+
+    state = lambda: (list(buffer.rewards), list(buffer.states))  # noqa: E731
+    # Two traces: the first bakes the rewards in, the second (they changed) feeds them.
+    return Case(body, [model], [opt], state=state, between=between, batches=data(), traces=2)
+
+
 CASES = {
     f.__name__: f
     for f in (
+        rollout_lists,
         script_globals,
         list_items,
         module_containers,
@@ -1479,3 +1514,30 @@ def test_an_ema_in_a_dict_and_stream_writes_under_inductor(capsys) -> None:
     assert len(lines) == 6 and [float(line.split()[1]) for line in lines] == pytest.approx(
         [float(line.split()[1]) for line in want_lines], rel=1e-5
     )
+
+
+def test_a_list_of_tensors_stacked_in_the_step_is_read_whole_at_every_length() -> None:
+    # torch.stack(buffer) reads the list in C++: before 2026-11-28 a TraceError, and a list
+    # read so kept the first trace's length (a longer one stacked its first items, silently).
+    losses = []
+    for jit in (True, False):
+        model, opt = net()
+        buffer: list[Tensor] = []
+
+        def body(y: Tensor, model=model, opt=opt, buffer=buffer) -> Tensor:
+            x = torch.stack(buffer)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x).mean(0), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = functacc.jit(body, modules=model, optimizers=opt, backend="eager") if jit else body
+        g, run = torch.Generator().manual_seed(0), []
+        for n in (3, 3, 4, 5, 5, 3):
+            buffer[:] = list(torch.randn(n, 4, generator=g).unbind())
+            run.append(step(torch.randn(1, generator=g)))
+        losses.append(torch.stack(run))
+        if jit:  # one per length (and the first .grad): no more
+            assert step.num_traces <= 5, [t.reason for t in step.traces]
+    assert torch.equal(losses[0], losses[1])

@@ -19,6 +19,7 @@ import collections
 import types
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -528,3 +529,48 @@ def test_cleanrl_td3_and_c51_updates_as_written_run_as_in_eager() -> None:
     for k, state in trained.items():
         for (n, a), b in zip(state.items(), reference[k].values(), strict=True):
             assert torch.equal(a, b), (k, n)
+
+
+# nikhilbarhate99/PPO-PyTorch (tests/ppo_pytorch.py): the agent's own `update()` jitted as a
+# bound method, `agent.update = functacc.jit(agent.update, ...)`. It reads its rollout
+# buffer's lists as written: the rewards (floats) and terminal flags (bools) in a Python loop
+# over `zip(reversed(...), reversed(...))`, `torch.tensor(rewards)`, `torch.stack` of the
+# state, action, log-probability and value tensors; then copies the weights into
+# `policy_old` and empties the buffer (`del self.rewards[:]`). Before 2026-11-28 that was a
+# TraceError (torch.stack read the list in C++, unseen); a list of numbers read there or
+# through `reversed()` was baked into the graph (silently: from the third update on, the
+# first rollout's rewards), a list of tensors stacked so used its first length's items, and
+# the continuous agent's MultivariateNormal failed on its covariance check.
+def barhate_ppo_run(continuous: bool, jit: bool, updates: int = 4, horizon: int = 8) -> tuple:
+    from ppo_pytorch import PPO
+
+    torch.manual_seed(0)
+    agent = PPO(4, 2, 3e-4, 1e-3, 0.99, 4, 0.2, continuous)
+    if jit:
+        agent.update = functacc.jit(
+            agent.update, modules=[agent.policy, agent.policy_old],
+            optimizers=agent.optimizer, backend="eager",
+        )  # fmt: skip
+    env = torch.Generator().manual_seed(3)
+    for _ in range(updates):
+        for _ in range(horizon):  # select_action as written (eager), a random environment
+            agent.select_action(torch.randn(4, generator=env).tolist())
+            agent.buffer.rewards.append(float(torch.rand((), generator=env)))
+            agent.buffer.is_terminals.append(bool(torch.rand((), generator=env) < 0.15))
+        agent.update()
+        assert agent.buffer.states == [] and agent.buffer.rewards == []
+    traces = agent.update.num_traces if jit else None
+    return agent.policy.state_dict(), agent.policy_old.state_dict(), agent.optimizer, traces
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["discrete", "continuous"])
+def test_ppo_pytorchs_update_reading_its_rollout_buffer_runs_as_in_eager(continuous: bool) -> None:
+    policy, old, opt, traces = barhate_ppo_run(continuous, jit=True)
+    ref_policy, ref_old, ref_opt, _ = barhate_ppo_run(continuous, jit=False)
+    for k, v in ref_policy.items():
+        assert torch.equal(policy[k], v) and torch.equal(old[k], ref_old[k]), k
+    for p, q in zip(opt.state.values(), ref_opt.state.values(), strict=True):
+        assert torch.equal(p["exp_avg_sq"], q["exp_avg_sq"])
+    # The terminal flags are guarded (a trace per pattern: here every update's differs),
+    # the rewards fed: no trace per value.
+    assert traces <= 4

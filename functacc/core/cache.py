@@ -266,6 +266,14 @@ def _fix(reason: str, static: bool = False) -> str:
         )
     if "branch on fed numbers" in reason:
         return branch_fix(reason)
+    if re.match(r"python .*\[\d+\]: ", reason):
+        return (
+            "The step reads an item of a list in its Python state that is not a number it "
+            "can feed to the graph (a flag per transition: if is_terminal), so each new "
+            "value costs a trace and a compile. Fix: give the step those values as a tensor "
+            "(step(torch.tensor(flags))) and compute with it (torch.where), or branch "
+            "outside the step."
+        )
     if (" dim " in reason or "guard" in reason) and static:
         return (
             "Each new input size costs a trace and a compile, and this step traces static "

@@ -44,7 +44,6 @@ __all__ = [
     "Seed",
     "Template",
     "build",
-    "list_effect",
     "patch_random_and_schedulers",
     "restorer",
 ]
@@ -62,41 +61,6 @@ class Effect:
         if value is MISSING:
             return ("delete", target)
         return ("assign", target, template(value, where))
-
-
-def list_effect(
-    location: Location,
-    before: list,
-    after: list,
-    template: Callable[[Any, str], Template],
-    read: bool = False,
-    noun: str = "list",
-) -> tuple | None:
-    """The effect of the body on a list (or a deque): ``None`` (untouched), or the items it
-    appended; ``read``: the body also read the list, which an append then cannot keep."""
-    if len(after) == len(before) and all(a is b for a, b in zip(after, before, strict=True)):
-        return None
-    appended = len(after) > len(before) and all(
-        a is b for a, b in zip(after[: len(before)], before, strict=True)
-    )
-    if not appended:
-        raise TraceError(
-            f"the step changes the {noun} {location.label} other than by appending to it (it "
-            f"held {len(before)} items, then {len(after)}). functacc.jit replays a step's "
-            f"appends after each call, as eager makes them; other changes of a {noun} (pop, "
-            "insert, assigning an item, clear) it cannot replay. Fix: append only, or return "
-            f"the values and keep the {noun} outside the step."
-        )
-    if read:
-        raise TraceError(
-            f"the step reads the {noun} {location.label} (its length or its items) and appends "
-            "to it. functacc.jit replays the appends after each call, but what the step read "
-            f"of the {noun} is fixed when it is traced, where eager reads it afresh (len(history) "
-            f"as a step count would stay {len(before)}). Fix: keep a counter (self.step += 1) "
-            f"and read that, or return the values and keep the {noun} outside the step."
-        )
-    added = [template(v, f"an item appended to {location.label}") for v in after[len(before) :]]
-    return ("append", location, added)
 
 
 def build(template: Template, outputs: Any, lrs: dict) -> Any:

@@ -95,7 +95,8 @@ def symbolic_builtins(
     ...)``) and in ``scopes`` (the body's module:
     ``self.best = min(self.best, loss.item())``), and ``float``/``int`` of a tensor there
     (:data:`STAND_INS`); on plain numbers they are Python's own, so the graph computes what
-    eager computes, on the host, in double."""
+    eager computes, on the host, in double. ``torch.tensor`` of such numbers is made in the
+    graph."""
     patched: list[tuple[Any, str, Any]] = []
 
     def patch(owner: dict, name: str, value: Any) -> None:
@@ -121,6 +122,8 @@ def symbolic_builtins(
             patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
     for name in ("exp", "log"):  # no symbolic form in torch: computed in the graph, in double
         patch(vars(math), name, _symbolic(getattr(math, name), _in_graph(name), arity=1))
+    for name in ("tensor", "as_tensor"):  # torch.tensor(rewards) of fed numbers
+        patch(vars(torch), name, _tensor_of_symbols(getattr(torch, name)))
     try:
         yield
     finally:
@@ -140,6 +143,40 @@ def _in_graph(name: str) -> Callable:
         return op(torch.scalar_tensor(x, dtype=torch.float64)).item()
 
     return compute
+
+
+def _tensor_of_symbols(real: Callable) -> Callable:
+    """``torch.tensor(data)`` where ``data`` (nested lists or tuples) holds numbers the graph
+    takes or computes (a fed list of rewards, a discounted return summed in Python): made
+    in the graph, item by item, as eager would make it from their values; torch's own
+    constructor would fix each to its value at the trace (a guard per value)."""
+
+    def tensor(data: Any, *args: Any, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
+        flat, shape = _leaves(data)
+        if args or not flat or not any(isinstance(v, _SYMBOLS) for v in flat):
+            return real(data, *args, dtype=dtype, device=device, **kwargs)
+        if dtype is None:  # as torch infers it: bools, integers, else the default float
+            floats = any(isinstance(v, (float, torch.SymFloat)) for v in flat)
+            bools = all(isinstance(v, (bool, torch.SymBool)) for v in flat)
+            dtype = torch.bool if bools else torch.get_default_dtype() if floats else torch.int64
+        made = torch.stack([torch.scalar_tensor(v, dtype=dtype, device=device) for v in flat])
+        made = made.reshape(shape)
+        return made.requires_grad_() if kwargs.get("requires_grad") else made
+
+    return tensor
+
+
+def _leaves(data: Any) -> tuple[list | None, tuple[int, ...]]:
+    """The numbers of nested lists or tuples, in order, and their shape (``None`` for
+    anything else: a tensor, an array, ragged lists)."""
+    if isinstance(data, (bool, int, float, *_SYMBOLS, torch.SymBool)):
+        return [data], ()
+    if not isinstance(data, (list, tuple)) or not data:
+        return None, ()
+    parts = [_leaves(item) for item in data]
+    if any(flat is None for flat, _ in parts) or len({shape for _, shape in parts}) != 1:
+        return None, ()
+    return [v for flat, _ in parts for v in flat], (len(data), *parts[0][1])  # type: ignore[union-attr]
 
 
 def _symbolic(python: Callable, sym: Callable, arity: int = 2) -> Callable:

@@ -23,21 +23,16 @@ Example:
 from __future__ import annotations
 
 import abc
-import collections
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import TraceError
 from .python_location import Location, Root
-from .python_reach import is_scalar
 
 __all__ = [
     "ACTIVE",
-    "RecordingDeque",
     "RecordingDict",
     "RecordingGroup",
-    "RecordingList",
     "groups_root",
     "recording",
 ]
@@ -272,113 +267,6 @@ def _rate_after_scheduler(group: RecordingGroup) -> Any:
             count = sum(e.scheduler is event.scheduler for e in group.recorder.schedulers)
             return LastLR(event.scheduler, count, index)
     return None
-
-
-class RecordingList(list):
-    """A list the body reaches, while it is traced: a copy that notes whether the body
-    read it (its length, a loop over it; an item by a non-negative index is that item's
-    read alone, as a dict entry's). Appends are replayed after each call; a
-    list the body both reads and appends to would be read at its trace-time length on every
-    call, which is refused (``read``)."""
-
-    def __init__(self, original: list, location: Location, recorder: Any):
-        super().__init__(original)
-        self.location = location
-        self.recorder = recorder
-        self.read = False
-
-    def _note(self) -> None:
-        if self.recorder.recording:
-            self.read = True
-            self.recorder.list_read(self)  # its tensors are fed to the graph
-
-    def __len__(self) -> int:
-        self._note()
-        return list.__len__(self)
-
-    def __getitem__(self, index: Any) -> Any:
-        if type(index) is int and index >= 0 and self.recorder.recording:  # factors[0]:
-            value = list.__getitem__(self, index)  # that item, whatever the length
-            self.recorder.guard(self.location.child("item", index), value)
-            if not is_scalar(value):  # a tensor: all the list's are fed (an index may vary)
-                self.recorder.list_read(self)
-            return value
-        self._note()
-        return list.__getitem__(self, index)
-
-    def __iter__(self) -> Any:
-        self._note()
-        return list.__iter__(self)
-
-    def __contains__(self, value: object) -> bool:
-        self._note()
-        return list.__contains__(self, value)
-
-    def __bool__(self) -> bool:
-        self._note()
-        return list.__len__(self) > 0
-
-
-def _reading(cls: type, name: str) -> Callable[..., Any]:
-    """``cls``'s method ``name``, noting first that the body read the container."""
-    method = getattr(cls, name)
-
-    def read(self: Any, *args: Any) -> Any:
-        self._note()
-        return method(self, *args)
-
-    read.__name__ = name
-    return read
-
-
-_DEQUE_READS = ("__len__", "__getitem__", "__iter__", "__reversed__", "__contains__")
-_DEQUE_READS += ("count", "index")
-
-
-class RecordingDeque(collections.deque):
-    """A ``collections.deque`` the body reaches (torchvision's ``SmoothedValue`` window),
-    while it is traced: a copy that notes its appends, replayed after each call on the
-    deque itself (its ``maxlen`` drops from the left then, as in eager), and whether the
-    body read it, as :class:`RecordingList` does. Other changes are refused at once."""
-
-    def __init__(self, original: collections.deque, location: Location, recorder: Any):
-        super().__init__(original, original.maxlen)
-        self.location, self.recorder = location, recorder
-        self.read, self.before, self.appended = False, list(original), []
-
-    def items_now(self) -> list:
-        """The items as if the deque had no ``maxlen``: the appends after the original's."""
-        return self.before + self.appended
-
-    def append(self, value: Any) -> None:
-        self.appended.append(value)
-        super().append(value)
-
-    def extend(self, values: Any) -> None:
-        for value in values:
-            self.append(value)
-
-    def _changed(self, *args: Any, **kwargs: Any) -> None:
-        raise TraceError(
-            f"the step changes the deque {self.location.label} other than by appending to "
-            "it. functacc.jit replays a step's appends after each call, as eager makes them; "
-            "other changes (popleft, appendleft, rotate, clear, assigning an item) it cannot "
-            "replay. Fix: append only, or return the values and keep the deque outside the "
-            "step."
-        )
-
-    appendleft = extendleft = pop = popleft = rotate = clear = remove = insert = _changed
-    __setitem__ = __delitem__ = __iadd__ = _changed
-
-    def _note(self) -> None:
-        if self.recorder.recording:
-            self.read = True
-            self.recorder.list_read(self)
-
-    # Reads (bool() goes through __len__).
-    __len__, __getitem__, __iter__, __reversed__, __contains__, count, index = (
-        _reading(collections.deque, name) for name in _DEQUE_READS
-    )
 
 
 def groups_root(linked: Any) -> Root:

@@ -85,6 +85,8 @@ class Replay:
                 target.delete()
             elif kind == "append":
                 target.get().extend(build(t, outputs, lrs) for t in effect[2])
+            elif kind == "clear":
+                target.get()[:] = [build(t, outputs, lrs) for t in effect[2]]
             elif kind == "call":  # print, logging, tqdm: with this call's values
                 target(
                     *[build(t, outputs, lrs) for t in effect[2]],

@@ -145,7 +145,9 @@ class PythonState:
         fed from now on (automatic dynamic); fed values that are no longer numbers are not."""
         for loc in list(self.guards):
             value, before = loc.get(), self.traced_values.get(loc, MISSING)
-            if loc not in self.pinned and _numeric(value) and _numeric(before) and value != before:
+            length = loc.steps[-1:] == (("len", None),)  # a list's: guarded for good
+            changed = _numeric(value) and _numeric(before) and value != before
+            if loc not in self.pinned and not length and changed:
                 del self.guards[loc]
                 self.fed[loc] = None
         for linked in self.optimizers:  # an optimizer traced whole: its numbers are fed
@@ -192,6 +194,8 @@ class PythonState:
         self._learned = list(promote)
         if not promote and recorder is not None:  # a tensor of its Python state: feed it
             promote = recorder.unfed_tensors()
+            if not promote and _outside_tensor(exc):  # torch.stack(self.states) read them
+                promote = recorder.unfed_tensors(taken=True)
         if promote:
             for loc in promote:
                 self.fed[loc] = None
@@ -325,6 +329,11 @@ class PythonState:
             event.scheduler.step(*[build(a, (), {}) for a in event.args])
             replay.lrs[id(event.scheduler)].append(list(event.scheduler.get_last_lr()))
         return replay
+
+
+def _outside_tensor(exc: BaseException) -> bool:
+    """Whether a trace failed on a real tensor that is none of its inputs."""
+    return any("convert all Tensors to FakeTensors" in str(e) for e in (exc, exc.__cause__))
 
 
 def _branch_label(text: str, branches: str, numbers: list[Location], sites: Sequence[str]) -> str:

@@ -29,22 +29,15 @@ from torch import SymBool, SymFloat, SymInt, Tensor
 
 from ..errors import TraceError
 from .lookup_tables import install_tables, is_array
-from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template, list_effect
+from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template
+from .python_lists import RecordingDeque, RecordingList, list_writes, took_list
 from .python_location import MISSING, Location, Root, fields_of
 from .python_made import made_template
 from .python_numbers import unstood
 from .python_numpy import TracedArray, numpy_template
 from .python_output import output_template, patch_output
 from .python_reach import held, holds_traced, is_scalar, plain_objects
-from .python_recording import (
-    ACTIVE,
-    RecordingDeque,
-    RecordingDict,
-    RecordingGroup,
-    RecordingList,
-    groups_root,
-    recording,
-)
+from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording
 from .python_sets import STEPPERS, SetWatch
 from .python_tensors import installed, tensor_locations
 
@@ -223,6 +216,8 @@ class Recorder:
         if name not in object.__getattribute__(obj, "__dict__"):
             return  # a method or a class attribute: code, not state
         self._read_first.add((id(obj), name))
+        if isinstance(value, RecordingList):
+            value.taken = True
         if is_scalar(value) or is_array(value):
             self.guard(self.objects[id(obj)][0].child("attr", name), value)
         elif isinstance(value, (Tensor, tuple)):
@@ -231,6 +226,8 @@ class Recorder:
     def item_read(self, mapping: RecordingDict, key: Any, value: Any) -> None:
         """A recording dict's entry was read."""
         self._read_first.add((id(mapping), key))
+        if isinstance(value, RecordingList):
+            value.taken = True
         self.guard(mapping.location.child("item", key), value)
         if self.note_tensors(mapping.location.child("item", key), value, False):
             self._note_all(mapping.location.child, dict.items(mapping))
@@ -266,11 +263,13 @@ class Recorder:
         if new and self.recording:
             raise Retry(new)
 
-    def unfed_tensors(self) -> list[Location]:
+    def unfed_tensors(self, taken: bool = False) -> list[Location]:
         """The tensors the body read from its Python state that are not fed yet (the
-        items of a list it read too)."""
+        items of a list it read too; with ``taken``, of a list it took, which torch's C++
+        may have read unseen: after a trace that failed on a tensor not its input)."""
         for location, obj, contents in self.snapshots:
-            if isinstance(obj, (RecordingList, RecordingDeque)) and obj.read:
+            took = taken and isinstance(obj, RecordingList) and took_list(obj, self._unrecorded)
+            if isinstance(obj, (RecordingList, RecordingDeque)) and (obj.read or took):
                 for i, value in enumerate(contents):  # all of them (not one per trace)
                     self.note_tensors(location.child("item", i), value, False)
         return [loc for loc in self.tensor_reads if loc not in self.symbolic_inputs]
@@ -317,20 +316,17 @@ class Recorder:
         promote: list[Location] = []
         for location, obj, contents in self.snapshots:
             if isinstance(obj, (list, deque)):
-                # list.__len__ and friends, so that the checks below are not reads
-                now = obj.items_now() if isinstance(obj, deque) else list(list.__iter__(obj))
-                fed = self.symbolic_inputs  # items still holding what was fed: the originals
-                now = [
-                    contents[i] if v is fed.get(location.child("item", i), MISSING) else v
-                    for i, v in enumerate(map(self._original, now))
-                ]
-                read = getattr(obj, "read", False)
-                noun = "deque" if isinstance(obj, deque) else "list"
-                effect = list_effect(location, contents, now, self.template, read, noun)
+                effect, read = list_writes(
+                    obj, location, contents, self.symbolic_inputs, self._original,
+                    self.template, self._unrecorded,
+                )  # fmt: skip
                 if effect is not None:
                     self.effects.append(effect)
-                elif read:  # read, not written: its length is part of the signature
+                if read:  # (by torch's C++ too) its length and numbers: signature; tensors: fed
                     self.guard(location.child("len", None), len(contents))
+                    for i, value in enumerate(contents):
+                        self.guard(location.child("item", i), value)
+                        promote += self.note_tensors(location.child("item", i), value, False)
                 continue
             fields = obj if isinstance(obj, dict) else vars(obj)
             keys = list(contents) + [k for k in fields if k not in contents]

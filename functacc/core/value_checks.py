@@ -66,8 +66,43 @@ def value_checks_in_graph() -> Iterator[None]:
         return norm
 
     torch._is_all_true, clip_grad._get_total_norm = is_all_true, total_norm
+    matrices = _matrix_checks_in_graph()
     try:
         with metric_checks_in_graph():
             yield
     finally:
         torch._is_all_true, clip_grad._get_total_norm = real, real_total
+        matrices()
+
+
+def _matrix_checks_in_graph() -> Any:
+    """``MultivariateNormal``'s check of its covariance (positive definite: symmetric, then
+    Cholesky) returns early on the host where a matrix is not symmetric
+    (``if not sym_check.all(): return sym_check``): here the checks are combined in the
+    graph, which gives the same verdict. Returns the undo."""
+    from torch.distributions import constraints as c
+
+    def symmetric(self: Any, value: Any) -> Any:
+        square = c._Square.check(self, value)
+        if value.shape[-2] != value.shape[-1]:  # known from the shapes
+            return square
+        return torch.isclose(value, value.mT, atol=1e-6).all(-2).all(-1)
+
+    tests = {
+        c._Symmetric: symmetric,
+        c._PositiveDefinite: lambda self, v: (
+            symmetric(self, v) & torch.linalg.cholesky_ex(v).info.eq(0)
+        ),
+        c._PositiveSemidefinite: lambda self, v: (
+            symmetric(self, v) & torch.linalg.eigvalsh(v).ge(0).all(-1)
+        ),
+    }
+    real = {cls: vars(cls)["check"] for cls in tests}
+    for cls, check in tests.items():
+        cls.check = check  # type: ignore[method-assign]
+
+    def undo() -> None:
+        for cls, check in real.items():
+            cls.check = check  # type: ignore[method-assign]
+
+    return undo
