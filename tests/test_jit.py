@@ -483,13 +483,35 @@ def test_bad_optimizers_are_clear_errors() -> None:
         functacc.jit(
             lambda: None, modules=[model], optimizers=[torch.optim.SparseAdam(model.parameters())]
         )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def body(x: Tensor) -> None:
-        opt.step(lambda: model(x).sum())
 
-    with pytest.raises(ValueError, match="closure"):
-        functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")(torch.randn(2, 4))
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "RMSprop"])
+def test_opt_step_with_a_closure_calls_it_once_first_as_torch_does(kind: str) -> None:
+    # skorch's train_step: optimizer.step(step_fn), the closure computing loss and backward.
+    # Before 2026-11-28 a ValueError (for functacc's twins, SGD and Adam; RMSprop's own step
+    # too); torch's optimizers but LBFGS call the closure once, with grad on, and return it.
+    results = []
+    for jit in (True, False):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = getattr(torch.optim, kind)(model.parameters(), lr=0.05)
+
+        def body(x: Tensor, y: Tensor, model=model, opt=opt) -> Tensor:
+            def closure() -> Tensor:
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            return opt.step(closure).detach()
+
+        step = functacc.jit(body, modules=model, optimizers=opt, backend="eager") if jit else body
+        g = torch.Generator().manual_seed(1)
+        losses = [
+            step(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)
+        ]
+        results.append((torch.stack(losses), model.weight.detach().clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_a_failing_call_changes_nothing() -> None:

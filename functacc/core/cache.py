@@ -299,13 +299,18 @@ def branch_fix(reason: str) -> str:
     """The advice for a step traced again because it branched in Python on a number that
     changed (a counter, the clock, a number it computed), naming the function it was in."""
     site = re.search(r" at [^ ]+:\d+ in ([A-Za-z_]\w*)", reason)
-    name = site[1] if site else "show"
+    host = (
+        f"If that code only shows or logs what the step computed (a progress bar, a time "
+        f"formatted), wrap the function the step calls with functacc.host ({site[1]} = "
+        f"functacc.host({site[1]})): it then runs after each call with the call's values, "
+        "not traced. "
+        if site
+        else ""
+    )
     return (
         "The step branches in Python on numbers that change between calls: each new outcome "
-        "costs a trace. If that code only shows or logs what the step computed (a progress "
-        "bar, a time formatted), wrap the function the step calls with functacc.host "
-        f"({name} = functacc.host({name})): it then runs after each call with the call's "
-        "values, not traced. Else branch with tensors (torch.where) or keep the number constant."
+        "costs a trace (a branch with few outcomes, it % k == 0, a few traces in all). "
+        f"{host}Else branch with tensors (torch.where) or keep the number constant."
     )
 
 

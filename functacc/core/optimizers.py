@@ -225,13 +225,11 @@ class TracedOptimizer:
         else:
             opt.step = self._saved["step"]
 
-    def step(self, closure: Any = None) -> None:
-        if closure is not None:
-            raise argument_error(
-                f"{self.linked.label}.step(closure) inside functacc.jit: a closure re-runs the "
-                "forward inside step(), which the traced update does not do. Compute the loss "
-                "and call backward() in the step body, then call step() without a closure."
-            )
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:  # as torch's step(closure): called once, first, grad on
+            with torch.enable_grad():
+                loss = closure()
         params = {n: self.leaf_of(n) for g in self.linked.link.groups for n in g}
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         for n, g in grads.items():
@@ -263,6 +261,7 @@ class TracedOptimizer:
         self.stepped |= set(grads)
         if self.python is not None:
             self.python.stepped(self.linked.optimizer)
+        return loss
 
     @contextlib.contextmanager
     def unless(self, skip: Tensor) -> Iterator[None]:

@@ -91,13 +91,10 @@ class OwnStepTrace:
         return self
 
     def step(self, closure: Any = None) -> Any:
-        if closure is not None:
-            raise argument_error(
-                f"{self.link.label}.step(closure) inside functacc.jit: a closure re-runs the "
-                "forward inside step(), a number of times the traced step cannot know. "
-                "Compute the loss and call backward() in the step body, then call step() "
-                "without a closure."
-            )
+        loss = None
+        if closure is not None:  # as torch's step(closure) (LBFGS is refused): once, first
+            with torch.enable_grad():
+                loss = closure()
         opt = self.link.optimizer
         owners = self.link.owners
         self.stepped |= {
@@ -134,7 +131,7 @@ class OwnStepTrace:
                 owners.gather({n: self.leaf_of(n) for n in self.link.params})
         if self.python is not None:
             self.python.stepped(opt)
-        return result
+        return loss if closure is not None else result
 
     @contextlib.contextmanager
     def unless(self, skip: Tensor) -> Iterator[None]:

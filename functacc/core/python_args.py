@@ -1,4 +1,4 @@
-"""The call's Python-number arguments: guarded, then fed once they change.
+"""The call's Python-number and object arguments: guarded, then fed once they change.
 
 ``step(x, y, it)`` with the iteration as an argument was a constant of the graph: each new
 value traced the body again (about a second a call for a small model, for ever). The
@@ -6,7 +6,8 @@ numbers among a call's arguments (not ``bool``) are roots of the body's Python s
 (:mod:`.python_state`), as a closure's numbers are: the first trace bakes them in and
 guards them; one that has changed is fed to the graph from then on, read afresh on every
 call; one the body branches on (``if it % 100 == 0``) is guarded for good, each value a
-trace as before.
+trace as before. An object argument (ignite's ``update(engine, batch)``, a trainer) is a
+root too: what the body reads and writes through it is followed as through a closure's.
 
 Example:
     >>> import torch.utils._pytree as pytree
@@ -27,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .python_location import MISSING, Root
+from .python_reach import is_plain_object
 
 __all__ = ["NumberArguments", "is_number"]
 
@@ -60,6 +62,12 @@ class NumberArguments:
                 if i not in self._by_position:
                     self._root(i, leaf_name(self.fn, args, kwargs, i))
                 key.append(("number", type(x).__name__))
+            elif is_plain_object(x) and i in self._top_level(spec, args, kwargs):
+                # ignite's update(engine, batch) reads engine.state.iteration: the object
+                # is followed as a closure's is (its numbers guarded or fed, writes replayed)
+                if i not in self._by_position:
+                    self._root(i, leaf_name(self.fn, args, kwargs, i))
+                key.append(("object", type(x).__qualname__))
             else:
                 key.append(_constant(x))
         return tuple(key)
