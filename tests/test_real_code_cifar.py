@@ -144,7 +144,7 @@ def test_the_progress_bar_as_written_draws_eagers_bars_and_the_warning_says_what
     warned = [r.getMessage() for r in caplog.records if "branch on fed numbers" in r.getMessage()]
     assert warned, "the retraces on the bar's branches are not named"
     assert "progress_bar = functacc.host(progress_bar)" in warned[-1]
-    assert "kuangliu_utils.py:" in warned[-1] and "in progress_bar" in warned[-1]
+    assert "kuangliu_utils.py:" in warned[-1]  # the lines (in progress_bar or format_time)
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
@@ -234,3 +234,66 @@ def test_a_host_function_gets_the_calls_values_and_its_result_is_refused_in_the_
     with pytest.raises(TraceError, match=r"uses the result of .*note\(\), a functacc.host"):
         functacc.jit(uses_it, modules=model, optimizers=opt, backend="eager")(xs[0])
     assert torch.equal(model.weight, before) and not seen and not opt.state
+
+
+# yunjey/pytorch-tutorial (commit 0500d3d), tutorials/01-basics/feedforward_neural_network:
+# the loop body as the step, its progress line printed with str.format every 100th step
+# (here every 3rd of 7 per epoch). The branch is the step's own code: two outcomes, so a few
+# traces in all, and the warning does not advise functacc.host.
+def feedforward_tutorial(jit: bool, caplog: pytest.LogCaptureFixture) -> tuple[list, nn.Module]:
+    torch.manual_seed(0)
+    input_size, hidden_size, num_classes, num_epochs, total_step = 784, 50, 10, 2, 7
+
+    class NeuralNet(nn.Module):
+        def __init__(self, input_size, hidden_size, num_classes):
+            super().__init__()
+            self.fc1 = nn.Linear(input_size, hidden_size)
+            self.relu = nn.ReLU()
+            self.fc2 = nn.Linear(hidden_size, num_classes)
+
+        def forward(self, x):
+            out = self.fc1(x)
+            out = self.relu(out)
+            out = self.fc2(out)
+            return out
+
+    model = NeuralNet(input_size, hidden_size, num_classes)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
+
+    def step(epoch, i, images, labels):
+        images = images.reshape(-1, 28 * 28)
+        outputs = model(images)
+        loss = criterion(outputs, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if (i + 1) % 3 == 0:
+            print(
+                "Epoch [{}/{}], Step [{}/{}], Loss: {:.4f}".format(  # noqa: UP032 (as written)
+                    epoch + 1, num_epochs, i + 1, total_step, loss.item()
+                )
+            )
+
+    if jit:
+        step = functacc.jit(step, modules=model, optimizers=optimizer, backend="eager")
+    g = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.WARNING, logger="functacc"):
+        for epoch in range(num_epochs):
+            for i in range(total_step):
+                images = torch.rand(16, 1, 28, 28, generator=g)
+                step(epoch, i, images, torch.randint(0, 10, (16,), generator=g))
+    return [r.getMessage() for r in caplog.records], model
+
+
+def test_yunjeys_tutorial_prints_with_format_as_in_eager(
+    capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, reference = feedforward_tutorial(False, caplog)
+    eager_out = capsys.readouterr().out
+    warned, model = feedforward_tutorial(True, caplog)
+    assert capsys.readouterr().out == eager_out and eager_out.count("\n") == 4
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    branch = [w for w in warned if "branch on fed numbers" in w]
+    assert branch and all("(the step)" in w and "functacc.host" not in w for w in branch)

@@ -298,19 +298,21 @@ def _fix(reason: str, static: bool = False) -> str:
 def branch_fix(reason: str) -> str:
     """The advice for a step traced again because it branched in Python on a number that
     changed (a counter, the clock, a number it computed), naming the function it was in."""
-    site = re.search(r" at [^ ]+:\d+ in ([A-Za-z_]\w*)", reason)
+    sites = re.finditer(r":\d+ in ([A-Za-z_]\w*)( \(the step\)| \(via (\w+)\))?", reason)
+    called = [m[3] or m[1] for m in sites if m[2] != " (the step)"]
     host = (
         f"If that code only shows or logs what the step computed (a progress bar, a time "
-        f"formatted), wrap the function the step calls with functacc.host ({site[1]} = "
-        f"functacc.host({site[1]})): it then runs after each call with the call's values, "
+        f"formatted), wrap the function the step calls with functacc.host ({called[0]} = "
+        f"functacc.host({called[0]})): it then runs after each call with the call's values, "
         "not traced. "
-        if site
+        if called
         else ""
     )
     return (
         "The step branches in Python on numbers that change between calls: each new outcome "
         "costs a trace (a branch with few outcomes, it % k == 0, a few traces in all). "
-        f"{host}Else branch with tensors (torch.where) or keep the number constant."
+        f"{host}{'Else' if host else 'Fix:'} branch with tensors (torch.where), or keep the "
+        "number constant."
     )
 
 

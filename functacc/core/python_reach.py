@@ -105,6 +105,22 @@ def code_scopes(fn: Callable[..., Any]) -> list[dict]:
     return list({id(s): s for s in scopes}.values())
 
 
+def called_toward(fn: Callable[..., Any], name: str) -> str | None:
+    """The name under which ``fn``'s code calls the user function that is, or calls on to,
+    the function named ``name`` (a guard made in ``format_time``: ``progress_bar``)."""
+    function = getattr(_entry(fn)[0], "__func__", None) or _entry(fn)[0]
+    if not inspect.isfunction(function):
+        return None
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or (), strict=True))
+    for called in function.__code__.co_names + function.__code__.co_freevars:
+        value = function.__globals__.get(called, MISSING)
+        value = _cell_value(cells[called]) if called in cells else value
+        reached = _user_functions(value, None, set(), 1) if inspect.isfunction(value) else ()
+        if any(f.__name__ == name for f in reached):
+            return called
+    return None
+
+
 def _entry(fn: Callable[..., Any]) -> tuple[Any, Any]:
     """The function where ``fn``'s user code starts, and the object it is a method of."""
     target = fn.func if isinstance(fn, functools.partial) else fn

@@ -39,7 +39,7 @@ from .lookup_tables import table_key, table_repr
 from .python_clock import new_call
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
-from .python_reach import find_roots
+from .python_reach import called_toward, find_roots
 from .python_recording import groups_root
 from .python_replay import QUIET, PythonPlan, Replay
 from .python_tensors import fed_key, feedable, module_containers
@@ -91,6 +91,7 @@ class PythonState:
     ):
         # The body's code's roots, and the containers its modules keep (python_tensors).
         self.roots: list[Root] = find_roots(fn) + module_containers(modules)
+        self._fn = fn  # where its branches are made (finish)
         self.optimizers = list(optimizers)  # LinkedOptimizer
         self.owned = owned  # ids of the step's own tensors: never fed (python_tensors)
         self.guards: dict[Location, None] = {}  # over every trace so far, in order
@@ -258,6 +259,7 @@ class PythonState:
             # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
             numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]
             text = re.sub(r"L\['t(\d+)'\]", lambda m: numbers[int(m[1])].label, branches)
+            sites = [_site(site, self._fn) for site in sites]
             self.branches.append((check, numbers, _branch_label(text, branches, numbers, sites)))
         self.loose.update(recorder.loose)
         for loc, value in recorder.guards.items():
@@ -334,6 +336,16 @@ class PythonState:
 def _outside_tensor(exc: BaseException) -> bool:
     """Whether a trace failed on a real tensor that is none of its inputs."""
     return any("convert all Tensors to FakeTensors" in str(e) for e in (exc, exc.__cause__))
+
+
+def _site(site: str, fn: Callable[..., Any]) -> str:
+    """A branch's site (``utils.py:107 in format_time``), with the function the step calls
+    toward it (``(via progress_bar)``), or said to be the step's own code."""
+    name = site.rsplit(" in ", 1)[-1]
+    if name == getattr(getattr(fn, "__func__", fn), "__name__", None):
+        return f"{site} (the step)"
+    via = called_toward(fn, name)
+    return f"{site} (via {via})" if via and via != name else site
 
 
 def _branch_label(text: str, branches: str, numbers: list[Location], sites: Sequence[str]) -> str:
