@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import math
 import sys
@@ -167,11 +168,11 @@ def _tensor_of_symbols(real: Callable) -> Callable:
 
 
 def _leaves(data: Any) -> tuple[list | None, tuple[int, ...]]:
-    """The numbers of nested lists or tuples, in order, and their shape (``None`` for
-    anything else: a tensor, an array, ragged lists)."""
+    """The numbers of nested lists, tuples or deques (REINFORCE's returns), in order, and
+    their shape (``None`` for anything else: a tensor, an array, ragged lists)."""
     if isinstance(data, (bool, int, float, *_SYMBOLS, torch.SymBool)):
         return [data], ()
-    if not isinstance(data, (list, tuple)) or not data:
+    if not isinstance(data, (list, tuple, collections.deque)) or not data:
         return None, ()
     parts = [_leaves(item) for item in data]
     if any(flat is None for flat, _ in parts) or len({shape for _, shape in parts}) != 1:
