@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import logging
 import re
 
@@ -413,6 +414,55 @@ def test_a_log_file_written_in_the_step_gets_eagers_lines(tmp_path) -> None:
     eager = file_logging_run(False, tmp_path / "eager")
     jitted = file_logging_run(True, tmp_path / "jit")
     assert jitted == eager and eager[0].count("train") == 3 and eager[1].startswith("step 2 ")
+
+
+def open_file_run(jit: bool, backend: str, path) -> tuple[str, list]:
+    # A log opened before the loop and held by a variable, written in the step with an
+    # f-string and a JSON line (json.dumps of the step's numbers, one rounded), and a
+    # JSON line printed. Before 2026-11-28 the file got the trace's tokens once
+    # ("\x00functacc0:.6f\x00"), silently, and json.dumps was a TypeError (SymFloat).
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    printed: list[str] = []
+    log = open(path, "w")  # noqa: SIM115 (open across calls, as a training script keeps it)
+
+    def body(x: torch.Tensor, step: int) -> None:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        log.write(f"{step} train {loss.item():.6f}\n")
+        log.write(json.dumps({"step": step, "loss": round(loss.item(), 4)}) + "\n")
+        print(json.dumps({"loss": loss.item(), "lr": opt.param_groups[0]["lr"]}), file=log)
+        log.flush()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend=backend) if jit else body
+    for i in range(3):
+        step(torch.ones(2, 3) * (i + 1), i)
+        printed.append(path.read_text())  # flushed by the step, as eager's
+    log.close()
+    return path.read_text(), printed
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_file_opened_before_the_step_gets_eagers_lines_and_json(tmp_path, backend) -> None:
+    jitted, seen = open_file_run(True, backend, tmp_path / "jit.log")
+    eager, eager_seen = open_file_run(False, backend, tmp_path / "eager.log")
+    assert eager.count("\n") == 9 and json.loads(eager.splitlines()[4])["step"] == 1
+    if backend == "eager":
+        assert jitted == eager and seen == eager_seen
+        return
+    # Inductor's float32 kernels: the same lines, the numbers to rounding.
+    for a, b in zip(jitted.splitlines(), eager.splitlines(), strict=True):
+        if a.startswith("{"):
+            x, y = json.loads(a), json.loads(b)
+            assert x.keys() == y.keys() and all(
+                x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6) for k in x
+            )
+        else:
+            assert a.split()[:2] == b.split()[:2]
+            assert float(a.split()[2]) == pytest.approx(float(b.split()[2]), rel=1e-4, abs=1e-6)
 
 
 def test_a_file_written_through_pathlib_in_the_step_is_eagers(tmp_path) -> None:

@@ -6,7 +6,10 @@ trace's tokens in place of the numbers. While the body is traced, ``open()`` for
 or appending, called from the user's code, gives a :class:`NotedFile`: each ``write``
 (and ``print(..., file=f)``) is noted as an effect (:mod:`.python_effects`) that opens the
 file as the body did and writes the call's text after each call (``"w"`` truncating at
-the first write, as eager's ``open`` does on every call). Reading files is not changed.
+the first write, as eager's ``open`` does on every call). A file opened before the step
+and held in its Python state (a global ``log = open("train.log", "a")``) is an
+:class:`OpenFile` while the body is traced: its writes are made on it after each call, with
+the call's text. Reading files is not changed.
 
 Example:
     >>> noted = []
@@ -20,10 +23,11 @@ Example:
 from __future__ import annotations
 
 import builtins
+import io
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["NotedFile", "noting_open", "write_to"]
+__all__ = ["NotedFile", "OpenFile", "noting_files", "noting_open", "write_to"]
 
 _WRITES = "wax+"  # a mode with one of these writes
 
@@ -72,3 +76,45 @@ def noting_open(real_open: Callable, note: Callable, from_user: Callable[[int], 
         return NotedFile(file, mode, args, kwargs, note)
 
     return open_
+
+
+class OpenFile:
+    """A file open for writing that the step's Python state holds, while the body is
+    traced: each write is made on the file after each call, with that call's text."""
+
+    def __init__(self, file: Any, recorder: Any) -> None:
+        self._file, self._recorder = file, recorder
+
+    def write(self, data: Any) -> int:
+        text = self._recorder.template(data, "a write to a file")
+        self._recorder.effects.append(("call", self._file.write, [text], {}))
+        return len(data)
+
+    def writelines(self, lines: Iterable[Any]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._recorder.effects.append(("call", self._file.flush, [], {}))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def noting_files(held: list[tuple[Any, Any]], recorder: Any, originals: dict) -> Callable:
+    """Put an :class:`OpenFile` where the body's state holds a file open for writing
+    (``held``: location and file pairs); ``originals`` learns what each stands for.
+    Returns the undo."""
+    installed = []
+    for location, file in held:
+        if isinstance(file, io.IOBase) and not file.closed and file.writable():
+            noted = OpenFile(file, recorder)
+            originals[id(noted)] = file
+            location.set(noted)
+            installed.append((location, file))
+
+    def undo() -> None:
+        for location, file in reversed(installed):
+            location.set(file)
+
+    return undo

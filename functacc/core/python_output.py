@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import json
 import logging
 import os
 import re
@@ -36,7 +37,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .python_effects import ABSENT, restorer
-from .python_files import NotedFile, noting_open
+from .python_files import NotedFile, OpenFile, noting_open
 from .python_numpy import traced_numpy
 from .python_percent import patch_percent, untangle
 
@@ -87,6 +88,8 @@ def fill(text: str, outputs: Sequence[Any], lrs: dict | None = None) -> str:
             return _repr_with(value, spec[2:])
         if spec.startswith("!p"):  # a module's parameter, as nn.Parameter's repr shows it
             return "Parameter containing:\n" + _repr_with(value, spec[2:])
+        if spec == "!j":  # a number json.dumps wrote
+            return json.dumps(value)
         return spec % value if _PERCENT_SPEC.fullmatch(spec) else format(value, spec)
 
     return _TOKEN.sub(number, text)
@@ -154,7 +157,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         texts = [
             _tensor_token(recorder, a, "!r") if isinstance(a, torch.Tensor) else a for a in args
         ]
-        if isinstance(kwargs.get("file"), NotedFile):  # print(..., file=f): f's write
+        if isinstance(kwargs.get("file"), (NotedFile, OpenFile)):  # print(..., file=f)
             sep, end = kwargs.get("sep") or " ", kwargs.get("end", "\n")
             words = [
                 token(recorder, a) if isinstance(a, (torch.SymInt, torch.SymFloat)) else str(a)
@@ -172,6 +175,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         patch(Path, name, _noting(getattr(Path, name), note, f"Path.{name}()"))
     patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
     patch(torch, "save", _noting(torch.save, note, "torch.save()"))
+    patch(json, "dumps", _json_dumps(json.dumps, recorder))  # f.write(json.dumps(stats))
     patch(torch.Tensor, "numpy", traced_numpy(torch.Tensor.numpy))  # preds.extend(t.numpy())
     for module_name, class_name, methods in _NOTED_METHODS:
         module = sys.modules.get(module_name)
@@ -212,6 +216,34 @@ def _noting(real: Callable, note: Callable, what: str) -> Callable:
         return note(real, args, kwargs, what)
 
     return call
+
+
+def _json_dumps(real: Callable, recorder: Any) -> Callable:
+    """``json.dumps`` of what holds numbers the step computes (``{"loss": loss.item()}``):
+    the text with a token for each, filled in with its JSON after each call."""
+
+    def dumps(obj: Any, *args: Any, **kwargs: Any) -> str:
+        marks: dict[str, Any] = {}
+
+        def mark(value: Any) -> Any:
+            if isinstance(value, (torch.SymInt, torch.SymFloat)):
+                key = f"\x01functacc{len(marks)}\x01"
+                marks[key] = value
+                return key
+            if isinstance(value, dict):
+                return {k: mark(v) for k, v in value.items()}
+            return [mark(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+        marked = mark(obj)
+        if not marks:
+            return real(obj, *args, **kwargs)
+        text = real(marked, *args, **kwargs)
+        ascii_only = kwargs.get("ensure_ascii", True)
+        for key, value in marks.items():
+            text = text.replace(real(key, ensure_ascii=ascii_only), token(recorder, value, "!j"))
+        return text
+
+    return dumps
 
 
 def _traced_values(args: Sequence[Any], kwargs: dict) -> bool:

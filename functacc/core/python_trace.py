@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+import io
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from torch import SymBool, SymFloat, SymInt, Tensor
 from ..errors import TraceError
 from .lookup_tables import install_tables, is_array
 from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template
+from .python_files import noting_files
 from .python_lists import RecordingDeque, RecordingList, list_writes, took_list
 from .python_location import MISSING, Location, Root, fields_of
 from .python_made import made_template
@@ -168,6 +170,8 @@ class Recorder:
 
         self._undo.append(patch_random_and_schedulers(self))
         self._undo.append(patch_output(self))
+        files = held(self.variables, self.objects.values(), io.IOBase)  # log.write(f"...")
+        self._undo.append(noting_files(files, self, self._originals))
         ACTIVE.append(self)
         self._undo.append(ACTIVE.pop)
         self.recording = True
