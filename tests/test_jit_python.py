@@ -1541,3 +1541,43 @@ def test_a_list_of_tensors_stacked_in_the_step_is_read_whole_at_every_length() -
         if jit:  # one per length (and the first .grad): no more
             assert step.num_traces <= 5, [t.reason for t in step.traces]
     assert torch.equal(losses[0], losses[1])
+
+
+@pytest.mark.parametrize("how", ["kwargs", "dict", "merge", "copy", "values", "tensor"])
+def test_a_config_dict_unpacked_or_copied_in_the_step_is_read_every_call(how: str) -> None:
+    # f(**cfg), dict(cfg), {**cfg} and cfg.copy() are read by CPython's own fast path,
+    # past the recording dict's methods: before 2026-11-28 the first traces' values were
+    # kept, silently (from the third call on). A key added between calls traces again.
+    def run(jit: bool) -> Tensor:
+        model, opt = net()
+        cfg = {"scale": 1.0, "shift": 0.0}
+
+        def loss_fn(out: Tensor, scale: float, shift: float, **extra: float) -> Tensor:
+            return (out * scale + shift).pow(2).mean() * extra.get("weight", 1.0)
+
+        def body(x: Tensor) -> Tensor:
+            out = model(x)
+            if how == "kwargs":
+                loss = loss_fn(out, **cfg)
+            elif how == "values":
+                loss = loss_fn(out, *cfg.values())
+            elif how == "tensor":
+                loss = loss_fn(out, *torch.tensor(list(cfg.values()))[:2])
+            else:
+                c = {"dict": dict, "merge": lambda d: {**d}, "copy": dict.copy}[how](cfg)
+                loss = loss_fn(out, **c)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = functacc.jit(body, modules=model, optimizers=opt, backend="eager") if jit else body
+        losses = []
+        for i, (x, _) in enumerate(data(5)):
+            cfg["scale"], cfg["shift"] = 1.0 + i, 0.5 * i
+            if i == 3 and how not in ("tensor", "values"):  # positional: 2 entries
+                cfg["weight"] = 2.0
+            losses.append(step(x))
+        return torch.stack(losses)
+
+    assert torch.equal(run(True), run(False))

@@ -172,6 +172,24 @@ class RecordingDict(dict):
         for key in list(dict.keys(self)):
             self._read(key)
 
+    def _read_keys(self) -> None:
+        if self.recorder.recording:
+            self.recorder.guard(self.location.child("keys", None), tuple(self.original))
+
+    # Iterated, the dict is no longer read by CPython's own fast path, unseen: dict(cfg),
+    # {**cfg} and f(**cfg) then go through keys() and __getitem__.
+    def __iter__(self) -> Any:
+        self._read_keys()
+        return dict.__iter__(self)
+
+    def keys(self) -> Any:
+        self._read_keys()
+        return dict.keys(self)
+
+    def copy(self) -> dict:
+        self._read_all()
+        return dict(dict.items(self))
+
     def items(self) -> Any:
         self._read_all()
         return dict.items(self)
