@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import types
 import warnings
 from collections import defaultdict, deque
@@ -1577,6 +1578,46 @@ def test_a_config_dict_unpacked_or_copied_in_the_step_is_read_every_call(how: st
             cfg["scale"], cfg["shift"] = 1.0 + i, 0.5 * i
             if i == 3 and how not in ("tensor", "values"):  # positional: 2 entries
                 cfg["weight"] = 2.0
+            losses.append(step(x))
+        return torch.stack(losses)
+
+    assert torch.equal(run(True), run(False))
+
+
+@dataclass
+class ScaleConfig:
+    scale: float = 1.0
+    shift: float = 0.0
+
+
+@pytest.mark.parametrize("how", ["vars", "namespace", "__dict__", "asdict", "copy", "deepcopy"])
+def test_a_config_object_read_whole_in_the_step_is_read_every_call(how: str) -> None:
+    # hparams = vars(args), cfg.__dict__[...], copy.copy(cfg): read past the recording
+    # object's attribute reads. Before 2026-11-28 vars() and __dict__ kept the first traces'
+    # values, silently, and copy.copy() was a KeyError.
+    def run(jit: bool) -> Tensor:
+        model, opt = net()
+        cfg = SimpleNamespace(scale=1.0, shift=0.0) if how == "namespace" else ScaleConfig()
+
+        def body(x: Tensor) -> Tensor:
+            if how in ("vars", "namespace"):
+                h = vars(cfg)
+            elif how == "__dict__":
+                h = cfg.__dict__
+            elif how == "asdict":
+                h = dataclasses.asdict(cfg)
+            else:
+                h = vars(getattr(copy, how)(cfg))
+            loss = (model(x) * h["scale"] + h["shift"]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = functacc.jit(body, modules=model, optimizers=opt, backend="eager") if jit else body
+        losses = []
+        for i, (x, _) in enumerate(data(4)):
+            cfg.scale, cfg.shift = 1.0 + i, 0.5 * i
             losses.append(step(x))
         return torch.stack(losses)
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import abc
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +67,14 @@ def _recording_class(cls: type) -> type:
         value = super(sub, self).__getattribute__(name)
         if ACTIVE and not name.startswith("__"):
             ACTIVE[-1].read(self, name, value)
+        elif ACTIVE and name == "__dict__" and _users(sys._getframe(1)):
+            _read_all(self, value)  # vars(args), args.__dict__: every attribute read
         return value
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:  # copy.copy(cfg): C reads its dict
+        if ACTIVE and not _functaccs(sys._getframe(1)):
+            _read_all(self, object.__getattribute__(self, "__dict__"))
+        return super(sub, self).__reduce_ex__(protocol)
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         if ACTIVE:
@@ -82,6 +91,7 @@ def _recording_class(cls: type) -> type:
         "__getattribute__": __getattribute__,
         "__setattr__": __setattr__,
         "__delattr__": __delattr__,
+        "__reduce_ex__": __reduce_ex__,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
     }
@@ -91,6 +101,27 @@ def _recording_class(cls: type) -> type:
         sub = cls
     _RECORDING_CLASSES[cls] = sub
     return sub
+
+
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read_all(obj: Any, fields: dict) -> None:
+    for key, item in list(fields.items()):
+        ACTIVE[-1].read(obj, key, item)
+
+
+def _users(frame: Any) -> bool:
+    """Whether ``frame`` runs the user's code (not a library's: nn.Module.__setattr__
+    reads its table at every assignment)."""
+    from .python_output import is_user_code
+
+    return is_user_code(frame.f_code.co_filename)
+
+
+def _functaccs(frame: Any) -> bool:
+    """Whether ``frame`` runs functacc's own code (which reads objects' tables itself)."""
+    return frame.f_code.co_filename.startswith(_OWN_CODE)
 
 
 def recording(obj: Any) -> Callable[[], None] | None:

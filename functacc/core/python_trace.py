@@ -215,8 +215,8 @@ class Recorder:
     # -- reads -----------------------------------------------------------------------------
     def read(self, obj: Any, name: str, value: Any) -> None:
         """A recording object's attribute was read."""
-        if not self.recording or (id(obj), name) in self._written:
-            return
+        if not self.recording or (id(obj), name) in self._written or id(obj) not in self.objects:
+            return  # (not reached from the roots: a copy.copy() made in the step)
         if name not in object.__getattribute__(obj, "__dict__"):
             return  # a method or a class attribute: code, not state
         self._read_first.add((id(obj), name))
