@@ -1683,3 +1683,55 @@ def test_per_sample_gradients_with_torch_func_in_a_dp_sgd_step_match_eager() -> 
     # Checked on 2026-11-28 and equal with no library change: a test that it stays so.
     (norms, weight), (ref_norms, ref_weight) = dp_sgd_run(True), dp_sgd_run(False)
     assert torch.equal(norms, ref_norms) and torch.equal(weight, ref_weight)
+
+
+def test_a_best_loss_check_in_the_step_is_an_error_whose_advice_keeps_eagers_numbers() -> None:
+    # `if loss.item() < best: best = loss.item(); torch.save(...)`, common at the end of a
+    # step: the branch is decided on the host. The error names the line and says to return
+    # the value and branch after the call, which gives eager's numbers; nothing changed.
+    def run(jit: bool, advised: bool) -> tuple[list, Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        best, saved = [float("inf")], []
+
+        def step(x: Tensor) -> float:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if not advised and loss.item() < best[0]:
+                best[0] = loss.item()
+                saved.append(best[0])
+            return loss.item()
+
+        step = functacc.jit(step, modules=model, optimizers=opt, backend="eager") if jit else step
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            loss = step(torch.randn(8, 4, generator=g))
+            if advised and loss < best[0]:  # the check, after the call
+                best[0] = loss
+                saved.append(loss)
+        return saved, model.weight.detach().clone()
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def as_written(x: Tensor) -> None:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 1.0:
+            print("best so far")
+
+    with pytest.raises(
+        functacc.TraceError,
+        match=r"(?s)branches on a tensor.s value.*return the value from the step",
+    ):
+        functacc.jit(as_written, modules=model, optimizers=opt, backend="eager")(torch.ones(2, 4))
+    assert torch.equal(model.weight, before) and model.weight.grad is None
+    eager, advised = run(False, False), run(True, True)
+    assert eager[0] == advised[0] and len(eager[0]) >= 2 and torch.equal(eager[1], advised[1])

@@ -10,6 +10,7 @@ tensors do not check) says that nothing was written.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from types import TracebackType
 
@@ -180,6 +181,20 @@ def translate(
             "call (to stop: the update of that call is done by then); to skip the update "
             "of a step whose gradients are not finite, use a torch.amp.GradScaler in the "
             f"step, whose skip functacc runs inside the graph. Inputs were: {signature}."
+        )
+    line = (frame.line or "") if frame is not None else ""
+    if (
+        frame is not None
+        and frame.name != "forward"
+        and re.match(r"\s*(if|elif)\b.*\.item\(\)", line)
+    ):
+        return TraceError(
+            f"the step branches on a tensor's value {where}\nfunctacc traces the whole step "
+            "once into a graph, so the branch would be decided once, at the trace, where "
+            "eager decides it on every call. Fix: return the value from the step (return "
+            "loss.item()) and branch after the call, where eager's numbers are (a best-loss "
+            "check, saving a checkpoint: the update of that call is done by then); inside the "
+            f"step, select with torch.where. Inputs were: {signature}."
         )
     if _is_data_dependent(exc):
         return TraceError(
