@@ -153,6 +153,16 @@ def translate(
             "it; or update it outside the jitted step with tensors the step returns "
             f"(metric.update(logits, y) after the call). Inputs were: {signature}."
         )
+    pyg = _in_package(exc, "torch_geometric", True) if _is_data_dependent(exc) else None
+    if pyg is not None:
+        return TraceError(
+            f"PyTorch Geometric's {pyg}() reads a tensor's value {where}\nIt does so to find "
+            "a size it was not given (the number of graphs in a batch: int(batch.max()) + 1), "
+            "which a graph traced once cannot. Fix: give the size: global_mean_pool(x, batch, "
+            "size=data.num_graphs) (and the other global_*_pool), to_dense_batch(x, batch, "
+            "batch_size=data.num_graphs), scatter(..., dim_size=...); a Batch passed to the "
+            f"step is read afresh every call. Inputs were: {signature}."
+        )
     utility = _optim_utility(exc) or _library_call(exc) if _is_data_dependent(exc) else None
     if utility is not None:
         owner = "torch's own code" if utility[1] == "torch" else f"code of {utility[1]}"
@@ -283,12 +293,14 @@ def _library_call(exc: BaseException) -> tuple[str, str] | None:
     return None
 
 
-def _in_package(exc: BaseException, package: str) -> str | None:
-    """The innermost function of ``package`` that ``exc`` was raised in, if any."""
+def _in_package(exc: BaseException, package: str, outermost: bool = False) -> str | None:
+    """The innermost (or outermost) function of ``package`` that ``exc`` was raised in."""
     tb, found = exc.__traceback__, None
     while tb is not None:
         if tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == package:
             found = tb.tb_frame.f_code.co_name
+            if outermost:
+                return found
         tb = tb.tb_next
     return found
 
