@@ -383,7 +383,7 @@ class StepBody:
         return check_cuda_graphs(self.cuda_graphs, device, collectives)
 
     def _trace_error(self, exc: Exception, described: str) -> Exception:
-        error = outside_tensor_error(exc, self.python.roots, self.capture.labels)
+        error = outside_tensor_error(exc, self.python.roots, self.capture)
         jit = self.capture.door == "functacc.jit"  # else compile_step's standard body
         call = f"{getattr(self.fn, '__qualname__', 'fn')}(...) run eagerly" if jit else None
         return error or translate(exc, self.engine.holder, described, call)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..errors import TraceError
 from .python_location import Location
-from .python_reach import entries, held, plain_objects
+from .python_reach import MODULE_TABLES, entries, held, plain_objects
 
 __all__ = ["dropped_gradient_error", "outside_tensor_error"]
 
@@ -46,9 +46,11 @@ def dropped_gradient_error(what: str, read: list[str]) -> TraceError:
     )
 
 
-def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> TraceError | None:
+def outside_tensor_error(exc: Exception, roots: Any, capture: Any) -> TraceError | None:
     """The error for a body that read a tensor from outside its inputs (``exc``: what
-    the trace raised), or ``None`` where ``exc`` is another error."""
+    the trace raised; ``capture``: the step's modules and their labels), or ``None`` where
+    ``exc`` is another error."""
+    labels = capture.labels
     if "convert all Tensors to FakeTensors" in str(exc) and _real_with_history(str(exc)):
         return TraceError(
             "the step read a tensor computed before the call, with autograd history "
@@ -71,6 +73,7 @@ def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> Trace
             "functacc.jit would have to bake it into the graph as a constant, where eager "
             "reads it afresh on every call.\n"
             f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
+            + _inside_objects(capture.modules, labels)
             + (
                 f"The step's Python state holds tensors that require grad at "
                 f"{', '.join(held[:4])}: functacc.jit feeds the tensors it reads from "
@@ -89,6 +92,30 @@ def outside_tensor_error(exc: Exception, roots: Any, labels: list[str]) -> Trace
             "through the module inside the step instead."
         )
     return None
+
+
+def _inside_objects(modules: Sequence[nn.Module], labels: Sequence[str]) -> str:
+    """The tensors the modules keep inside other objects (kornia's samplers: the bounds of
+    a ``torch.distributions.Uniform``), which are not fed, in words, with the way out."""
+    found = []
+    for label, module in zip(labels, modules, strict=True):
+        for name, sub in module.named_modules():
+            for attr, obj in vars(sub).items():
+                if attr in MODULE_TABLES or isinstance(obj, (nn.Module, Tensor)):
+                    continue
+                for key, value in getattr(obj, "__dict__", {}).items():
+                    if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+                        path = ".".join(filter(None, [label, name, attr, key]))
+                        found.append(f"{path} (in a {type(obj).__name__})")
+    if not found:
+        return ""
+    return (
+        f"The modules keep tensors inside other objects, which functacc does not feed to "
+        f"the graph: {', '.join(found[:3])}{f' and {len(found) - 3} more' if found[3:] else ''}"
+        ". Fix: run "
+        "that module outside the step (augment the batch before the call), or keep those "
+        "tensors as buffers of the module (register_buffer).\n"
+    )
 
 
 def _tensors_held(roots: Sequence[Any]) -> list[str]:
