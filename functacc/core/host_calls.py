@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import TraceError
+from .python_effects import Effect
 from .python_recording import ACTIVE
 
 __all__ = ["host"]
@@ -63,17 +64,10 @@ def host(fn: F) -> F:
     def call(*args: Any, **kwargs: Any) -> Any:
         if not ACTIVE:
             return fn(*args, **kwargs)
-        recorder = ACTIVE[-1]
-        where = f"the arguments of {getattr(fn, '__qualname__', 'a host function')}()"
-        recorder.effects.append(
-            (
-                "call",
-                fn,
-                [recorder.template(a, where) for a in args],
-                {k: recorder.template(v, where) for k, v in kwargs.items()},
-            )
-        )
-        return _Unknown(getattr(fn, "__qualname__", "a host function"))
+        recorder, name = ACTIVE[-1], getattr(fn, "__qualname__", "a host function")
+        where = f"the arguments of {name}()"
+        recorder.effects.append(Effect.call(fn, args, kwargs, recorder.template, where=where))
+        return _Unknown(name)
 
     # Not the user's code to the walk that finds what a body reads (python_reach): its
     # globals (ACTIVE) are functacc's, and fn's run on the host.

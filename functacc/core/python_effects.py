@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,15 @@ class Effect:
         if value is MISSING:
             return ("delete", target)
         return ("assign", target, template(value, where))
+
+    @staticmethod
+    def call(
+        function: Any, args: Sequence[Any], kwargs: dict, template: Callable, *, where: str
+    ) -> tuple:
+        """``function(*args, **kwargs)`` made after each call with its values (``print``, a
+        file's write, a ``functacc.host`` function)."""
+        made = [template(a, where) for a in args]
+        return ("call", function, made, {k: template(v, where) for k, v in kwargs.items()})
 
 
 def build(template: Template, outputs: Any, lrs: dict) -> Any:

@@ -27,6 +27,8 @@ import io
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .python_effects import Effect
+
 __all__ = ["NotedFile", "OpenFile", "noting_files", "noting_open", "write_to"]
 
 _WRITES = "wax+"  # a mode with one of these writes
@@ -86,8 +88,7 @@ class OpenFile:
         self._file, self._recorder = file, recorder
 
     def write(self, data: Any) -> int:
-        text = self._recorder.template(data, "a write to a file")
-        self._recorder.effects.append(("call", self._file.write, [text], {}))
+        self._note(self._file.write, data)
         return len(data)
 
     def writelines(self, lines: Iterable[Any]) -> None:
@@ -95,7 +96,11 @@ class OpenFile:
             self.write(line)
 
     def flush(self) -> None:
-        self._recorder.effects.append(("call", self._file.flush, [], {}))
+        self._note(self._file.flush)
+
+    def _note(self, method: Callable, *args: Any) -> None:
+        effect = Effect.call(method, args, {}, self._recorder.template, where="a write to a file")
+        self._recorder.effects.append(effect)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._file, name)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .python_effects import ABSENT, restorer
+from .python_effects import ABSENT, Effect, restorer
 from .python_files import NotedFile, OpenFile, noting_open
 from .python_numpy import traced_numpy
 from .python_percent import patch_percent, untangle
@@ -143,14 +143,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
 
     def note(function: Any, args: Sequence[Any], kwargs: dict, what: str) -> None:
         where = f"the arguments of {what}"
-        recorder.effects.append(
-            (
-                "call",
-                function,
-                [recorder.template(a, where) for a in args],
-                {k: recorder.template(v, where) for k, v in kwargs.items()},
-            )
-        )
+        recorder.effects.append(Effect.call(function, args, kwargs, recorder.template, where=where))
 
     def note_print(function: Any, args: Sequence[Any], kwargs: dict, what: str) -> None:
         # print(loss) shows eager's grad_fn: each tensor becomes its repr's token
