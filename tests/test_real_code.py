@@ -73,15 +73,27 @@ def test_a_causal_mask_passed_each_step_gives_eagers_numbers() -> None:
     assert "batch values" in step.traces[1].reason
 
 
-def test_a_causal_mask_made_inside_the_step_says_is_causal() -> None:
+def test_a_causal_mask_made_inside_the_step() -> None:
     model, _ = encoder()
 
     def body(x: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
         return model["enc"](x, mask=mask).sum()
 
+    # Made from the sizes alone, its value is computed at the trace (before 2026-11-28 a
+    # TraceError): eager's branch.
+    x = torch.randn(2, 8, 16)
+    torch.manual_seed(0)  # the same dropout masks
+    got = functacc.jit(body, modules=[model], backend="eager")(x)
+    torch.manual_seed(0)
+    assert torch.equal(got, body(x).detach())
+
+    def from_values(x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(8, 8).masked_fill(x[0, :, :8] > 2, float("-inf"))
+        return model["enc"](x, mask=mask).sum()
+
     with pytest.raises(functacc.TraceError, match="is_causal=True"):
-        functacc.jit(body, modules=[model], backend="eager")(torch.randn(2, 8, 16))
+        functacc.jit(from_values, modules=[model], backend="eager")(x)
 
     def hinted(x: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])

@@ -120,7 +120,7 @@ class StepBody:
         self._numbers = NumberArguments(fn, self.python.roots)  # step(x, it): guarded, fed
         self.scalers = attach_grad_scalers(capture, self.python.roots)  # step(): selects
         declared = [linked.optimizer for linked in capture.optimizers]
-        check_declared_optimizers(self.python.roots, declared, capture.params.values())
+        check_declared_optimizers(self.python.roots, declared, capture.modules)
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
         self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
         self._values = ValueGuard()

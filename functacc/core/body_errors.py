@@ -97,16 +97,30 @@ def outside_tensor_error(exc: Exception, roots: Any, capture: Any) -> TraceError
 def _inside_objects(modules: Sequence[nn.Module], labels: Sequence[str]) -> str:
     """The tensors the modules keep inside other objects (kornia's samplers: the bounds of
     a ``torch.distributions.Uniform``), which are not fed, in words, with the way out."""
-    found = []
+    found, hidden = [], []
     for label, module in zip(labels, modules, strict=True):
         for name, sub in module.named_modules():
             for attr, obj in vars(sub).items():
                 if attr in MODULE_TABLES or isinstance(obj, (nn.Module, Tensor)):
                     continue
+                # A plain list of layers (pytorch/examples' forward-forward Net) is no
+                # submodule: the modules in it are neither given nor part of `module`.
+                items = obj.values() if isinstance(obj, dict) else obj
+                if isinstance(obj, (list, tuple, dict)) and any(
+                    isinstance(item, nn.Module) for item in items
+                ):
+                    hidden.append(".".join(filter(None, [label, name, attr])))
                 for key, value in getattr(obj, "__dict__", {}).items():
                     if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
                         path = ".".join(filter(None, [label, name, attr, key]))
                         found.append(f"{path} (in a {type(obj).__name__})")
+    if hidden:
+        return (
+            "The modules keep modules in a plain list or dict, which "
+            f"are not their submodules: {', '.join(hidden[:3])}. Their parameters are no "
+            "input of the step. Fix: hold them in an nn.ModuleList (or nn.ModuleDict), or "
+            "give each of them in modules=(...) too.\n"
+        )
     if not found:
         return ""
     return (

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .averaged_model import averages_in_graph
 from .c10d_in_trace import collectives_in_graph
+from .constant_values import constant_value
 from .data_assign import data_assignments_written
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
@@ -255,21 +256,27 @@ def mask_checks_on_values(
     (``nn.TransformerEncoder(src, mask=...)`` compares the mask's values with a causal one)
     runs on the real mask where the mask is an argument of the call; its values become part
     of the step's signature (``guarded``: their positions among the batch tensors), so a
-    mask with other values traces again, as eager would take the other branch."""
+    mask with other values traces again, as eager would take the other branch. A mask the
+    step computes from no input runs on its value (:mod:`.constant_values`)."""
     from torch.nn.modules import transformer
 
     original = transformer._detect_is_causal_mask
 
     def detect(mask: Any, is_causal: Any = None, size: Any = None) -> bool:
         index = batch.get(id(mask)) if mask is not None else None
-        if index is None or is_causal is not None:
+        # A mask the step makes from its sizes alone (torch's seq2seq tutorial's
+        # create_mask) has the same values on every call of this graph.
+        value = None if mask is None or index is not None else constant_value(mask)
+        if (index is None and value is None) or is_causal is not None:
             return original(mask, is_causal, size)
-        guarded.add(index)
+        if index is not None:
+            guarded.add(index)
+            value = real[index]
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
         with disable_proxy_modes_tracing(), unset_fake_temporarily():  # real values, eagerly
-            return bool(original(real[index], is_causal, size))
+            return bool(original(value, is_causal, size))
 
     transformer._detect_is_causal_mask = detect
     try:

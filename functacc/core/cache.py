@@ -281,11 +281,19 @@ def _fix(reason: str, static: bool = False) -> str:
             "size). Fix: pad batches to a few sizes with functacc.DeviceLoader(loader, "
             "buckets=[...]), or pad sequences to a fixed length."
         )
-    if " dim " in reason or "guard" in reason:
+    if "guard" in reason:  # a symbolic graph was there: dynamic=True would not help
         return (
-            "Each new input size costs a trace and a compile. Fix: compile_step(..., "
-            "dynamic=True) traces sizes symbolically from the first call, or pad batches to a "
-            "few sizes with functacc.DeviceLoader(loader, buckets=[...])."
+            "Each new input size costs a trace and a compile: the step fixed these sizes "
+            "(it branched in Python on them, or on values made from them, as torch's "
+            "transformer layers do on an attention mask; or a size was 0 or 1, which torch "
+            "traces apart). Fix: pad batches to a few sizes "
+            "with functacc.DeviceLoader(loader, buckets=[...])."
+        )
+    if " dim " in reason:
+        return (
+            "Each new input size costs a trace and a compile. Fix: dynamic=True (of jit or "
+            "compile_step) traces sizes symbolically from the first call, or pad batches to "
+            "a few sizes with functacc.DeviceLoader(loader, buckets=[...])."
         )
     return (
         "The step is traced once per distinct signature (input dtypes and layouts, train/eval "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import copy
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -182,15 +182,22 @@ def unwrapped(o: Any) -> Any:
 
 
 def check_declared_optimizers(
-    roots: list[Root], declared: Sequence[Any], params: Iterable[Tensor]
+    roots: list[Root], declared: Sequence[Any], modules: Sequence[nn.Module]
 ) -> None:
     """Refuse a body that holds an optimizer of its modules' parameters that is not in
-    ``optimizers=``. Unlisted, its ``zero_grad()`` and ``step()`` act on the
-    parameters themselves, once, at the trace: the traced step never updated them (their
-    ``.grad`` is ``None`` then, so ``step()`` skipped them), silently."""
-    ids = {id(p) for p in params}
+    ``optimizers=``, also one a module keeps as an attribute (pytorch/examples'
+    forward-forward layers: ``self.opt``). Unlisted, its ``zero_grad()`` and ``step()`` act
+    on the parameters themselves, once, at the trace: the traced step never updated them
+    (their ``.grad`` is ``None`` then, so ``step()`` skipped them), silently."""
+    ids = {id(p) for m in modules for p in m.parameters()}
     known = {id(d) for d in declared}
-    for value in held_values(roots):
+    kept = [
+        (v, f" (a {type(sub).__name__}'s .{name})")
+        for m in modules
+        for sub in m.modules()
+        for name, v in vars(sub).items()
+    ]
+    for value, where in [(v, "") for v in held_values(roots)] + kept:
         if not isinstance(value, torch.optim.Optimizer) or id(unwrapped(value)) in known:
             continue
         if not any(id(p) in ids for group in value.param_groups for p in group["params"]):
@@ -204,8 +211,8 @@ def check_declared_optimizers(
                 f"the parameters once, while traced, not on every call. Fix: {LBFGS_ADVICE}"
             )
         raise argument_error(
-            f"the step body holds a {type(value).__name__} of its modules' parameters "
-            "that is not in optimizers=: its zero_grad() and step() would act on the "
+            f"the step body holds a {type(value).__name__}{where} of its modules' "
+            "parameters that is not in optimizers=: its zero_grad() and step() would act on the "
             "parameters themselves once, while traced, not on every call (eager steps "
             "every call). Fix: pass it in optimizers=(...), also when its step() runs "
             "after the jitted function."
