@@ -791,9 +791,43 @@ def rollout_lists() -> Case:
     return Case(body, [model], [opt], state=state, between=between, batches=data(), traces=2)
 
 
+class Counted(nn.Module):
+    """A model of the user's that counts its steps (halving its output on every third)
+    and keeps a running loss that starts as ``None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, _ = net()
+        self.calls = 0
+        self.running: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.net(x)
+        return out * 0.5 if self.calls % 3 == 0 else out
+
+
+def module_counter() -> Case:
+    model = Counted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def body(x: Tensor, y: Tensor) -> Tensor:
+        loss = standard(model, opt, x, y)
+        d = loss.detach()
+        model.running = d if model.running is None else 0.9 * model.running + 0.1 * d
+        model.calls += 1
+        return loss
+
+    state = lambda: (model.calls, model.running)  # noqa: E731
+    # Traces: the first writes the counter (then followed), the second has no .grad yet,
+    # the third the branch's other side; no trace per count (before 2026-11-28 the counter
+    # and the running loss were part of the model's key: a trace on every call).
+    return Case(body, [model], [opt], state=state, batches=data(7), traces=None)
+
+
 CASES = {
     f.__name__: f
     for f in (
+        module_counter,
         rollout_lists,
         script_globals,
         list_items,
@@ -939,7 +973,9 @@ def test_python_state_matches_eager_under_inductor(name: str) -> None:
     case = CASES[name]()
     before = tensors_of(case.modules, case.optimizers)
     rng = torch.get_rng_state()
-    step = functacc.jit(case.body, modules=case.modules, optimizers=case.optimizers)
+    step = functacc.jit(
+        case.body, modules=case.modules, optimizers=case.optimizers, backend="eager"
+    )
     with pytest.raises(functacc.TraceError, match=INDUCTOR_REFUSES[name]):
         step(*case.batches[0])
     assert_same(tensors_of(case.modules, case.optimizers), before)
@@ -1219,6 +1255,20 @@ def test_number_arguments_are_fed_once_they_change(
     assert torch.equal(jitted[1], eager[1])
     if not branch:  # the first call; step and scale fed; the table written into
         assert len(traces) == 3
+
+
+def test_a_counter_a_module_of_the_users_keeps_costs_no_trace_per_call() -> None:
+    case = module_counter()
+    step = functacc.jit(
+        case.body, modules=case.modules, optimizers=case.optimizers, backend="eager"
+    )
+    for x, y in case.batches:
+        step(x, y)
+    assert case.state()[0] == 7
+    # Three compiles (see module_counter) and one trace that found a graph made before
+    # (the branch's first side again, now under the fed counter); before 2026-11-28 every
+    # call from the third on traced again (5 reuses).
+    assert step.num_traces <= 3 and step._engine.engine.reused <= 1, [t.reason for t in step.traces]
 
 
 def test_traces_that_reuse_a_compile_are_said(caplog: pytest.LogCaptureFixture) -> None:

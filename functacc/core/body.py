@@ -116,7 +116,7 @@ class StepBody:
         # What the body reads and writes in Python: guarded, fed or replayed.
         owned = lambda: owned_tensors(capture.modules, capture.optimizers)  # noqa: E731
         modules = list(zip(capture.labels, capture.modules, strict=True))
-        self.python = PythonState(fn, capture.optimizers, owned, modules)
+        self.python = PythonState(fn, capture.optimizers, owned, modules, capture.watch.unkeyed)
         self._numbers = NumberArguments(fn, self.python.roots)  # step(x, it): guarded, fed
         self.scalers = attach_grad_scalers(capture, self.python.roots)  # step(): selects
         declared = [linked.optimizer for linked in capture.optimizers]

@@ -66,6 +66,9 @@ class ModelWatch:
         self._key: tuple = ()
         # The plain attributes the modules have now. One that a forward adds later (a cache
         # it builds once, which the trace allows) is not part of the signature.
+        # Those the body's Python state follows instead, fed or guarded (a counter that a
+        # module of the user's code keeps, written by the step): PythonState.unkeyed.
+        self.unkeyed: set[tuple[int, str]] = set()
         self._attributes = [
             (f"{name}.{attr}", module, attr)
             for name, module in zip(self.names, self.modules, strict=True)
@@ -99,6 +102,7 @@ class ModelWatch:
                 tuple(
                     (name, _value_key(vars(module).get(attr, _MISSING), contents))
                     for name, module, attr in self._attributes
+                    if (id(module), attr) not in self.unkeyed
                 ),
             ),
         )
@@ -124,6 +128,11 @@ def _value_key(value: Any, contents: dict[int, Any] | None = None, depth: int = 
         return value if value == value else "nan"
     if value is _MISSING:
         return "(deleted)"
+    if isinstance(value, Tensor) and depth == 0:
+        # An attribute that was no tensor when the step was made and is one now (a running
+        # loss that starts as None): the body's Python state feeds it (python_tensors), so
+        # its kind is the key, not which tensor it is (a new one each call).
+        return ("tensor", tuple(value.shape), value.dtype, value.device, value.requires_grad)
     if isinstance(value, enum.Enum):
         return ("enum", str(value))
     inside = held_items(value) if depth < HELD_DEPTH else None

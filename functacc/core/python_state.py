@@ -39,7 +39,7 @@ from .lookup_tables import table_key, table_repr
 from .python_clock import new_call
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
-from .python_reach import called_toward, find_roots
+from .python_reach import called_toward, find_roots, is_user_code
 from .python_recording import groups_root
 from .python_replay import QUIET, PythonPlan, Replay
 from .python_tensors import fed_key, feedable, module_containers
@@ -88,6 +88,7 @@ class PythonState:
         optimizers: Sequence[Any],
         owned: Callable[[], set[int]] = set,
         modules: Sequence[tuple[str, Any]] = (),
+        unkeyed: set[tuple[int, str]] | None = None,
     ):
         # The body's code's roots, and the containers its modules keep (python_tensors).
         self.roots: list[Root] = find_roots(fn) + module_containers(modules)
@@ -111,6 +112,7 @@ class PythonState:
         self._scalar_buffers = any(b.numel() == 1 for _, m in modules for b in m.buffers())
         self._modules = list(modules)
         self._followed: set[int] = set()  # modules whose attributes it writes (ModuleRoot)
+        self.unkeyed = set() if unkeyed is None else unkeyed  # (id(module), attr): not keyed
 
     # -- per call ------------------------------------------------------------------------
     def new_call(self) -> None:
@@ -189,7 +191,9 @@ class PythonState:
         """After a failed trace: whether tracing again can succeed — counters to feed
         (:class:`Retry`), or fed values the body branched on, to guard instead."""
         recorder = self._recorder
-        if self._follow(getattr(exc, "changed_modules", ())):
+        if self._follow(
+            getattr(exc, "changed_modules", ()), getattr(exc, "changed_attributes", ())
+        ):
             return True
         promote = exc.promote if isinstance(exc, Retry) else []
         self._learned = list(promote)
@@ -224,11 +228,13 @@ class PythonState:
             self.pinned.add(loc)
         return True
 
-    def _follow(self, modules: Sequence[Any]) -> bool:
+    def _follow(self, modules: Sequence[Any], attributes: Sequence[tuple[Any, str]]) -> bool:
         """Modules whose Python attributes the body wrote (a torchmetrics ``Metric``'s
         ``self._update_count += 1``, ``self._computed = None``): from the next trace on,
         followed as a plain object's are (counters fed, writes replayed, scalars guarded).
-        Whether one is new."""
+        Those attributes of a module of the user's code (``self.calls += 1``), whose reads
+        are recorded, leave the model's key (``unkeyed``). Whether one is new."""
+        self.unkeyed.update((id(m), a) for m, a in attributes if is_user_code(type(m)))
         new = [m for m in modules if id(m) not in self._followed]
         for module in new:
             self._followed.add(id(module))

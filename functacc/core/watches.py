@@ -89,7 +89,7 @@ class AttributeWatch:
                     continue  # a lazily built cache: set once, in eager too
                 if k not in caches:
                     changed.append(f"{name}.{k}" if name else k)
-                    modules.append(module)
+                    modules.append((module, k))
                 if k in before:
                     attrs[k] = old
                 else:
@@ -98,7 +98,8 @@ class AttributeWatch:
             error = attribute_change_error(changed)
             # Which modules: a jitted body's Python state follows them from its next trace
             # (PythonState.retry), as it follows a plain object's attributes.
-            error.changed_modules = list({id(m): m for m in modules}.values())
+            error.changed_modules = list({id(m): m for m, _ in modules}.values())
+            error.changed_attributes = modules
             raise error
 
 
