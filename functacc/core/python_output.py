@@ -4,7 +4,8 @@ Eager runs ``print(f"loss {loss.item():.4f}")`` on every step; a traced body's P
 once, and the number is a symbol then (it printed ``loss zuf0``, once). While the body is
 traced, ``print``, ``logging``'s loggers, TensorBoard's ``SummaryWriter.add_*`` (torch's and
 tensorboardX's: ``writer.add_scalar("loss", loss, step)`` logged one point), ``wandb.log``
-and ``run.log``, ``tqdm``'s ``update`` / ``set_postfix`` / ``set_description``,
+and ``run.log``, Accelerate's, Fabric's and a ``LightningModule``'s ``log``,
+``tqdm``'s ``update`` / ``set_postfix`` / ``set_description``,
 ``torch.save`` (a checkpoint every N steps: at the trace it wrote fake tensors) and the
 writes to files it opens (:mod:`.python_files`) called from the user's code are noted as
 ``("call", function, args, kwargs)`` effects (:mod:`.python_effects`) and run after each
@@ -65,6 +66,9 @@ _NOTED_METHODS = (
     ("lightning_fabric.fabric", "Fabric", ("log", "log_dict", "print")),  # its loggers
     ("lightning_fabric.loggers.csv_logs", "CSVLogger", ("log_metrics",)),
     ("lightning_fabric.loggers.tensorboard", "TensorBoardLogger", ("log_metrics",)),
+    # self.log(...) in a LightningModule's training_step: into the trainer's results
+    ("pytorch_lightning.core.module", "LightningModule", ("log", "log_dict", "print")),
+    ("lightning.pytorch.core.module", "LightningModule", ("log", "log_dict", "print")),
 )
 
 
