@@ -778,3 +778,36 @@ def test_a_shape_error_is_reported_once(caplog) -> None:
     with caplog.at_level(logging.DEBUG), pytest.raises(TraceError, match=r"\[8, 5\] X"):
         step(torch.randn(8, 5), torch.randint(0, 5, (8,)))
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+
+
+def test_a_jitted_forward_whose_loss_is_backpropagated_after_the_call_is_warned_about() -> None:
+    # The torch.compile habit: jit the forward and loss, then loss.backward() after the
+    # call. jit returns tensors detached, so torch then says "does not require grad"; the
+    # warning at the trace says why, and how to fix it.
+    import warnings
+
+    model = models.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+
+    def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x), y)
+
+    forward_only = functacc.jit(forward_loss, modules=[model], backend="eager")
+    with pytest.warns(UserWarning, match=r"requires grad.*loss\.backward\(\) and opt\.step\(\)"):
+        loss = forward_only(x, y)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        loss.backward()
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the fix
+        opt.zero_grad()
+        loss = forward_loss(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        functacc.jit(train_step, modules=[model], optimizers=[opt], backend="eager")(x, y)
+        with torch.no_grad():  # values only: nothing to warn about
+            functacc.jit(forward_loss, modules=[model], backend="eager")(x, y)

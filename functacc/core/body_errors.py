@@ -8,16 +8,19 @@ reads it afresh; these errors say which it was and what to do instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..errors import TraceError
 from .python_location import Location
 from .python_reach import MODULE_TABLES, entries, held, plain_objects
 
-__all__ = ["dropped_gradient_error", "outside_tensor_error"]
+__all__ = ["counting_backwards", "dropped_gradient_error", "outside_tensor_error"]
 
 
 def _held_by(roots: Sequence[Any]) -> str:
@@ -154,3 +157,43 @@ def _real_with_history(text: str) -> bool:
             return True
         start = text.find("tensor(", end)
     return False
+
+
+@contextlib.contextmanager
+def counting_backwards(what: str, fn: Any) -> Iterator[list[Any]]:
+    """While the body ``fn`` is traced: note its ``backward()`` and
+    ``torch.autograd.grad`` calls; the caller puts what the body returned in the list
+    yielded, and a body that returned a tensor that requires grad, having run neither, is
+    warned about (at ``fn``'s line). jit returns tensors detached: a ``loss.backward()``
+    after the call (jitting the forward alone, as one does with ``torch.compile``) fails
+    with torch's "does not require grad"; the warning says why first."""
+    seen: list[str] = []
+    returned: list[Any] = []
+    real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        seen.append("backward")
+        return real_backward(*args, **kwargs)
+
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        seen.append("grad")
+        return real_grad(*args, **kwargs)
+
+    torch.autograd.backward, torch.autograd.grad = backward, grad
+    try:
+        yield returned
+    finally:
+        torch.autograd.backward, torch.autograd.grad = real_backward, real_grad
+    if seen or not any(isinstance(t, Tensor) and t.requires_grad for t in returned):
+        return
+    code = getattr(fn, "__code__", None)
+    warnings.warn_explicit(
+        f"{what} returned a tensor that requires grad and ran no backward() or "
+        "torch.autograd.grad: functacc.jit compiles a whole training step and returns "
+        'tensors detached, so a backward() on them after the call fails ("does not require '
+        'grad"). Fix: put loss.backward() and opt.step() in the jitted function (its '
+        "optimizers in optimizers=); to compute values only, call it under torch.no_grad().",
+        UserWarning,
+        code.co_filename if code else "functacc",
+        code.co_firstlineno if code else 0,
+    )

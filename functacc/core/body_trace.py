@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from .averaged_model import averages_in_graph
+from .body_errors import counting_backwards
 from .c10d_in_trace import collectives_in_graph
 from .constant_values import constant_value
 from .data_assign import data_assignments_written
@@ -143,9 +144,11 @@ class TracedBody:
                 value_checks_in_graph(),
                 averages_in_graph(),
                 data_assignments_written(),
+                counting_backwards(self.step.engine.cache.what, self.step.fn) as returned,
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
-            out, self.out_spec = pytree.tree_flatten(result)
+                out, self.out_spec = pytree.tree_flatten(result)
+                returned.extend(out)
             free = {i: flat[n_fixed + i] for i in self.donated}
             self._donated_inputs = list(free.values())
             produced = self._returned(out, free, flat[self.n_state : n_fixed])
