@@ -986,6 +986,7 @@ def test_python_state_matches_eager_under_inductor(name: str) -> None:
 def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
     trainer = Trainer()
     trainer.seen, trainer.window = {1}, deque([0.5], maxlen=3)
+    trainer.losses = [torch.tensor(0.5)]
     model, opt = trainer.model, trainer.opt
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     history: list[float] = [0.0]
@@ -1034,6 +1035,12 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         trainer.window.append(standard(model, opt, x, y).item())
         return sum(trainer.window) / len(trainer.window)  # read at its trace-time length
 
+    def stacks_what_it_appends(x: Tensor, y: Tensor) -> Tensor:
+        # torch.stack reads the list in C++, unseen: before 2026-11-28 the third call
+        # stacked the items of the second's length, silently.
+        trainer.losses.append(standard(model, opt, x, y).detach())
+        return torch.stack(trainer.losses).mean()
+
     def set_add(x: Tensor, y: Tensor) -> Tensor:
         trainer.seen.add(x.shape[0])  # a set: what the step read of it would be fixed
         return standard(model, opt, x, y)
@@ -1053,6 +1060,7 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "deque_appendleft": (deque_appendleft, functacc.TraceError, "deque .*window.*appendleft"),
         "deque_mean": (deque_mean, functacc.TraceError, "reads the deque .*window.*appends"),
         "set_add": (set_add, functacc.TraceError, r"changes the set .*seen.*seen\[k\] = True"),
+        "stacks_appended": (stacks_what_it_appends, functacc.TraceError, "reads the list .*losses"),
         "counts_by_length": (counts_by_length, functacc.TraceError, "keep a counter"),
         "computes_with_numpy": (
             computes_with_numpy,
@@ -1074,6 +1082,7 @@ def test_what_cannot_be_replayed_is_a_clear_error_and_changes_nothing(name: str)
         step(*data(1)[0])
     assert_same(tensors_of([trainer.model], [trainer.opt]), before)
     assert (dict(vars(trainer)), dict(vars(sched)), list(history)) == python
+    assert len(trainer.losses) == 1 and len(trainer.window) == 1
     assert torch.equal(torch.get_rng_state(), rng)
 
 

@@ -233,6 +233,9 @@ def list_writes(
     ]
     noun = "deque" if isinstance(obj, RecordingDeque) else "list"
     cleared = getattr(obj, "cleared", False)
-    effect = list_effect(location, contents, now, template, obj.read, noun, cleared)
+    # Items fed to the graph were read, by torch's C++ where not by Python (torch.stack of
+    # a list it also appends to): an append then cannot keep what the step read.
+    read = obj.read or any(location.child("item", i) in fed for i in range(len(contents)))
+    effect = list_effect(location, contents, now, template, read, noun, cleared)
     took = isinstance(obj, RecordingList) and took_list(obj, unrecorded)
     return effect, (effect is None or effect[0] == "clear") and (obj.read or took)
