@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import io
 import types
 import warnings
 from collections import defaultdict, deque
@@ -1041,6 +1042,20 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         trainer.losses.append(standard(model, opt, x, y).detach())
         return torch.stack(trainer.losses).mean()
 
+    def saves_optimizer(x: Tensor, y: Tensor) -> Tensor:
+        # A checkpoint in the step: before 2026-11-28 a KeyError from inside torch.optim.
+        loss = standard(model, opt, x, y)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, io.BytesIO())
+        return loss
+
+    def saves_scheduler(x: Tensor, y: Tensor) -> Tensor:
+        # Before 2026-11-28 its state was saved one step behind eager's, silently (the
+        # scheduler's step is replayed after the call).
+        loss = standard(model, opt, x, y)
+        sched.step()
+        torch.save({"model": model.state_dict(), "sched": sched.state_dict()}, io.BytesIO())
+        return loss
+
     def set_add(x: Tensor, y: Tensor) -> Tensor:
         trainer.seen.add(x.shape[0])  # a set: what the step read of it would be fixed
         return standard(model, opt, x, y)
@@ -1060,6 +1075,8 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "deque_appendleft": (deque_appendleft, functacc.TraceError, "deque .*window.*appendleft"),
         "deque_mean": (deque_mean, functacc.TraceError, "reads the deque .*window.*appends"),
         "set_add": (set_add, functacc.TraceError, r"changes the set .*seen.*seen\[k\] = True"),
+        "saves_optimizer": (saves_optimizer, functacc.TraceError, r"SGD\.state_dict\(\).*after"),
+        "saves_scheduler": (saves_scheduler, functacc.TraceError, r"StepLR\.state_dict\(\)"),
         "stacks_appended": (stacks_what_it_appends, functacc.TraceError, "reads the list .*losses"),
         "counts_by_length": (counts_by_length, functacc.TraceError, "keep a counter"),
         "computes_with_numpy": (
@@ -1278,6 +1295,22 @@ def test_a_counter_a_module_of_the_users_keeps_costs_no_trace_per_call() -> None
     # (the branch's first side again, now under the fed counter); before 2026-11-28 every
     # call from the third on traced again (5 reuses).
     assert step.num_traces <= 3 and step._engine.engine.reused <= 1, [t.reason for t in step.traces]
+
+
+def test_an_optimizer_whose_own_step_is_traced_refuses_its_state_dict_too() -> None:
+    model, _ = net()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    before = tensors_of([model], [opt])
+
+    def body(x: Tensor, y: Tensor) -> dict:
+        standard(model, opt, x, y)
+        return opt.state_dict()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"RMSprop\.state_dict\(\)"):
+        step(*data(1)[0])
+    assert_same(tensors_of([model], [opt]), before)
+    assert set(opt.state_dict()) == {"state", "param_groups"}  # after the call: torch's own
 
 
 def test_traces_that_reuse_a_compile_are_said(caplog: pytest.LogCaptureFixture) -> None:

@@ -23,7 +23,12 @@ from ..errors import argument_error
 from ..optim._torch import TorchOptimizerLink, _check_supported, check_owned_parameters
 from ..optim._transform import step_params
 
-__all__ = ["LinkedOptimizer", "TracedOptimizer", "link_optimizer", "trace_optimizer"]
+__all__ = [
+    "LinkedOptimizer",
+    "TracedOptimizer",
+    "link_optimizer",
+    "trace_optimizer",
+]
 
 
 def link_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str) -> Any:
@@ -214,10 +219,14 @@ class TracedOptimizer:
         for group, group_names in zip(opt.param_groups, names, strict=True):
             group["params"] = [self.leaf_of(n) for n in group_names]
         opt.step = self.step  # an instance attribute shadows the class's step
+        from .own_step_trace import refuse_state_dicts
+
+        self._undo = refuse_state_dicts(opt)
         return self
 
     def __exit__(self, *exc: object) -> None:
         opt = self.linked.optimizer
+        self._undo()
         for group, params in zip(opt.param_groups, self._saved["groups"], strict=True):
             group["params"] = params
         if self._saved["step"] is None:

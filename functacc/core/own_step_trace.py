@@ -25,11 +25,12 @@ from torch import Tensor
 from ..errors import argument_error
 from ..optim import TransformOptimizer
 from .own_step import OwnStepLink, _fed
+from .python_effects import checkpoint_refused
 from .python_location import Location
 from .python_numbers import symbolic_builtins
 from .scalar_reads import ScalarReads
 
-__all__ = ["OwnStepTrace"]
+__all__ = ["OwnStepTrace", "refuse_state_dicts"]
 
 
 # -- while the body is traced ---------------------------------------------------------------
@@ -74,6 +75,7 @@ class OwnStepTrace:
         for n in self.link.params:
             state[self.leaf_of(n)] = self.state[n]
         opt.state = state
+        self._undo = refuse_state_dicts(opt)
         self._numbers = {
             n: {k: v for k, v in d.items() if not isinstance(v, Tensor)}
             for n, d in self.state.items()
@@ -177,6 +179,7 @@ class OwnStepTrace:
         for group, params in zip(opt.param_groups, self._saved_params, strict=True):
             group["params"] = params
         opt.state = self._saved_state
+        self._undo()
         if self._saved_step is None:
             vars(opt).pop("step", None)
         else:
@@ -275,3 +278,18 @@ def _write(placeholder: Tensor, value: Any, where: str) -> None:
         )
     with torch.no_grad():
         placeholder.copy_(value)
+
+
+def refuse_state_dicts(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """While the step is traced: ``opt.state_dict()`` and ``load_state_dict`` are a clear
+    error (:func:`~.python_effects.checkpoint_refused`). Returns the undo."""
+    saved = {n: vars(opt)[n] for n in ("state_dict", "load_state_dict") if n in vars(opt)}
+
+    def undo() -> None:
+        for name in ("state_dict", "load_state_dict"):
+            vars(opt).pop(name, None)
+        vars(opt).update(saved)
+
+    refused = checkpoint_refused(type(opt).__name__)
+    opt.state_dict = opt.load_state_dict = refused  # instance attributes shadow the class's
+    return undo

@@ -259,6 +259,25 @@ def _refused(name: str, advice: str, original: Callable) -> Callable:
     return refuse
 
 
+def checkpoint_refused(owner: str) -> Callable[..., Any]:
+    """``owner.state_dict()`` / ``load_state_dict`` in a traced step, refused: an optimizer's
+    or a scheduler's state is the graph's then, or changes only after the call (a scheduler
+    stepped in the step is replayed after it), so a checkpoint made there would not hold the
+    call's values (a scheduler's was one step behind, silently, before 2026-11-28)."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        who = type(args[0]).__name__ if args and hasattr(args[0], "state_dict") else owner
+        raise TraceError(
+            f"the step calls {who}.state_dict() (or load_state_dict): while functacc.jit "
+            "traces it, that state is the graph's or changes after the call, so a checkpoint "
+            "made there would not hold the call's values. Fix: save or load it after the call "
+            "(if it % every == 0: torch.save(opt.state_dict(), path) after step(...)); a "
+            "model's state_dict() may be saved in the step."
+        )
+
+    return refused
+
+
 def patch_random_and_schedulers(recorder: Any) -> Callable[[], None]:
     """While the body is traced: seeding functions and ``lr_scheduler`` steps are noted by
     ``recorder`` instead of run. Returns the function that puts them back."""
@@ -331,6 +350,8 @@ def patch_random_and_schedulers(recorder: Any) -> Callable[[], None]:
         return [LastLR(scheduler, count, i) for i in range(len(scheduler.get_last_lr_real()))]
 
     for cls in _subclasses(lr_scheduler.LRScheduler):
+        for name in ("state_dict", "load_state_dict"):
+            patch(cls, name, checkpoint_refused("the scheduler's"))
         patch(cls, "step", step_stand_in)
         if "get_last_lr" in vars(cls):
             real = vars(cls)["get_last_lr"]
