@@ -1747,3 +1747,80 @@ def test_a_best_loss_check_in_the_step_is_an_error_whose_advice_keeps_eagers_num
     assert torch.equal(model.weight, before) and model.weight.grad is None
     eager, advised = run(False, False), run(True, True)
     assert eager[0] == advised[0] and len(eager[0]) >= 2 and torch.equal(eager[1], advised[1])
+
+
+def mae_run(jit: bool, bad_at: int | None = None, backend: str = "eager") -> tuple:
+    # facebookresearch/mae's engine_pretrain.train_one_epoch (DeiT's and DINO's have the
+    # same check): loss_value = loss.item(); if not math.isfinite(loss_value): print, exit.
+    import math
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.mse_loss(model(x), y)
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            print(f"Loss is {loss_value}, stopping training")
+            sys.exit(1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss_value
+
+    if jit:
+        step = functacc.jit(step, modules=[model], optimizers=[opt], backend=backend)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(4):
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+        if i == bad_at:
+            x[0, 0] = float("nan")
+            before = [
+                t.clone() for t in [*model.parameters(), *opt.state_dict()["state"][0].values()]
+            ]
+            with pytest.raises(
+                functacc.TraceError, match=r"math\.isfinite\(\) at .*changing nothing"
+            ):
+                step(x, y)
+            after = [*model.parameters(), *opt.state_dict()["state"][0].values()]
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+            continue
+        losses.append(step(x, y))
+    return losses, model.weight.detach().clone(), step
+
+
+def test_maes_loss_check_runs_as_eager_and_a_non_finite_loss_fails_changing_nothing() -> None:
+    # Before 2026-11-28 the check was a TraceError advising to move it out of the step.
+    losses, weight, step = mae_run(True)
+    ref_losses, ref_weight, _ = mae_run(False)
+    assert losses == ref_losses and torch.equal(weight, ref_weight)
+    assert step.num_traces <= 2  # no .grad yet, then with it: the check is no branch
+    mae_run(True, bad_at=2)  # eager would exit there; the jitted call raises, state kept
+
+
+def test_a_loss_check_on_the_tensor_says_what_works() -> None:
+    model = nn.Linear(4, 1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        if not torch.isfinite(loss):
+            raise SystemExit(1)
+        return loss.detach()
+
+    with pytest.raises(
+        functacc.TraceError, match=r"(?s)checks a value on the host.*math\.isfinite"
+    ):
+        functacc.jit(step, modules=[model], backend="eager")(torch.randn(2, 4))
+
+
+@pytest.mark.inductor
+def test_maes_loss_check_under_inductor() -> None:
+    losses, weight, _ = mae_run(True, backend="inductor")
+    ref_losses, ref_weight, _ = mae_run(False)
+    # Inductor reorders float32 sums: a few ulps over four AdamW steps of a 4x1 layer.
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-5, atol=1e-6)
+    mae_run(True, bad_at=2, backend="inductor")

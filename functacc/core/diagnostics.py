@@ -186,9 +186,10 @@ def translate(
         return TraceError(
             f"the step checks a value on the host {where}\nfunctacc traces the whole step "
             "once into a graph, so the check would be decided once, at the trace, where "
-            "eager decides it on every call (DINO's `if not math.isfinite(loss.item()): "
-            "sys.exit(1)`). Fix: return loss.item() from the step and check it after the "
-            "call (to stop: the update of that call is done by then); to skip the update "
+            "eager decides it on every call (`if not torch.isfinite(loss): sys.exit(1)`). "
+            "Fix: check loss.item() with math.isfinite (functacc asserts it in the graph: a "
+            "call with a non-finite value fails, changing nothing), or return loss.item() "
+            "from the step and check it after the call; to skip the update "
             "of a step whose gradients are not finite, use a torch.amp.GradScaler in the "
             f"step, whose skip functacc runs inside the graph. Inputs were: {signature}."
         )
@@ -337,9 +338,17 @@ def run_error(exc: BaseException, signature: str) -> TraceError:
             "(functacc.init_distributed(timeout=...) or FUNCTACC_TIMEOUT seconds); restart "
             "the job from the last checkpoint (torchrun --max-restarts does it automatically)."
         )
+    check = (
+        ""
+        if message.startswith("functacc:")
+        # a check of functacc's, in words
+        else (
+            " Check that the inputs have the dtypes and devices the model expects (the same call "
+            "fails in eager PyTorch too)."
+        )
+    )
     return TraceError(
         f"the compiled training step failed while running, before it wrote any state (model, "
         f"optimizer and step count are unchanged)\n{type(exc).__name__}: {message}\n"
-        f"Inputs were: {signature}. Check that the inputs have the dtypes and devices the "
-        "model expects (the same call fails in eager PyTorch too)."
+        f"Inputs were: {signature}.{check}"
     )

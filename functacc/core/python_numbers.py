@@ -123,6 +123,8 @@ def symbolic_builtins(
             patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
     for name in ("exp", "log"):  # no symbolic form in torch: computed in the graph, in double
         patch(vars(math), name, _symbolic(getattr(math, name), _in_graph(name), arity=1))
+    for name in ("isfinite", "isnan", "isinf"):  # MAE's `if not math.isfinite(loss_value):`
+        patch(vars(math), name, _symbolic(getattr(math, name), _asserted(name), arity=1))
     for name in ("tensor", "as_tensor"):  # torch.tensor(rewards) of fed numbers
         patch(vars(torch), name, _tensor_of_symbols(getattr(torch, name)))
     try:
@@ -144,6 +146,29 @@ def _in_graph(name: str) -> Callable:
         return op(torch.scalar_tensor(x, dtype=torch.float64)).item()
 
     return compute
+
+
+def _asserted(name: str) -> Callable:
+    """``math.isfinite`` (``isnan``, ``isinf``) of a number the graph computes: the loss
+    check of MAE, DeiT and DINO (``if not math.isfinite(loss_value): sys.exit(1)``) takes the
+    branch of a finite value, and the graph asserts that the value is one: a call where it
+    is not fails before any state is written, where eager takes the other branch."""
+
+    def check(x: Any) -> bool:
+        frame = sys._getframe(2)  # the user's line, through _symbolic's call
+        where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        value = torch.scalar_tensor(x, dtype=torch.float64)
+        holds = torch.isfinite(value) if name == "isfinite" else ~getattr(torch, name)(value)
+        torch._assert_async(
+            holds,
+            f"functacc: math.{name}() at {where} met a non-finite value. Eager takes the other "
+            "branch there (a loss check that stops the run); functacc.jit traced the branch "
+            "of a finite value, so this call failed instead, changing nothing. To run that "
+            "branch, return the value and check it after the call.",
+        )
+        return name == "isfinite"
+
+    return check
 
 
 def _tensor_of_symbols(real: Callable) -> Callable:
