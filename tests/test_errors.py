@@ -811,3 +811,46 @@ def test_a_jitted_forward_whose_loss_is_backpropagated_after_the_call_is_warned_
         functacc.jit(train_step, modules=[model], optimizers=[opt], backend="eager")(x, y)
         with torch.no_grad():  # values only: nothing to warn about
             functacc.jit(forward_loss, modules=[model], backend="eager")(x, y)
+
+
+@torch.jit.script
+def _scripted_bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    x = bias + y
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def test_a_torchscript_module_is_named_and_a_scripted_function_is_traced_through() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated
+        scripted = nn.Sequential(nn.Linear(4, 8), torch.jit.script(nn.Linear(8, 1)))
+    opt = torch.optim.SGD(scripted.parameters(), lr=0.1)
+    # Before 2026-11-28: "TypeError: DICT_VERSION expects a dict" from a guard.
+    with pytest.raises(TypeError, match=r"modules\[0\] holds a TorchScript module \(1\)"):
+        functacc.jit(lambda x: scripted(x).sum(), modules=[scripted], optimizers=[opt])
+    with pytest.raises(TypeError, match=r"model holds a TorchScript module \(1\)"):
+        functacc.compile_step(scripted, nn.MSELoss(), opt)
+
+    # A scripted function (a fused activation, as Megatron-era code writes them) runs in the
+    # trace op by op: eager's numbers, within a few ulps (TorchScript's executor, after its
+    # profiling runs, differentiates the function by its own formulas: 1e-10 apart here).
+    def run(jit: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        lin, bias = nn.Linear(4, 8), nn.Parameter(torch.zeros(8))
+        holder = nn.ParameterDict({"bias": bias})
+        sgd = torch.optim.SGD([*lin.parameters(), bias], lr=0.1)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            sgd.zero_grad()
+            loss = _scripted_bias_gelu(holder["bias"], lin(x)).square().mean()
+            loss.backward()
+            sgd.step()
+            return loss.detach()
+
+        if jit:
+            step = functacc.jit(step, modules=[lin, holder], optimizers=[sgd], backend="eager")
+        return [step(x) for x in torch.randn(3, 2, 4)] + [lin.weight.detach(), bias.detach()]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)

@@ -19,6 +19,7 @@ __all__ = [
     "check_dense_gradients",
     "check_module_classes",
     "functionalize",
+    "refuse_script_modules",
     "swap_attributes",
     "unalias_reassigned",
     "unwrap",
@@ -197,4 +198,23 @@ def unwrap(model: nn.Module) -> nn.Module:
             "parallel=functacc.parallel.ZeRO(...)). Pass the module inside: "
             "compile_step(model.module, ...)."
         )
+    refuse_script_modules(model, "model")
     return model
+
+
+def refuse_script_modules(model: nn.Module, what: str) -> None:
+    """A TorchScript module (``torch.jit.script`` / ``trace``) among ``model``'s is a
+    ``TypeError``: its parameters and submodules live in C++, where the traced tensors that
+    stand for them cannot be put (an unclear ``TypeError`` from a guard before)."""
+    scripted = [
+        n or "(the module itself)"
+        for n, m in model.named_modules()
+        if isinstance(m, torch.jit.ScriptModule)
+    ]
+    if scripted:
+        raise TypeError(
+            f"{what} holds a TorchScript module ({', '.join(scripted[:3])}): torch.jit.script "
+            "or trace keeps its parameters in C++, where functacc cannot put the tensors its "
+            "trace runs on. Fix: give the nn.Module before scripting (functacc compiles the "
+            "whole step, so scripting a part gains nothing inside it)."
+        )

@@ -38,6 +38,7 @@ from ..backends.host_memory import keep_freed_memory
 from ..core.body import StepBody
 from ..core.cache import TraceRecord, as_call, warm_up
 from ..core.capture import Capture
+from ..core.functional import refuse_script_modules
 from ..core.grad_scaler import hold_grad_scaler
 from ..core.held_objects import unwrapped
 from ..parallel.jit_strategy import jit_strategy
@@ -294,6 +295,7 @@ def build_jitted(
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"modules[{i}] must be a torch.nn.Module; got {type(m).__name__}")
+        refuse_script_modules(m, f"modules[{i}]")
         if any(isinstance(sub, nn.parallel.DistributedDataParallel) for sub in m.modules()):
             raise TypeError(
                 f"modules[{i}] is (or holds) a DistributedDataParallel, whose forward "
