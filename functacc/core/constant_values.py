@@ -39,7 +39,10 @@ def constant_value(t: Tensor) -> Tensor | None:
     wanted, sizes = found
     # A symbolic size becomes this call's: the graph then holds for that size only (a
     # guard), as eager's branch on the values holds for it.
-    copies: dict[fx.Node, Any] = {n: int(n.meta["val"]) for n in sizes}
+    try:
+        copies: dict[fx.Node, Any] = {n: int(n.meta["val"]) for n in sizes}
+    except Exception:  # a size the data decides (unbacked): no value here
+        return None
     graph = fx.Graph()
     for node in slot.proxy.node.graph.nodes:  # in the graph's order: inputs first
         if node in wanted:
