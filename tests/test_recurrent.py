@@ -139,30 +139,37 @@ def test_word_lm_through_compile_step_under_inductor() -> None:
 
 
 # -- a GRU classifier over packed sequences ------------------------------------------------
-def length_batches(patterns: int = 3, steps: int = 6) -> list[tuple[tuple, Tensor]]:
-    """Padded token batches with their lengths as a Python list; ``patterns`` different
-    lists of lengths, in turn."""
+def length_batches(
+    patterns: int = 3, steps: int = 6, as_tensor: bool = False
+) -> list[tuple[tuple, Tensor]]:
+    """Padded token batches with their lengths as a Python list (or a tensor); ``patterns``
+    different lists of lengths, in turn."""
     g = torch.Generator().manual_seed(3)
     lengths = [torch.randint(1, 9, (5,), generator=g) for _ in range(patterns)]
     out = []
     for i in range(steps):
         n = lengths[i % patterns]
         tokens = torch.randint(1, 30, (5, 8), generator=g) * (torch.arange(8) < n[:, None])
-        out.append(((tokens, n.tolist()), torch.randint(0, 3, (5,), generator=g)))
+        out.append(
+            ((tokens, n if as_tensor else n.tolist()), torch.randint(0, 3, (5,), generator=g))
+        )
     return out
 
 
+@pytest.mark.parametrize("lengths_as", ["list", "tensor"])
 @pytest.mark.parametrize("front_door", ["jit", "compile_step"])
-def test_packed_gru_classifier_is_eager_bit_for_bit(front_door: str) -> None:
+def test_packed_gru_classifier_is_eager_bit_for_bit(front_door: str, lengths_as: str) -> None:
     # Three lists of lengths in turn: three traces. The packing (how many sequences run at
     # each time step) decides the graph, so each new list of lengths is a new trace; one
     # seen before reuses its graph. Before: TypeError, zeros() got a FakeTensor as a size.
+    # Lengths given as a tensor (as data loaders give them) are read at the trace, their
+    # values part of the signature (before 2026-11-28 a TraceError advising .tolist()).
     torch.manual_seed(0)
     model = models.PackedClassifier(nn.GRU)
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    batches = length_batches()
+    batches = length_batches(as_tensor=lengths_as == "tensor")
     if front_door == "compile_step":
         step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
         losses = functacc_train(step, batches)
@@ -191,13 +198,39 @@ def classify(model: nn.Module, opt: torch.optim.Optimizer) -> Callable:
     return body
 
 
-def test_packed_lengths_given_as_a_tensor_say_to_pass_a_list() -> None:
+@pytest.mark.inductor
+def test_packed_gru_with_tensor_lengths_under_inductor() -> None:
+    torch.manual_seed(0)
+    model = models.PackedClassifier(nn.GRU)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    body, ref_body = classify(model, opt), classify(ref, ref_opt)
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="inductor")
+    for i, ((tokens, lengths), y) in enumerate(length_batches(2, 4, as_tensor=True)):
+        torch.manual_seed(i)
+        loss = step(tokens, lengths, y)
+        torch.manual_seed(i)
+        torch.testing.assert_close(loss, ref_body(tokens, lengths, y), **INDUCTOR)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **INDUCTOR)
+    assert step.num_traces == 2
+
+
+def test_packed_lengths_computed_from_the_tokens_say_to_pass_them() -> None:
+    # Their values come from the batch of data: a trace per call if read, so refused.
     model = models.PackedClassifier(nn.GRU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = functacc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
-    (tokens, lengths), y = length_batches(1, 1)[0]
-    with pytest.raises(functacc.TraceError, match=r"lengths\.tolist\(\)"):
-        step((tokens, torch.tensor(lengths)), y)
+    body = classify(model, opt)
+    step = functacc.jit(
+        lambda tokens, y: body(tokens, (tokens != 0).sum(1), y),
+        modules=[model],
+        optimizers=[opt],
+        backend="eager",
+    )
+    (tokens, _), y = length_batches(1, 1)[0]
+    with pytest.raises(functacc.TraceError, match=r"argument of the step, a tensor"):
+        step(tokens, y)
 
 
 # -- a bidirectional LSTM tagger, cells ----------------------------------------------------

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .averaged_model import averages_in_graph
 from .body_errors import counting_backwards
 from .c10d_in_trace import collectives_in_graph
-from .constant_values import constant_value
+from .constant_values import batch_values, known_value
 from .data_assign import data_assignments_written
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
@@ -113,13 +113,16 @@ class TracedBody:
     def __call__(self, *flat: Tensor) -> tuple[Any, ...]:
         n_fixed = self.n_state + len(self.fed)
         python, capture = self.step.python, self.step.capture
-        batch = {id(t): i for i, t in enumerate(flat[n_fixed:]) if isinstance(t, Tensor)}
+        # The batch's tensors as traced, in the order of the real ones (numbers are fed as
+        # symbols among them).
+        traced_batch = [t for t in flat[n_fixed:] if isinstance(t, Tensor)]
         # Before the recording starts (a torchmetrics Metric's hash, met by modules(), reads
         # its list states).
         scopes = module_scopes(self.step.fn, capture.modules)
         with (
             python.scope(self.fed, flat[self.n_state : n_fixed]) as recorder,
-            mask_checks_on_values(batch, self.real_batch, self.value_guarded),
+            batch_values(traced_batch, self.real_batch, self.value_guarded),
+            mask_checks_on_values(),
         ):
             batch_in = iter(flat[n_fixed:])  # the numbers: fed symbols by now (python_args)
             call = [
@@ -252,29 +255,21 @@ class ValueGuard:
 
 
 @contextlib.contextmanager
-def mask_checks_on_values(
-    batch: dict[int, int], real: list[Tensor], guarded: set[int]
-) -> Iterator[None]:
+def mask_checks_on_values() -> Iterator[None]:
     """While tracing: torch's check whether an attention mask is causal
     (``nn.TransformerEncoder(src, mask=...)`` compares the mask's values with a causal one)
-    runs on the real mask where the mask is an argument of the call; its values become part
-    of the step's signature (``guarded``: their positions among the batch tensors), so a
-    mask with other values traces again, as eager would take the other branch. A mask the
-    step computes from no input runs on its value (:mod:`.constant_values`)."""
+    runs on the real mask where the mask is an argument of the call (its values then part
+    of the step's signature: a mask with other values traces again, as eager would take the
+    other branch), or one the step makes from its sizes alone (torch's seq2seq tutorial's
+    ``create_mask``): :func:`~.constant_values.known_value`."""
     from torch.nn.modules import transformer
 
     original = transformer._detect_is_causal_mask
 
     def detect(mask: Any, is_causal: Any = None, size: Any = None) -> bool:
-        index = batch.get(id(mask)) if mask is not None else None
-        # A mask the step makes from its sizes alone (torch's seq2seq tutorial's
-        # create_mask) has the same values on every call of this graph.
-        value = None if mask is None or index is not None else constant_value(mask)
-        if (index is None and value is None) or is_causal is not None:
+        value = None if mask is None or is_causal is not None else known_value(mask)
+        if value is None:
             return original(mask, is_causal, size)
-        if index is not None:
-            guarded.add(index)
-            value = real[index]
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 

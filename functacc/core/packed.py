@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import TraceError
+from .constant_values import known_value
 
 __all__ = ["HostPacking"]
 
@@ -109,12 +110,12 @@ class HostPacking(TorchFunctionMode):
         if values is None:
             raise TraceError(
                 "pack_padded_sequence(..., lengths) got lengths that are not known when the "
-                "step is traced (a tensor argument of the step, or computed from one). The "
-                "packing (how many sequences run at each time step) decides the graph, so "
-                "pass the lengths as a Python list: pack_padded_sequence(x, lengths.tolist(), "
-                "...), or lengths=lengths.tolist() in the step's arguments. Each new list of "
-                "lengths is one more trace; sorting or bucketing batches by length keeps them "
-                "few."
+                "step is traced (computed in the step from a batch of data, such as "
+                "(tokens != pad).sum(1), whose values change every call). The packing (how "
+                "many sequences run at each time step) decides the graph, so pass the lengths "
+                "as an argument of the step, a tensor of integers or a Python list (computed "
+                "before the call). Each new list of lengths is one more trace; sorting or "
+                "bucketing batches by length keeps them few."
             )
         sizes = [int(n) for n in values.tolist()]
         if sizes and sizes[-1] <= 0:
@@ -164,19 +165,12 @@ class HostPacking(TorchFunctionMode):
         return output, self._keep(counted)
 
     def _value(self, t: Tensor) -> Tensor | None:
-        """The values of ``t``: its own if it is real, else those of the graph's constants
-        it was computed from (``torch.as_tensor(lengths)``, sorted); ``None`` if it depends
-        on an input of the step."""
+        """The values of ``t``: its own if it is real, else those known at the trace (a
+        tensor argument's, or of the graph's constants it was computed from,
+        ``torch.as_tensor(lengths)``, sorted: :func:`~.constant_values.known_value`)."""
         from torch._subclasses.fake_tensor import is_fake
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
-        if not is_fake(t):
-            return t
-        mode = get_proxy_mode()
-        slot = get_proxy_slot(t, mode.tracer, None) if mode is not None else None
-        if slot is None:
-            return None
-        return _evaluate(slot.proxy.node, mode.tracer.root)
+        return known_value(t, computed=True) if is_fake(t) else t
 
 
 class _Pack(torch.autograd.Function):
@@ -204,27 +198,6 @@ class _Pack(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         back = torch.ops.aten._pack_padded_sequence_backward.default
         return back(grad, ctx.input_size, ctx.batch_sizes, ctx.batch_first), None, None, None
-
-
-def _evaluate(node: Any, root: torch.nn.Module, depth: int = 0) -> Any:
-    """The value of a graph node computed from constants only (``None`` otherwise)."""
-    if not isinstance(node, torch.fx.Node):
-        return node
-    if node.op == "get_attr":
-        return getattr(root, node.target)
-    if node.op != "call_function" or depth > 32:
-        return None
-    missing = object()
-
-    def value(arg: Any) -> Any:
-        out = _evaluate(arg, root, depth + 1)
-        return missing if out is None and isinstance(arg, torch.fx.Node) else out
-
-    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), value)
-    if any(a is missing for a in pytree.tree_leaves((args, kwargs))):
-        return None
-    with _disable_current_modes():
-        return node.target(*args, **kwargs)
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
