@@ -9,6 +9,7 @@ import math
 import random
 import re
 import threading
+from collections.abc import Callable
 
 import models
 import numpy as np
@@ -854,3 +855,37 @@ def test_a_torchscript_module_is_named_and_a_scripted_function_is_traced_through
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_a_loss_module_with_class_weights_not_given_is_named() -> None:
+    # nn.CrossEntropyLoss(weight=w) keeps w as a buffer; used in the step but not given in
+    # modules=, its weights would be a constant of the graph. The error names it (before
+    # 2026-11-28 it said only "the module that holds it"), and giving it works: class
+    # weights re-estimated in place between calls are read by every call, as in eager.
+    def run(modules_of: Callable[[nn.Module, nn.Module], list] | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model, weights = nn.Linear(4, 3), torch.ones(3)
+        crit = nn.CrossEntropyLoss(weight=weights)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = crit(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        if modules_of is not None:
+            step = functacc.jit(
+                step, modules=modules_of(model, crit), optimizers=[opt], backend="eager"
+            )
+        g, out = torch.Generator().manual_seed(1), []
+        for _ in range(3):
+            out.append(step(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)))
+            weights.mul_(1.5)
+        return out
+
+    with pytest.raises(TraceError, match=r"closure variable 'crit' \(CrossEntropyLoss\)"):
+        run(lambda model, crit: [model])
+    got, expected = run(lambda model, crit: [model, crit]), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

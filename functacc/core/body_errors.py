@@ -77,6 +77,7 @@ def outside_tensor_error(exc: Exception, roots: Any, capture: Any) -> TraceError
             "reads it afresh on every call.\n"
             f"  the op: {str(exc).split('Found in', 1)[-1].strip()[:300]}\n"
             + _inside_objects(capture.modules, labels)
+            + _modules_not_given(roots, capture.modules)
             + (
                 f"The step's Python state holds tensors that require grad at "
                 f"{', '.join(held[:4])}: functacc.jit feeds the tensors it reads from "
@@ -132,6 +133,34 @@ def _inside_objects(modules: Sequence[nn.Module], labels: Sequence[str]) -> str:
         ". Fix: run "
         "that module outside the step (augment the batch before the call), or keep those "
         "tensors as buffers of the module (register_buffer).\n"
+    )
+
+
+def _modules_not_given(roots: Sequence[Any], modules: Sequence[nn.Module]) -> str:
+    """The modules holding tensors that the body's Python state reaches (a variable, an
+    attribute of a plain object) and that are not among ``modules``, in words: a loss
+    with class weights, ``nn.CrossEntropyLoss(weight=w)``, is one."""
+    given = {id(sub) for m in modules for sub in m.modules()}
+    values = [(root.label, root.get()) for root in roots]
+    values += [
+        (loc.label, v)
+        for loc, v in held(
+            [(Location(r), r.get()) for r in roots], plain_objects(list(roots)).values(), nn.Module
+        )
+    ]
+    found = {
+        id(v): f"{label} ({type(v).__name__})"
+        for label, v in values
+        if isinstance(v, nn.Module)
+        and id(v) not in given
+        and any(True for _ in v.parameters()) | any(True for _ in v.buffers())
+    }
+    if not found:
+        return ""
+    return (
+        f"The step's code holds modules with tensors that are not in modules=: "
+        f"{', '.join(list(found.values())[:3])}; given in modules=(...) too, their tensors "
+        "are read on every call.\n"
     )
 
 
