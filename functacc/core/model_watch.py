@@ -64,11 +64,11 @@ class ModelWatch:
         self.tensors = list(tensors)
         self._guard: ModelGuard | None = None
         self._key: tuple = ()
+        # Attributes the body's Python state follows instead, fed or guarded (a counter that
+        # a module of the user's code keeps, written by the step): PythonState.unkeyed.
+        self.unkeyed: set[tuple[int, str]] = set()
         # The plain attributes the modules have now. One that a forward adds later (a cache
         # it builds once, which the trace allows) is not part of the signature.
-        # Those the body's Python state follows instead, fed or guarded (a counter that a
-        # module of the user's code keeps, written by the step): PythonState.unkeyed.
-        self.unkeyed: set[tuple[int, str]] = set()
         self._attributes = [
             (f"{name}.{attr}", module, attr)
             for name, module in zip(self.names, self.modules, strict=True)
