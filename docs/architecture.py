@@ -73,6 +73,7 @@ STAGES: dict[str, list[str]] = {
         "core/functional",
         "core/watches",
         "core/diagnostics",
+        "core/failure_sites",
         "core/foreach_versions",
     ],
     "signatures + cache": [

@@ -889,3 +889,27 @@ def test_a_loss_module_with_class_weights_not_given_is_named() -> None:
         run(lambda model, crit: [model])
     got, expected = run(lambda model, crit: [model, crit]), run(None)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_numpy_array_indexed_with_a_drawn_position_names_the_array_and_the_line() -> None:
+    # A window of host data at a position torch.randint drew in the step: before 2026-11-29
+    # the generic advice (torch.where, a tensor index) could not help a NumPy array.
+    data = np.arange(100, dtype=np.float32)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+
+    def step() -> None:
+        i = torch.randint(0, 90, ())
+        x = torch.from_numpy(data[i : i + 4])
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with pytest.raises(TraceError) as info:
+        functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")()
+    message = str(info.value)
+    assert message.startswith("the step indexes NumPy array 'data' with a tensor's value at ")
+    assert "in step\n    x = torch.from_numpy(data[i : i + 4])" in message
+    assert "Fix: run `x = torch.from_numpy(data[i : i + 4])` before the call" in message
+    assert torch.equal(model.weight, before) and not opt.state

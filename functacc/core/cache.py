@@ -306,8 +306,8 @@ def _fix(reason: str, static: bool = False) -> str:
 def branch_fix(reason: str) -> str:
     """The advice for a step traced again because it branched in Python on a number that
     changed (a counter, the clock, a number it computed), naming the function it was in."""
-    sites = re.finditer(r":\d+ in ([A-Za-z_]\w*)( \(the step\)| \(via (\w+)\))?", reason)
-    called = [m[3] or m[1] for m in sites if m[2] != " (the step)"]
+    sites = re.finditer(r":\d+ in ([A-Za-z_]\w*)( \(the step\)| \(via (\w+)\)| \(result)?", reason)
+    called = [m[3] or m[1] for m in sites if m[2] not in (" (the step)", " (result")]
     host = (
         f"If that code only shows or logs what the step computed (a progress bar, a time "
         f"formatted), wrap the function the step calls with functacc.host ({called[0]} = "

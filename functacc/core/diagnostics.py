@@ -9,22 +9,27 @@ tensors do not check) says that nothing was written.
 
 from __future__ import annotations
 
-import os
 import re
-import traceback
-from types import TracebackType
 
 import torch
 from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import TraceError
+from .failure_sites import (
+    formats_with_percent,
+    in_function,
+    in_package,
+    is_data_dependent,
+    library_call,
+    numpy_index,
+    optim_utility,
+    user_frame,
+    user_module,
+)
+from .host_calls import host_result_used
 
 __all__ = ["describe_leaves", "describe_tensor", "message_root", "run_error", "translate"]
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
-_STDLIB_DIR = os.path.dirname(os.__file__)
 
 
 def describe_tensor(t: Tensor) -> str:
@@ -50,58 +55,10 @@ def message_root(modules: list[nn.Module], labels: list[str]) -> nn.Module:
     return root
 
 
-def _is_data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    data_dependent = (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        GuardOnDataDependentSymNode,
-    )
-    while exc is not None:
-        if isinstance(exc, data_dependent):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
-    """The innermost frame that is neither torch, functacc nor the standard library."""
-    frames = traceback.extract_tb(tb)
-    for frame in reversed(frames):
-        if frame.filename.startswith("<"):  # generated code (FX, dataclasses, eval)
-            continue
-        path = os.path.abspath(frame.filename)
-        if not path.startswith((_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)):
-            return frame
-    return None
-
-
-def _user_module(tb: TracebackType | None, model: nn.Module) -> str | None:
-    """The qualified name of the innermost module of ``model`` whose code was running."""
-    names = {id(m): name for name, m in model.named_modules()}
-    found = None
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, nn.Module) and id(candidate) in names:
-            name = names[id(candidate)]
-            found = (
-                f"'{name}' ({type(candidate).__name__})"
-                if name
-                else (f"the model's root ({type(candidate).__name__})")
-            )
-        tb = tb.tb_next
-    return found
-
-
 def _where(exc: BaseException, model: nn.Module) -> str:
     tb = exc.__traceback__
-    frame = _user_frame(tb)
-    module = _user_module(tb, model)
+    frame = user_frame(tb)
+    module = user_module(tb, model)
     parts = []
     if module:
         parts.append(f"in module {module}")
@@ -123,7 +80,7 @@ def translate(
     targets)``; a jitted body called eagerly)."""
     eager_call = eager_call or "loss_fn(model(inputs), targets)"
     where = _where(exc, model)
-    if _is_data_dependent(exc) and _in_function(exc, "_detect_is_causal_mask"):
+    if is_data_dependent(exc) and in_function(exc, "_detect_is_causal_mask"):
         return TraceError(
             "torch's transformer layers check whether the attention mask is causal by "
             f"comparing its values, which a traced step cannot do for a mask it computes "
@@ -132,7 +89,7 @@ def translate(
             "of the step (functacc then reads its values at the trace and retraces for a "
             f"mask with other values). Inputs were: {signature}."
         )
-    if _is_data_dependent(exc) and _in_function(exc, "_maybe_opt_step"):
+    if is_data_dependent(exc) and in_function(exc, "_maybe_opt_step"):
         return TraceError(
             "torch.amp.GradScaler.step() decides on the host whether to skip the optimizer "
             f"step {where}\nfunctacc.jit moves that decision into the graph for a "
@@ -142,7 +99,7 @@ def translate(
             "in optimizers=. Fix: create the scaler outside the step and refer to it by name "
             f"there, and pass its optimizer in optimizers=. Inputs were: {signature}."
         )
-    metric = _in_package(exc, "torchmetrics") if _is_data_dependent(exc) else None
+    metric = in_package(exc, "torchmetrics") if is_data_dependent(exc) else None
     if metric is not None:
         return TraceError(
             f"torchmetrics reads a tensor's value on the host in {metric} {where}\n"
@@ -153,7 +110,7 @@ def translate(
             "it; or update it outside the jitted step with tensors the step returns "
             f"(metric.update(logits, y) after the call). Inputs were: {signature}."
         )
-    pyg = _in_package(exc, "torch_geometric", True) if _is_data_dependent(exc) else None
+    pyg = in_package(exc, "torch_geometric", True) if is_data_dependent(exc) else None
     if pyg is not None:
         return TraceError(
             f"PyTorch Geometric's {pyg}() reads a tensor's value {where}\nIt does so to find "
@@ -163,7 +120,18 @@ def translate(
             "batch_size=data.num_graphs), scatter(..., dim_size=...); a Batch passed to the "
             f"step is read afresh every call. Inputs were: {signature}."
         )
-    utility = _optim_utility(exc) or _library_call(exc) if _is_data_dependent(exc) else None
+    indexed = numpy_index(exc) if is_data_dependent(exc) else None
+    if indexed is not None:
+        array, at, call = indexed
+        return TraceError(
+            f"the step indexes NumPy array '{array}' with a tensor's value {at}\nThe array "
+            "is host data and the position exists only when the graph runs (a batch drawn "
+            "in the step: positions from torch.randint into data on the host), so a graph "
+            f"traced once cannot. Fix: run `{call}` before the call and pass what it makes "
+            "to the step as arguments (one per batch the step drew), or keep the data a "
+            f"tensor and gather from it with tensor indices. Inputs were: {signature}."
+        )
+    utility = optim_utility(exc) or library_call(exc) if is_data_dependent(exc) else None
     if utility is not None:
         owner = "torch's own code" if utility[1] == "torch" else f"code of {utility[1]}"
         return TraceError(
@@ -174,8 +142,8 @@ def translate(
             "between calls the modules and optimizers hold the step's results, as in eager. "
             f"Inputs were: {signature}."
         )
-    frame = _user_frame(exc.__traceback__) if _is_data_dependent(exc) else None
-    if frame is not None and _formats_with_percent(exc.__traceback__):
+    frame = user_frame(exc.__traceback__) if is_data_dependent(exc) else None
+    if frame is not None and formats_with_percent(exc.__traceback__):
         return TraceError(
             f"the step formats a tensor with '%' {where}\nstr.__mod__ asks the tensor for a "
             "Python number, which exists only after the call. Fix: format its .item() "
@@ -207,7 +175,7 @@ def translate(
             "check, saving a checkpoint: the update of that call is done by then); inside the "
             f"step, select with torch.where. Inputs were: {signature}."
         )
-    if _is_data_dependent(exc):
+    if is_data_dependent(exc):
         return TraceError(
             "functacc traces the whole training step once into a graph, so Python code "
             "cannot branch on tensor values or use them as Python numbers (if/while on a "
@@ -234,6 +202,9 @@ def translate(
             "generator=, seed with torch.manual_seed) or install a newer torch (pip install "
             "'torch>=2.14,<2.16')."
         )
+    host_result = host_result_used(exc)
+    if host_result is not None:
+        return host_result
     notes = "".join(f"{note}\n" for note in getattr(exc, "__notes__", ()))  # e.g. a split's
     return TraceError(
         f"tracing the training step failed {where}\n"
@@ -244,76 +215,6 @@ def translate(
 
 
 _VALUE_CHECKS = ("isfinite", "isnan", "isinf")  # math's or torch's, on a loss
-
-
-def _formats_with_percent(tb: TracebackType | None) -> bool:
-    """Whether the user's innermost frame in ``tb`` was computing ``fmt % args``."""
-    from .python_percent import is_percent
-
-    found = False
-    while tb is not None:
-        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not path.startswith((_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)):
-            found = is_percent(tb.tb_frame.f_code, tb.tb_lasti)
-        tb = tb.tb_next
-    return found
-
-
-def _optim_utility(exc: BaseException) -> tuple[str, str] | None:
-    """``torch.optim``'s helper (not an optimizer) that ``exc`` was raised in, named as
-    called (``AveragedModel.update_parameters``, ``ReduceLROnPlateau.step``), and ``torch``."""
-    tb = exc.__traceback__
-    optim_dir = os.path.join(_TORCH_DIR, "optim") + os.sep
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        owner = tb.tb_frame.f_locals.get("self")
-        if os.path.abspath(code.co_filename).startswith(optim_dir) and owner is not None:
-            if isinstance(owner, torch.optim.Optimizer):
-                return None  # its step() is traced (functacc.core.own_step)
-            return f"{type(owner).__name__}.{code.co_name}", "torch"
-        tb = tb.tb_next
-    return None
-
-
-def _library_call(exc: BaseException) -> tuple[str, str] | None:
-    """The method of an installed package's object that the user's code called directly
-    and ``exc`` was raised in (ema_pytorch's ``EMA.update``: its step count read with
-    ``.item()``), named as called, and its package; not a forward pass."""
-    tb, caller_is_user = exc.__traceback__, False
-    while tb is not None:
-        code, owner = tb.tb_frame.f_code, tb.tb_frame.f_locals.get("self")
-        path = os.path.abspath(code.co_filename)
-        installed = any(f"{os.sep}{d}-packages{os.sep}" in path for d in ("site", "dist"))
-        installed = installed and not path.startswith(_TORCH_DIR)
-        if caller_is_user and installed and owner is not None and code.co_name != "forward":
-            return f"{type(owner).__name__}.{code.co_name}", type(owner).__module__.split(".")[0]
-        caller_is_user = not installed and not path.startswith(
-            (_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)
-        )
-        tb = tb.tb_next
-    return None
-
-
-def _in_package(exc: BaseException, package: str, outermost: bool = False) -> str | None:
-    """The innermost (or outermost) function of ``package`` that ``exc`` was raised in."""
-    tb, found = exc.__traceback__, None
-    while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == package:
-            found = tb.tb_frame.f_code.co_name
-            if outermost:
-                return found
-        tb = tb.tb_next
-    return found
-
-
-def _in_function(exc: BaseException, name: str) -> bool:
-    """Whether ``exc`` was raised inside a function called ``name``."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == name:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def _is_collective_failure(exc: BaseException) -> bool:

@@ -26,7 +26,10 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,7 +37,7 @@ from ..errors import TraceError
 from .python_effects import Effect
 from .python_recording import ACTIVE
 
-__all__ = ["host"]
+__all__ = ["host", "host_result_used", "result_unused"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,6 +97,41 @@ class _Unknown:
 
     def __repr__(self) -> str:
         return f"<result of {object.__getattribute__(self, '_name')}(), known after the call>"
+
+
+def result_unused(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn``'s code calls ``name`` only as a statement of its own (a progress bar:
+    ``progress_bar(i, n, msg)``), so that :func:`host` can take it; not where the result is
+    used (``lr = get_lr(it)``). True where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(fn, "__func__", fn))))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    statements = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    for node in ast.walk(tree):
+        callee = getattr(node, "func", None)
+        called = getattr(callee, "id", None) or getattr(callee, "attr", None)
+        if isinstance(node, ast.Call) and called == name and id(node) not in statements:
+            return False
+    return True
+
+
+def host_result_used(exc: BaseException) -> TraceError | None:
+    """The error for ``exc`` if torch's C++ was handed a host function's result (an optimizer
+    given ``lr=get_lr(it)`` of a wrapped ``get_lr``: "must be Number, not _Unknown"), which
+    asks it nothing a stand-in could refuse; None otherwise."""
+    if type(exc).__name__ != "TypeError" or "_Unknown" not in str(exc):
+        return None
+    tb = exc.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, _Unknown):
+                try:
+                    value._refuse()
+                except TraceError as error:
+                    return error
+        tb = tb.tb_next
+    return None
 
 
 for _use in (

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..errors import TraceError
+from .host_calls import result_unused
 from .lookup_tables import table_key, table_repr
 from .python_clock import new_call
 from .python_effects import build
@@ -351,6 +352,8 @@ def _site(site: str, fn: Callable[..., Any]) -> str:
     if name == getattr(getattr(fn, "__func__", fn), "__name__", None):
         return f"{site} (the step)"
     via = called_toward(fn, name)
+    if not result_unused(fn, via or name):  # not for functacc.host: lr = get_lr(it)
+        return f"{site} (result used by the step)"
     return f"{site} (via {via})" if via and via != name else site
 
 

@@ -1,0 +1,200 @@
+"""Where in the code a trace failed: what the traceback of a failed trace says.
+
+:func:`~functacc.core.diagnostics.translate` turns a failed trace into advice; which advice
+depends on where it failed: the user's innermost line and module, a ``torch.optim`` helper
+or an installed package's method called from the step, a NumPy array indexed with a traced
+value, a ``%`` format of a tensor. These readers answer that from the exception's frames
+(their code, their locals), never from the message's text.
+
+Example:
+    >>> try:
+    ...     raise ValueError("x")
+    ... except ValueError as e:
+    ...     in_function(e, "<module>")
+    True
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import traceback
+from types import TracebackType
+
+import torch
+from torch import nn
+
+__all__ = [
+    "formats_with_percent",
+    "in_function",
+    "in_package",
+    "is_data_dependent",
+    "library_call",
+    "numpy_index",
+    "optim_utility",
+    "user_frame",
+    "user_module",
+]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
+_STDLIB_DIR = os.path.dirname(os.__file__)
+_LIBRARY_DIRS = (_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)
+
+
+def _installed(path: str) -> bool:
+    return any(f"{os.sep}{d}-packages{os.sep}" in path for d in ("site", "dist"))
+
+
+def is_data_dependent(exc: BaseException) -> bool:
+    """Whether the trace failed on a tensor's value read in Python (or a shape made from
+    one), here or in an exception it came from."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    data_dependent = (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        GuardOnDataDependentSymNode,
+    )
+    while exc is not None:
+        if isinstance(exc, data_dependent):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
+    """The innermost frame that is neither torch, functacc nor the standard library."""
+    frames = traceback.extract_tb(tb)
+    for frame in reversed(frames):
+        if frame.filename.startswith("<"):  # generated code (FX, dataclasses, eval)
+            continue
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_LIBRARY_DIRS):
+            return frame
+    return None
+
+
+def user_module(tb: TracebackType | None, model: nn.Module) -> str | None:
+    """The qualified name of the innermost module of ``model`` whose code was running."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, nn.Module) and id(candidate) in names:
+            name = names[id(candidate)]
+            found = (
+                f"'{name}' ({type(candidate).__name__})"
+                if name
+                else (f"the model's root ({type(candidate).__name__})")
+            )
+        tb = tb.tb_next
+    return found
+
+
+def formats_with_percent(tb: TracebackType | None) -> bool:
+    """Whether the user's innermost frame in ``tb`` was computing ``fmt % args``."""
+    from .python_percent import is_percent
+
+    found = False
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith(_LIBRARY_DIRS):
+            found = is_percent(tb.tb_frame.f_code, tb.tb_lasti)
+        tb = tb.tb_next
+    return found
+
+
+def optim_utility(exc: BaseException) -> tuple[str, str] | None:
+    """``torch.optim``'s helper (not an optimizer) that ``exc`` was raised in, named as
+    called (``AveragedModel.update_parameters``, ``ReduceLROnPlateau.step``), and ``torch``."""
+    tb = exc.__traceback__
+    optim_dir = os.path.join(_TORCH_DIR, "optim") + os.sep
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        owner = tb.tb_frame.f_locals.get("self")
+        if os.path.abspath(code.co_filename).startswith(optim_dir) and owner is not None:
+            if isinstance(owner, torch.optim.Optimizer):
+                return None  # its step() is traced (functacc.core.own_step)
+            return f"{type(owner).__name__}.{code.co_name}", "torch"
+        tb = tb.tb_next
+    return None
+
+
+def library_call(exc: BaseException) -> tuple[str, str] | None:
+    """The method of an installed package's object that the user's code called directly
+    and ``exc`` was raised in (ema_pytorch's ``EMA.update``: its step count read with
+    ``.item()``), named as called, and its package; not a forward pass."""
+    tb, caller_is_user = exc.__traceback__, False
+    while tb is not None:
+        code, owner = tb.tb_frame.f_code, tb.tb_frame.f_locals.get("self")
+        path = os.path.abspath(code.co_filename)
+        installed = _installed(path) and not path.startswith(_TORCH_DIR)
+        if caller_is_user and installed and owner is not None and code.co_name != "forward":
+            return f"{type(owner).__name__}.{code.co_name}", type(owner).__module__.split(".")[0]
+        caller_is_user = not installed and not path.startswith(_LIBRARY_DIRS)
+        tb = tb.tb_next
+    return None
+
+
+def numpy_index(exc: BaseException) -> tuple[str, str, str] | None:
+    """The NumPy array the user's code indexed with a traced value (nanoGPT's ``get_batch``:
+    ``data[i:i+block_size] for i in torch.randint(...)``), where, and the step's statement
+    that led there; None if no user line subscripts an array."""
+    ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
+    tb, user = exc.__traceback__, []
+    while ndarray is not None and tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        installed = _installed(path)
+        generated = tb.tb_frame.f_code.co_filename.startswith("<")  # FX's code, eval
+        if not (installed or generated or path.startswith(_LIBRARY_DIRS)):
+            user.append(tb)
+        tb = tb.tb_next
+    for depth, tb in reversed(list(enumerate(user))):
+        frame = tb.tb_frame
+        summary = traceback.extract_tb(tb, limit=1)[0]
+        try:
+            tree = ast.parse((summary.line or "").strip())
+        except SyntaxError:  # a line of a statement over several lines
+            continue
+        for node in ast.walk(tree):
+            name = getattr(node, "value", None) if isinstance(node, ast.Subscript) else None
+            if not isinstance(name, ast.Name):
+                continue
+            value = frame.f_locals.get(name.id, frame.f_globals.get(name.id))
+            if isinstance(value, ndarray):
+                # a comprehension's frame is named <listcomp>: name the function around it
+                outer = user[: depth + 1]
+                named = [t for t in outer if not t.tb_frame.f_code.co_name.startswith("<")]
+                function = named[-1].tb_frame.f_code.co_name if named else "the step"
+                at = f"at {summary.filename}:{summary.lineno} in {function}\n    {summary.line}"
+                call = (traceback.extract_tb(user[0], limit=1)[0].line or "").strip()
+                return name.id, at, call
+    return None
+
+
+def in_package(exc: BaseException, package: str, outermost: bool = False) -> str | None:
+    """The innermost (or outermost) function of ``package`` that ``exc`` was raised in."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == package:
+            found = tb.tb_frame.f_code.co_name
+            if outermost:
+                return found
+        tb = tb.tb_next
+    return found
+
+
+def in_function(exc: BaseException, name: str) -> bool:
+    """Whether ``exc`` was raised inside a function called ``name``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == name:
+            return True
+        tb = tb.tb_next
+    return False
