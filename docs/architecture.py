@@ -46,6 +46,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_recording",
         "core/python_lists",
         "core/python_effects",
+        "core/python_schedulers",
         "core/python_made",
         "core/python_sets",
         "core/python_output",

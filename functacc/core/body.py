@@ -187,7 +187,7 @@ class StepBody:
                 return (tuple(map(TensorSpec.of, tensors)), full), (family_key(tensors), full)
 
             key, family = keys()
-            program = self.engine.lookup(key, family, tensors)
+            program = self.engine.lookup(key, family, tensors, self.python.holds)
             if program is None:  # the next call looks up again: this trace found guards
                 program = self._build(keys, names, state, leaves, spec, tensors, list(donated))
                 self._last = None

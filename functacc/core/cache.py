@@ -134,6 +134,17 @@ class ProgramCache:
         """The program compiled for exactly this signature."""
         return self._exact.get(key)
 
+    def holding(self, key: Hashable, holds: Callable[[Any], bool]) -> Any | None:
+        """A program compiled for a signature that differs from ``key`` only in its Python
+        part (a later trace read more: the other path of ``if need_update:``), whose own
+        conditions hold now (``holds``); served exactly under ``key`` from now on."""
+        bare = _without_python(key)
+        for other, program in list(self._exact.items()):
+            if _without_python(other) == bare and holds(program):
+                self._exact[key] = program
+                return program
+        return None
+
     def find(self, family: Hashable, tensors: Sequence[Tensor]) -> Any | None:
         """A program of ``family`` whose guard accepts these tensors' sizes."""
         entry = self._families.get(family)
@@ -241,6 +252,13 @@ class ProgramCache:
             log.warning("%s. %s", message, _fix(record.reason, self.static))
         else:
             log.info("%s", message)
+
+
+def _without_python(key: Hashable) -> Hashable:
+    """A jitted body's key (tensor specs, parts) without its ``("python", ...)`` part."""
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], tuple)):
+        return key
+    return key[0], tuple(p for p in key[1] if not (type(p) is tuple and p[:1] == ("python",)))
 
 
 def _differing_dims(a: Sequence[int], b: Sequence[int]) -> set[int]:

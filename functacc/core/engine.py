@@ -123,9 +123,19 @@ class Engine:
         return waited
 
     # -- 1. lookup ------------------------------------------------------------------------
-    def lookup(self, key: Hashable, family: Hashable, tensors: Sequence[Tensor]) -> Any | None:
-        """The program for this signature, or one whose symbolic sizes accept the batch."""
+    def lookup(
+        self,
+        key: Hashable,
+        family: Hashable,
+        tensors: Sequence[Tensor],
+        holds: Callable[[Any], bool] | None = None,
+    ) -> Any | None:
+        """The program for this signature, or one whose symbolic sizes accept the batch, or
+        (given ``holds``) one whose own Python conditions hold though the signature's
+        Python part is new."""
         program = self.cache.get(key)
+        if program is None and holds is not None:
+            program = self.cache.holding(key, holds)
         return program if program is not None else self.cache.find(family, tensors)
 
     # -- 2. plan --------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 from ..errors import TraceError
 from .python_location import MISSING, Location
 from .python_made import MADE, build_made
+from .python_schedulers import LastLR, SchedulerEvent, patch_schedulers
 from .torch_checkpoint import in_torch_checkpoint
 
 __all__ = [
@@ -101,93 +102,6 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
             return fill(template[1], outputs, lrs)
         return template[1](fill(template[2], outputs, lrs))
     raise ValueError(f"not a template: {template!r}")
-
-
-# -- learning-rate schedulers ----------------------------------------------------------------
-@dataclass
-class SchedulerEvent:
-    """``scheduler.step(*args)`` in the body, after ``position`` steps of its optimizer."""
-
-    scheduler: Any
-    args: list[Template]
-    kwargs: dict[str, Template]
-    position: int
-    phase: str = ""  # "before" or "after" the graph, once the whole body is seen
-
-
-class LastLR:
-    """``scheduler.get_last_lr()[index]`` (or its optimizer's ``param_groups[index]["lr"]``)
-    as the body read it, after ``count`` of the scheduler's steps in this call: known only
-    once the steps are replayed, so it can be returned, stored or formatted into text, not
-    computed with."""
-
-    def __init__(self, scheduler: Any, count: int, index: int):
-        self.scheduler, self.count, self.index = scheduler, count, index
-
-    def __repr__(self) -> str:
-        return f"<learning rate {self.index} of {type(self.scheduler).__name__}, after the step>"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, LastLR) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def _key(self) -> tuple:
-        return (id(self.scheduler), self.count, self.index)
-
-    def __format__(self, spec: str) -> str:
-        """A token that :func:`~functacc.core.python_output.fill` replaces by the rate
-        once the scheduler's steps are replayed (``f"lr {lr:.2e}"``)."""
-        if self.count == 0:
-            return _refuse(self)
-        return f"\x00functacclr{id(self.scheduler)}.{self.count}.{self.index}:{spec}\x00"
-
-
-def _refuse(self: LastLR, *args: Any) -> Any:
-    if self.count == 0:  # not stepped in this call (yet): the rate kept on the scheduler
-        raise TraceError(
-            f"the step computes with (or formats) {type(self.scheduler).__name__}"
-            ".get_last_lr(), a learning rate kept on the scheduler, outside the graph: the "
-            "step may return it or store it (a list, an attribute), not compute with it. "
-            "Fix: read optimizer.param_groups[i]['lr'] (fed to the graph on every call: "
-            "f\"lr {opt.param_groups[0]['lr']:.2e}\"), or scheduler.get_last_lr() outside "
-            "the step."
-        )
-    raise TraceError(
-        f"the step computes with the learning rate {type(self.scheduler).__name__} sets "
-        "(get_last_lr(), or the optimizer's param_groups[i]['lr'] read after the scheduler's "
-        "step) after stepping it inside the step. functacc.jit steps the scheduler for real "
-        "after the graph (as eager steps it), so its new learning rate is known only then: "
-        "the step may return it, store it (a list, an attribute) or format it into text "
-        "(an f-string, format()), not compute with it. Fix: return it and compute with it "
-        "after the call."
-    )
-
-
-for _name in [
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__pow__",
-    "__rpow__",
-    "__neg__",
-    "__float__",
-    "__int__",
-    "__bool__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__round__",
-    "__abs__",
-]:
-    setattr(LastLR, _name, _refuse)
 
 
 # -- seeds ---------------------------------------------------------------------------------
@@ -284,7 +198,6 @@ def patch_random_and_schedulers(recorder: Any) -> Callable[[], None]:
     import torch.cuda
     import torch.cuda.random
     import torch.random
-    from torch.optim import lr_scheduler
 
     patches: list[tuple[Any, str, Any]] = []
 
@@ -333,32 +246,7 @@ def patch_random_and_schedulers(recorder: Any) -> Callable[[], None]:
             ),
         )
 
-    def step_stand_in(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-        optimizer = getattr(scheduler, "optimizer", None)
-        where = f"{type(scheduler).__name__}.step()'s arguments"
-        recorder.schedulers.append(
-            SchedulerEvent(
-                scheduler,
-                [recorder.template(a, where) for a in args],
-                {k: recorder.template(v, where) for k, v in kwargs.items()},
-                recorder.steps_taken.get(id(optimizer), 0),
-            )
-        )
-
-    def last_lr_stand_in(scheduler: Any) -> list[LastLR]:
-        count = sum(e.scheduler is scheduler for e in recorder.schedulers)
-        return [LastLR(scheduler, count, i) for i in range(len(scheduler.get_last_lr_real()))]
-
-    for cls in _subclasses(lr_scheduler.LRScheduler):
-        for name in ("state_dict", "load_state_dict"):
-            patch(cls, name, checkpoint_refused("the scheduler's"))
-        patch(cls, "step", step_stand_in)
-        if "get_last_lr" in vars(cls):
-            real = vars(cls)["get_last_lr"]
-            patch(cls, "get_last_lr", last_lr_stand_in)
-            cls.get_last_lr_real = real
-            patches.append((cls, "get_last_lr_real", ABSENT))
-
+    patch_schedulers(recorder, patch, patches)
     return restorer(patches)
 
 
@@ -377,12 +265,3 @@ def restorer(patches: list[tuple[Any, str, Any]]) -> Callable[[], None]:
                 setattr(owner, name, value)
 
     return undo
-
-
-def _subclasses(cls: type) -> list[type]:
-    out, todo = [], [cls]
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo.extend(c.__subclasses__())
-    return out

@@ -307,9 +307,11 @@ def _rate_after_scheduler(group: RecordingGroup) -> Any:
     """``group["lr"]`` read after a scheduler of its optimizer stepped in the body: the rate
     that step sets, known once the step is replayed after the graph, as its
     ``get_last_lr()`` (eager reads the new rate; the trace's value is the old one)."""
-    from .python_effects import LastLR
+    from .python_schedulers import LastLR, sets_lr
 
     for event in reversed(group.recorder.schedulers):
+        if not sets_lr(event.scheduler):  # a timm scheduler of the weight decay
+            continue
         groups = getattr(getattr(event.scheduler, "optimizer", None), "param_groups", ())
         index = next((i for i, g in enumerate(groups) if g is group), None)
         if index is not None:

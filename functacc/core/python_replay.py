@@ -8,17 +8,86 @@ and calls it replays with the call's values), and how a failed run is undone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .lookup_tables import table_key, table_repr
 from .python_effects import SchedulerEvent, Seed, build
 from .python_location import Location
+from .python_tensors import fed_key
 
-__all__ = ["QUIET", "PythonPlan", "Replay"]
+__all__ = ["QUIET", "Conditions", "Exact", "PythonPlan", "Replay"]
+
+
+class Exact:
+    """A guarded value in a signature key: equal only to the same type and value (``1``,
+    ``1.0`` and ``True`` differ; ``nan`` equals ``nan``)."""
+
+    __slots__ = ("_key", "value")
+
+    def __init__(self, value: Any):
+        self.value = value
+        if isinstance(value, float) and math.isnan(value):
+            self._key: Any = (float, "nan")
+        elif isinstance(value, tuple):
+            self._key = (tuple, tuple(Exact(v) for v in value))
+        elif isinstance(value, (set, frozenset)):
+            self._key = (frozenset, frozenset(Exact(v) for v in value))
+        elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):  # a table
+            self._key = table_key(value)
+        elif isinstance(value, Tensor):  # where a guarded value was: fed once read
+            self._key = fed_key(value)
+        else:
+            self._key = (type(value), value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Exact) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:  # an array: its contents when keyed (it may change in place)
+        return table_repr(self._key) or repr(self.value)
+
+
+class Conditions:
+    """When a program's trace holds for a call: the values its Python read and baked in
+    are equal (made after the trace, which leaves the state as the call found it), its fed
+    values have the same types, the optimizer tensors it found loose
+    are still there, and the numbers it branched on still take its branches. A later trace
+    may read more (the other path of ``if need_update:``), which the signature then keys:
+    a call whose signature is new may still be served by an earlier program."""
+
+    def __init__(
+        self,
+        guards: Iterable[Location],
+        fed: list[Location],
+        loose: dict[Location, Tensor],
+        branch: tuple[Callable[[dict], bool], list[Location]] | None,
+    ):
+        self.guards = [(loc, Exact(loc.get())) for loc in guards]
+        self.fed = [(loc, fed_key(loc.get())) for loc in fed]
+        self.loose, self.branch = list(loose.items()), branch
+
+    def hold(self) -> bool:
+        try:
+            if any(Exact(loc.get()) != value for loc, value in self.guards):
+                return False
+            if any(fed_key(loc.get()) != kind for loc, kind in self.fed):
+                return False
+            if any(loc.get() is not t for loc, t in self.loose):
+                return False
+            if self.branch is None:
+                return True
+            check, numbers = self.branch
+            return check({f"t{i}": x.get() for i, x in enumerate(numbers)})
+        except Exception:  # a location gone (an attribute deleted): not this program
+            return False
 
 
 @dataclass
@@ -32,6 +101,7 @@ class PythonPlan:
     after: list[SchedulerEvent] = field(default_factory=list)
     effects: list[tuple] = field(default_factory=list)
     n_outputs: int = 0
+    conditions: Conditions | None = None  # when its trace holds for a call
 
     @property
     def empty(self) -> bool:
@@ -75,8 +145,7 @@ class Replay:
         for event in plan.after:
             args = [build(a, outputs, lrs) for a in event.args]
             kwargs = {k: build(v, outputs, lrs) for k, v in event.kwargs.items()}
-            event.scheduler.step(*args, **kwargs)
-            lrs[id(event.scheduler)].append(list(event.scheduler.get_last_lr()))
+            lrs[id(event.scheduler)].append(event.run(args, kwargs))
         for effect in plan.effects:
             kind, target = effect[0], effect[1]
             if kind == "assign" and not _is_group(target):

@@ -26,7 +26,6 @@ being fed and is guarded from then on (each new value retraces).
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,48 +35,17 @@ from torch import Tensor
 
 from ..errors import TraceError
 from .host_calls import result_unused
-from .lookup_tables import table_key, table_repr
 from .python_clock import new_call
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_reach import called_toward, find_roots, is_user_code
 from .python_recording import groups_root
-from .python_replay import QUIET, PythonPlan, Replay
+from .python_replay import QUIET, Conditions, Exact, PythonPlan, Replay
+from .python_schedulers import last_lrs
 from .python_tensors import fed_key, feedable, module_containers
 from .python_trace import Recorder, Retry
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
-
-
-class Exact:
-    """A guarded value in a signature key: equal only to the same type and value (``1``,
-    ``1.0`` and ``True`` differ; ``nan`` equals ``nan``)."""
-
-    __slots__ = ("_key", "value")
-
-    def __init__(self, value: Any):
-        self.value = value
-        if isinstance(value, float) and math.isnan(value):
-            self._key: Any = (float, "nan")
-        elif isinstance(value, tuple):
-            self._key = (tuple, tuple(Exact(v) for v in value))
-        elif isinstance(value, (set, frozenset)):
-            self._key = (frozenset, frozenset(Exact(v) for v in value))
-        elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):  # a table
-            self._key = table_key(value)
-        elif isinstance(value, Tensor):  # where a guarded value was: fed once read
-            self._key = fed_key(value)
-        else:
-            self._key = (type(value), value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Exact) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-    def __repr__(self) -> str:  # an array: its contents when keyed (it may change in place)
-        return table_repr(self._key) or repr(self.value)
 
 
 class PythonState:
@@ -105,7 +73,7 @@ class PythonState:
         self._owned: set[int] = set()
         # Per trace with fed numbers it branched on: that condition, over the fed locations.
         self.branches: list[tuple[Callable[[dict], bool], list[Location], str]] = []
-        self._branch_keys: set[tuple] = set()
+        self._branch_checks: dict[tuple, tuple] = {}  # (condition, fed) -> (check, numbers)
         # Whether traces follow .item() of the modules' one-element buffers (scalar_reads):
         # from the first trace that branched on a value it could not name.
         self.item_reads = False
@@ -138,6 +106,11 @@ class PythonState:
             for check, xs, label in self.branches
         )
         return (*guarded, *fed, *held)
+
+    def holds(self, program: Any) -> bool:
+        """Whether ``program``'s trace holds for this call's Python state."""
+        conditions = getattr(getattr(program, "python", None), "conditions", None)
+        return conditions is not None and conditions.hold()
 
     def inputs(self, plan: PythonPlan | None = None) -> list[int | float]:
         """The fed values now: the graph's Python-number and Python-state tensor inputs."""
@@ -258,21 +231,23 @@ class PythonState:
         """After a successful trace: keep its guards and the condition on the fed numbers
         it branched on (``branches``, over ``t0, t1, ...`` in ``fed``'s order; made at
         ``sites`` of the user's code), and plan its Python side."""
-        if branches and (branches, tuple(fed)) not in self._branch_keys:
+        branch = self._branch_checks.get((branches, tuple(fed))) if branches else None
+        if branches and branch is None:
             from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
-            self._branch_keys.add((branches, tuple(fed)))
             check = eval(f"lambda L: bool({branches})", dict(SYMPY_INTERP))
             # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
             numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]
             text = re.sub(r"L\['t(\d+)'\]", lambda m: numbers[int(m[1])].label, branches)
             sites = [_site(site, self._fn) for site in sites]
+            branch = self._branch_checks[(branches, tuple(fed))] = (check, numbers)
             self.branches.append((check, numbers, _branch_label(text, branches, numbers, sites)))
         self.loose.update(recorder.loose)
         for loc, value in recorder.guards.items():
             self.guards.setdefault(loc, None)
             self.traced_values[loc] = value
         plan = PythonPlan(fed=list(fed), seeds=list(recorder.seeds), effects=recorder.effects)
+        plan.conditions = Conditions(recorder.guards, fed, recorder.loose, branch)
         plan.n_outputs = len(recorder.outputs)
         for event in recorder.schedulers:
             stepped = recorder.steps_taken.get(id(getattr(event.scheduler, "optimizer", None)), 0)
@@ -282,14 +257,14 @@ class PythonState:
                 event.phase = "before"
                 if any(t[0] != "const" for t in [*event.args, *event.kwargs.values()]):
                     raise TraceError(
-                        f"the step calls {type(event.scheduler).__name__}.step(...) before "
-                        "the optimizer's step with an argument computed in the step; "
+                        f"the step calls {type(event.scheduler).__name__}.{event.method}(...) "
+                        "before the optimizer's step with an argument computed in the step; "
                         "functacc.jit runs that scheduler step before the graph, where the "
                         "argument is not known yet. Fix: step the scheduler after opt.step()."
                     )
             else:
                 raise TraceError(
-                    f"the step calls {type(event.scheduler).__name__}.step() between two "
+                    f"the step calls {type(event.scheduler).__name__}.{event.method}() between two "
                     "steps of its optimizer; functacc.jit replays a scheduler step before or "
                     "after the graph. Fix: step the scheduler before or after every step of "
                     "its optimizer in the step."
@@ -332,11 +307,12 @@ class PythonState:
             for seed in plan.seeds:
                 seed.function(seed.evaluate(values))
         for event in [*plan.before, *plan.after]:
-            replay.lrs.setdefault(id(event.scheduler), [list(event.scheduler.get_last_lr())])
+            replay.lrs.setdefault(id(event.scheduler), [last_lrs(event.scheduler)])
         for event in plan.before:
             replay.undo.scheduler(event.scheduler)
-            event.scheduler.step(*[build(a, (), {}) for a in event.args])
-            replay.lrs[id(event.scheduler)].append(list(event.scheduler.get_last_lr()))
+            args = [build(a, (), {}) for a in event.args]  # constants: checked at the trace
+            kwargs = {k: build(v, (), {}) for k, v in event.kwargs.items()}
+            replay.lrs[id(event.scheduler)].append(event.run(args, kwargs))
         return replay
 
 
