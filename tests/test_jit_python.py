@@ -1306,10 +1306,45 @@ def test_a_counter_a_module_of_the_users_keeps_costs_no_trace_per_call() -> None
     for x, y in case.batches:
         step(x, y)
     assert case.state()[0] == 7
-    # Three compiles (see module_counter) and one trace that found a graph made before
-    # (the branch's first side again, now under the fed counter); before 2026-11-28 every
-    # call from the third on traced again (5 reuses).
-    assert step.num_traces <= 3 and step._engine.engine.reused <= 1, [t.reason for t in step.traces]
+    # Three compiles (see module_counter); before 2026-11-28 every call from the third on
+    # traced again (5 reuses), before 2026-11-29 the branch's first side once more, under
+    # the fed counter (1; its program is now reused: its conditions hold).
+    assert step.num_traces <= 3 and step._engine.engine.reused == 0, [t.reason for t in step.traces]
+
+
+def test_two_paths_that_read_different_numbers_alternate_without_tracing_again() -> None:
+    # A step that smooths its loss every other call reads state.smooth on one path only.
+    # Each trace's new reads (the counter fed, its branch) grow the signature, so before
+    # 2026-11-29 the path seen first traced again on its next turn (a host trace with the
+    # graph of an earlier one); its program, whose own conditions hold, is now reused.
+    def run(jit: bool) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = types.SimpleNamespace(i=0, smooth=0.0)
+
+        def body(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if state.i % 2 == 1:
+                state.smooth = 0.9 * state.smooth + 0.1 * loss.item()
+            state.i += 1
+            return loss.detach()
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        step = step if jit else body
+        g = torch.Generator().manual_seed(1)
+        losses = [step(torch.randn(4, 3, generator=g)) for _ in range(8)]
+        return losses, state, model.weight.detach().clone(), step
+
+    losses, state, weight, step = run(True)
+    eager_losses, eager_state, eager_weight, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses, strict=True))
+    assert state == eager_state and torch.equal(weight, eager_weight)
+    # the first call; the counter fed (the odd path); the even path under the fed counter
+    assert step.num_traces == 3 and step._engine.engine.reused == 0, [t.reason for t in step.traces]
 
 
 def test_an_optimizer_whose_own_step_is_traced_refuses_its_state_dict_too() -> None:
