@@ -71,13 +71,15 @@ _MAX_OBJECTS = 256
 
 
 # -- what the body's code names -------------------------------------------------------------
-def find_roots(fn: Callable[..., Any]) -> list[Root]:
+def find_roots(fn: Callable[..., Any], known: dict[tuple, Root] | None = None) -> list[Root]:
     """The closure cells, globals, parameter defaults and ``self`` that ``fn``'s code (and
-    the code of the functions it defines and the user functions it calls by name) can read."""
-    roots: dict[tuple, Root] = {}
+    the code of the functions it defines and the user functions it calls by name) can read;
+    those not in ``known`` (by where they are: a cell a hook shares with the body is one)."""
+    roots: dict[tuple, Root] = {} if known is None else known
+    before = set(roots)
     target, owner = _entry(fn)
     if owner is not None and is_plain_object(owner):
-        roots[("self",)] = Root("self", lambda: owner, None)
+        roots.setdefault(("self", id(owner)), Root("self", lambda: owner, None))
     for function in _user_functions(target, owner, set()):
         code = function.__code__
         loaded = _loaded(code)
@@ -95,7 +97,7 @@ def find_roots(fn: Callable[..., Any]) -> list[Root]:
                 key = ("global", id(module_globals), name)
                 root = roots.setdefault(key, _global_root(name, module_globals))
                 root.loaded = root.loaded or name in loaded
-    return list(roots.values())
+    return [root for key, root in roots.items() if key not in before]
 
 
 def code_scopes(fn: Callable[..., Any]) -> list[dict]:

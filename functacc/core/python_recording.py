@@ -37,6 +37,7 @@ __all__ = [
     "RecordingGroup",
     "groups_root",
     "recording",
+    "shared",
 ]
 
 
@@ -330,3 +331,17 @@ def groups_root(linked: Any) -> Root:
         root.external = True
         linked._groups_root = root
     return root
+
+
+def shared(
+    root_values: list[tuple[Root, Any]], objects: dict[int, tuple[Location, Any]]
+) -> dict[int, list[Location]]:
+    """For each container found (``objects``: by id, at its first location), the roots
+    that hold it too: a feature hook's closure cell holding the dict the body reads. Its
+    recording copy is installed at each, so that the hook's writes are the body's."""
+    places: dict[int, list[Location]] = {}
+    for root, value in root_values:
+        first = objects.get(id(value), (None,))[0]
+        if first is not None and Location(root) != first:
+            places.setdefault(id(value), []).append(Location(root))
+    return places

@@ -42,7 +42,7 @@ from .python_reach import called_toward, find_roots, is_user_code
 from .python_recording import groups_root
 from .python_replay import QUIET, Conditions, Exact, PythonPlan, Replay
 from .python_schedulers import last_lrs
-from .python_tensors import fed_key, feedable, module_containers
+from .python_tensors import fed_key, feedable, module_containers, module_hooks
 from .python_trace import Recorder, Retry
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
@@ -59,8 +59,10 @@ class PythonState:
         modules: Sequence[tuple[str, Any]] = (),
         unkeyed: set[tuple[int, str]] | None = None,
     ):
-        # The body's code's roots, and the containers its modules keep (python_tensors).
-        self.roots: list[Root] = find_roots(fn) + module_containers(modules)
+        # The body's code's roots, and the containers its modules keep (python_tensors);
+        # then those of the modules' hooks (prepare: registered before a trace).
+        self._known: dict[tuple, Root] = {}
+        self.roots: list[Root] = find_roots(fn, self._known) + module_containers(modules)
         self._fn = fn  # where its branches are made (finish)
         self.optimizers = list(optimizers)  # LinkedOptimizer
         self.owned = owned  # ids of the step's own tensors: never fed (python_tensors)
@@ -133,6 +135,8 @@ class PythonState:
                 if loc not in self.pinned:
                     self.fed.setdefault(loc, None)
                     self.guards.pop(loc, None)
+        for hook in module_hooks(self._modules):  # feats[name] = out, feats read by the body
+            self.roots += find_roots(hook, self._known)
         owned = self.owned()
         for loc in list(self.fed):
             value = loc.get()

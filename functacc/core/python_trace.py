@@ -39,7 +39,7 @@ from .python_numbers import unstood
 from .python_numpy import TracedArray, numpy_template
 from .python_output import output_template, patch_output
 from .python_reach import held, holds_traced, is_scalar, plain_objects
-from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording
+from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording, shared
 from .python_sets import STEPPERS, SetWatch
 from .python_tensors import installed, tensor_locations
 
@@ -116,13 +116,15 @@ class Recorder:
             self.snapshots.append((location, obj, dict(vars(obj))))
             self._unrecorded.add(id(obj))
         install_tables(self.root_values, self._originals, self.guards)  # lr_schedule[it]
+        elsewhere = shared(self.root_values, self.objects)
         for location, obj in self.objects.values():
             if type(obj) in (dict, defaultdict) or isinstance(obj, (list, deque)):
                 kind = {dict: RecordingDict, defaultdict: RecordingDict, list: RecordingList}
                 copy = kind.get(type(obj), RecordingDeque)(obj, location, self)
                 self._originals[id(copy)] = obj
-                location.set(copy)  # the body reads and writes the copy while traced
-                self._undo.append(lambda location=location, obj=obj: location.set(obj))
+                for place in [location, *elsewhere.get(id(obj), ())]:  # a hook's cell too
+                    place.set(copy)  # the body reads and writes the copy while traced
+                    self._undo.append(lambda place=place, obj=obj: place.set(obj))
                 self.snapshots.append(
                     (location, copy, dict(obj) if isinstance(obj, dict) else list(obj))
                 )
