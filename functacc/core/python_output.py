@@ -6,7 +6,8 @@ traced, ``print``, ``logging``'s loggers, TensorBoard's ``SummaryWriter.add_*`` 
 tensorboardX's: ``writer.add_scalar("loss", loss, step)`` logged one point), ``wandb.log``
 and ``run.log``, Accelerate's, Fabric's and a ``LightningModule``'s ``log``,
 ``tqdm``'s ``update`` / ``set_postfix`` / ``set_description``,
-``torch.save`` (a checkpoint every N steps: at the trace it wrote fake tensors) and the
+``torch.save`` (a checkpoint every N steps: at the trace it wrote fake tensors),
+torchvision's ``save_image`` (a GAN's samples every N steps) and the
 writes to files it opens (:mod:`.python_files`) called from the user's code are noted as
 ``("call", function, args, kwargs)`` effects (:mod:`.python_effects`) and run after each
 call with that call's values.
@@ -70,6 +71,10 @@ _NOTED_METHODS = (
     ("pytorch_lightning.core.module", "LightningModule", ("log", "log_dict", "print")),
     ("lightning.pytorch.core.module", "LightningModule", ("log", "log_dict", "print")),
 )
+
+# Functions of output libraries noted where called, under the module's name or any name
+# the user's code imported them as (PyTorch-GAN's `from torchvision.utils import save_image`).
+_NOTED_FUNCTIONS = (("torchvision.utils", "save_image"),)
 
 
 def has_tokens(text: str) -> bool:
@@ -197,8 +202,17 @@ def patch_output(recorder: Any) -> Callable[[], None]:
         patch(cls, "__repr__", _formatting(lambda t, spec, f=real_repr: f(t), recorder, "repr"))
     patch(torch.Tensor, "__format__", _formatting(torch.Tensor.__format__, recorder, "format"))
     patch_percent(recorder, patch)
-
-    return restorer(patches)
+    imported: list[tuple[dict, str, Any]] = []  # (the user's module globals, name, function)
+    for module_name, name in _NOTED_FUNCTIONS:
+        real = getattr(sys.modules.get(module_name), name, None)
+        if real is not None:
+            noted = _noting(real, note, f"{name}()")
+            patch(sys.modules[module_name], name, noted)
+            for scope in getattr(recorder, "scopes", ()):
+                imported += [(scope, key, real) for key, v in scope.items() if v is real]
+                scope.update(dict.fromkeys([key for key, v in scope.items() if v is real], noted))
+    undo = restorer(patches)
+    return lambda: (undo(), [scope.__setitem__(key, real) for scope, key, real in imported])
 
 
 def _noting(real: Callable, note: Callable, what: str) -> Callable:

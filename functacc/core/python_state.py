@@ -38,7 +38,7 @@ from .host_calls import result_unused
 from .python_clock import new_call
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
-from .python_reach import called_toward, find_roots, is_user_code
+from .python_reach import called_toward, code_scopes, find_roots, is_user_code
 from .python_recording import groups_root
 from .python_replay import QUIET, Conditions, Exact, PythonPlan, Replay
 from .python_schedulers import last_lrs
@@ -151,6 +151,7 @@ class PythonState:
         symbolic = dict(zip(fed, placeholders, strict=True))
         recorder = Recorder(self.roots, symbolic, self.optimizers, self.pinned, self._owned)
         recorder.item_reads = self.item_reads
+        recorder.scopes = code_scopes(self._fn)  # its names for output functions (save_image)
         self._recorder = recorder
         with recorder:
             yield recorder
