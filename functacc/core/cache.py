@@ -188,7 +188,10 @@ class ProgramCache:
             )
         if self._last_key is None:
             return "first call"
-        return describe_difference(self._last_key, key)
+        # Told against the closest signature seen (the last one where as close): an update
+        # step after a no-update one differs from its own kind by less than from the last.
+        closest = min([self._last_key, *self._exact], key=lambda seen: _distance(seen, key))
+        return describe_difference(closest, key)
 
     def check_budget(self, reason: str, signature: str) -> None:
         """Raise :class:`RetraceError` if one more trace would exceed ``max_traces``."""
@@ -252,6 +255,14 @@ class ProgramCache:
             log.warning("%s. %s", message, _fix(record.reason, self.static))
         else:
             log.info("%s", message)
+
+
+def _distance(a: Hashable, b: Hashable) -> int:
+    """How many parts of two signature keys differ (keys of other shapes: 0 or 1)."""
+    if not all(isinstance(k, tuple) and len(k) == 2 and type(k[1]) is tuple for k in (a, b)):
+        return int(a != b)
+    parts = sum(x != y for x, y in zip(a[1], b[1], strict=False))
+    return (a[0] != b[0]) + parts + abs(len(a[1]) - len(b[1]))
 
 
 def _without_python(key: Hashable) -> Hashable:
