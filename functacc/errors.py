@@ -21,7 +21,7 @@ before it.
 
 from __future__ import annotations
 
-__all__ = ["RetraceError", "TraceError", "argument_error"]
+__all__ = ["RetraceError", "TraceError", "argument_error", "user_stacklevel"]
 
 
 class TraceError(RuntimeError):
@@ -110,3 +110,16 @@ def foreign_parameter_error(label: str, group: int, index: int, shape: tuple) ->
         "functacc.jit). Build the optimizer on their parameters, or give functacc.jit the "
         "module that owns it in modules=(...)."
     )
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside functacc (the user's ``step(...)``),
+    counted from the function that calls ``warnings.warn``."""
+    import os
+    import sys
+
+    package = os.path.dirname(__file__)
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -380,3 +380,32 @@ def test_data_parallel_and_zero_equal_one_process_on_the_full_batch(tmp_path: Pa
         for layout in ("dp", "zero1")
     ]
     assert 0 < held[1] < held[0]  # ZeRO-1: this rank keeps the state of its parameters only
+
+
+def test_a_fused_adam_warns_that_its_rounding_is_the_foreach_ones() -> None:
+    # Adam(fused=True) (nanoGPT's choice on CUDA) runs torch's fused kernel in eager, whose
+    # float rounding differs from the for-loop and foreach arithmetic that functacc compiles
+    # into the step. Before 2026-11-29 the difference was silent; it is a warning now, and
+    # the numbers are fused=False's bit for bit (fused=True's within float32 rounding).
+    def run(fused: bool, jit: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+
+        def body(x: torch.Tensor) -> None:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step = (
+            functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+        )
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            step(torch.randn(3, 4, generator=g))
+        return model.weight.detach().clone()
+
+    with pytest.warns(UserWarning, match=r"Adam\(fused=True\): functacc compiles its own update"):
+        jitted = run(True, jit=True)
+    assert torch.equal(jitted, run(False, jit=False))
+    torch.testing.assert_close(jitted, run(True, jit=False), rtol=0, atol=1e-8)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from ..errors import argument_error, attribute_change_error, host_random_error
+from ..errors import argument_error, attribute_change_error, host_random_error, user_stacklevel
 from .model_watch import HELD_DEPTH, held_items
 from .python_clock import fed_clock
 from .python_reach import MODULE_TABLES
@@ -199,7 +199,7 @@ class HostRandomWatch:
                 f"{host_random_error(changed)} (Other Python threads were running, and one "
                 "of them may have drawn instead; if your forward and loss do not use these "
                 "generators, ignore this.)",
-                stacklevel=_caller_level(),
+                stacklevel=user_stacklevel(),
             )
 
 
@@ -282,15 +282,6 @@ def _set_generator_state(g: Any, state: Any) -> None:
         g.bit_generator.state = state
     else:
         g.set_state(state)
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside functacc (the user's ``step(...)``),
-    counted from the function that calls ``warnings.warn``."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FUNCTACC_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class ClockWatch:
