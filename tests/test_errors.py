@@ -913,3 +913,33 @@ def test_a_numpy_array_indexed_with_a_drawn_position_names_the_array_and_the_lin
     assert "in step\n    x = torch.from_numpy(data[i : i + 4])" in message
     assert "Fix: run `x = torch.from_numpy(data[i : i + 4])` before the call" in message
     assert torch.equal(model.weight, before) and not opt.state
+
+
+@pytest.mark.parametrize("where", ["in the step", "around the call"])
+def test_anomaly_detection_checking_for_nan_is_a_clear_error(where: str) -> None:
+    # autograd's anomaly mode checks every gradient for NaN on the host, which a traced
+    # step cannot; before 2026-11-29 the error advised torch.where (a branch on a value).
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if where == "in the step":
+            with torch.autograd.detect_anomaly():
+                loss = model(x).square().mean()
+                loss.backward()
+        else:
+            loss = model(x).square().mean()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(TraceError, match="anomaly detection checks every gradient for NaN"):
+        if where == "in the step":
+            jitted(torch.randn(3, 4))
+        else:
+            with torch.autograd.set_detect_anomaly(True):
+                jitted(torch.randn(3, 4))
+    assert torch.equal(model.weight, before) and not opt.state

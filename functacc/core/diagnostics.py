@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..errors import TraceError
 from .failure_sites import (
+    anomaly_checks,
     formats_with_percent,
     in_function,
     in_package,
@@ -80,6 +81,16 @@ def translate(
     targets)``; a jitted body called eagerly)."""
     eager_call = eager_call or "loss_fn(model(inputs), targets)"
     where = _where(exc, model)
+    if is_data_dependent(exc) and anomaly_checks(exc):
+        return TraceError(
+            "autograd's anomaly detection checks every gradient for NaN on the host "
+            f"(torch.autograd.detect_anomaly / set_detect_anomaly(True)) {where}\nfunctacc "
+            "traces the whole step once into a graph, which cannot stop on a value. Fix: to "
+            "find a NaN, call the function you gave to jit directly (eager, with anomaly "
+            "detection); in the jitted step, leave it out or pass check_nan=False (a "
+            "non-finite loss: `if not math.isfinite(loss.item()): sys.exit(1)` is asserted "
+            f"in the graph). Inputs were: {signature}."
+        )
     if is_data_dependent(exc) and in_function(exc, "_detect_is_causal_mask"):
         return TraceError(
             "torch's transformer layers check whether the attention mask is causal by "

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 import sys
 import traceback
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "anomaly_checks",
     "formats_with_percent",
     "in_function",
     "in_package",
@@ -198,3 +200,22 @@ def in_function(exc: BaseException, name: str) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def anomaly_checks(exc: BaseException) -> bool:
+    """Whether autograd's anomaly detection was checking for NaN where ``exc`` was raised:
+    on for the process (``set_detect_anomaly(True)``), or in a ``with detect_anomaly():``
+    of the user's function that failed (the context has exited by now)."""
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        return True
+    tb, code = exc.__traceback__, None
+    while tb is not None:  # the innermost user frame's function
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith(_LIBRARY_DIRS) and not _installed(path):
+            code = tb.tb_frame.f_code
+        tb = tb.tb_next
+    try:
+        lines = inspect.getsourcelines(code)[0] if code is not None else []
+    except (OSError, TypeError):
+        return False
+    return any("detect_anomaly(" in line and "check_nan=False" not in line for line in lines)
