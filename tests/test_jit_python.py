@@ -1312,7 +1312,10 @@ def test_a_counter_a_module_of_the_users_keeps_costs_no_trace_per_call() -> None
     assert step.num_traces <= 3 and step._engine.engine.reused == 0, [t.reason for t in step.traces]
 
 
-def test_two_paths_that_read_different_numbers_alternate_without_tracing_again() -> None:
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_two_paths_that_read_different_numbers_alternate_without_tracing_again(
+    backend: str,
+) -> None:
     # A step that smooths its loss every other call reads state.smooth on one path only.
     # Each trace's new reads (the counter fed, its branch) grow the signature, so before
     # 2026-11-29 the path seen first traced again on its next turn (a host trace with the
@@ -1333,7 +1336,7 @@ def test_two_paths_that_read_different_numbers_alternate_without_tracing_again()
             state.i += 1
             return loss.detach()
 
-        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend=backend)
         step = step if jit else body
         g = torch.Generator().manual_seed(1)
         losses = [step(torch.randn(4, 3, generator=g)) for _ in range(8)]
@@ -1341,8 +1344,14 @@ def test_two_paths_that_read_different_numbers_alternate_without_tracing_again()
 
     losses, state, weight, step = run(True)
     eager_losses, eager_state, eager_weight, _ = run(False)
-    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses, strict=True))
-    assert state == eager_state and torch.equal(weight, eager_weight)
+    if backend == "eager":  # eager's kernels: bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses, strict=True))
+        assert state == eager_state and torch.equal(weight, eager_weight)
+    else:  # Inductor's fused kernels round float32 differently: 8 steps of a linear model
+        torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weight, eager_weight, rtol=1e-5, atol=1e-6)
+        assert state.i == eager_state.i == 8
+        assert state.smooth == pytest.approx(eager_state.smooth, rel=1e-5)
     # the first call; the counter fed (the odd path); the even path under the fed counter
     assert step.num_traces == 3 and step._engine.engine.reused == 0, [t.reason for t in step.traces]
 

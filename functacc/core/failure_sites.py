@@ -49,6 +49,19 @@ def _installed(path: str) -> bool:
     return any(f"{os.sep}{d}-packages{os.sep}" in path for d in ("site", "dist"))
 
 
+def _user_entries(exc: BaseException) -> list[TracebackType]:
+    """The traceback entries of ``exc`` in the user's code, outermost first: not torch,
+    functacc, the standard library, an installed package or generated code (FX's, eval)."""
+    tb, user = exc.__traceback__, []
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        path = os.path.abspath(name)
+        if not (name.startswith("<") or _installed(path) or path.startswith(_LIBRARY_DIRS)):
+            user.append(tb)
+        tb = tb.tb_next
+    return user
+
+
 def is_data_dependent(exc: BaseException) -> bool:
     """Whether the trace failed on a tensor's value read in Python (or a shape made from
     one), here or in an exception it came from."""
@@ -149,14 +162,7 @@ def numpy_index(exc: BaseException) -> tuple[str, str, str] | None:
     ``data[i:i+block_size] for i in torch.randint(...)``), where, and the step's statement
     that led there; None if no user line subscripts an array."""
     ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
-    tb, user = exc.__traceback__, []
-    while ndarray is not None and tb is not None:
-        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        installed = _installed(path)
-        generated = tb.tb_frame.f_code.co_filename.startswith("<")  # FX's code, eval
-        if not (installed or generated or path.startswith(_LIBRARY_DIRS)):
-            user.append(tb)
-        tb = tb.tb_next
+    user = _user_entries(exc) if ndarray is not None else []
     for depth, tb in reversed(list(enumerate(user))):
         frame = tb.tb_frame
         summary = traceback.extract_tb(tb, limit=1)[0]
@@ -208,12 +214,8 @@ def anomaly_checks(exc: BaseException) -> bool:
     of the user's function that failed (the context has exited by now)."""
     if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
         return True
-    tb, code = exc.__traceback__, None
-    while tb is not None:  # the innermost user frame's function
-        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not path.startswith(_LIBRARY_DIRS) and not _installed(path):
-            code = tb.tb_frame.f_code
-        tb = tb.tb_next
+    user = _user_entries(exc)
+    code = user[-1].tb_frame.f_code if user else None  # the innermost user function's
     try:
         lines = inspect.getsourcelines(code)[0] if code is not None else []
     except (OSError, TypeError):
