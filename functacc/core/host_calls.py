@@ -120,7 +120,7 @@ def host_result_used(exc: BaseException) -> TraceError | None:
     """The error for ``exc`` if torch's C++ was handed a host function's result (an optimizer
     given ``lr=get_lr(it)`` of a wrapped ``get_lr``: "must be Number, not _Unknown"), which
     asks it nothing a stand-in could refuse; None otherwise."""
-    if type(exc).__name__ != "TypeError" or "_Unknown" not in str(exc):
+    if not isinstance(exc, TypeError) or "_Unknown" not in str(exc):
         return None
     tb = exc.__traceback__
     while tb is not None:

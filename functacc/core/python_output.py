@@ -209,8 +209,9 @@ def patch_output(recorder: Any) -> Callable[[], None]:
             noted = _noting(real, note, f"{name}()")
             patch(sys.modules[module_name], name, noted)
             for scope in getattr(recorder, "scopes", ()):
-                imported += [(scope, key, real) for key, v in scope.items() if v is real]
-                scope.update(dict.fromkeys([key for key, v in scope.items() if v is real], noted))
+                keys = [key for key, value in scope.items() if value is real]
+                imported += [(scope, key, real) for key in keys]
+                scope.update(dict.fromkeys(keys, noted))
     undo = restorer(patches)
     return lambda: (undo(), [scope.__setitem__(key, real) for scope, key, real in imported])
 
