@@ -47,6 +47,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_lists",
         "core/python_effects",
         "core/python_schedulers",
+        "core/python_draws",
         "core/python_made",
         "core/python_sets",
         "core/python_output",

@@ -89,6 +89,34 @@ def host_random_error(generators: list[str]) -> TraceError:
     )
 
 
+def drawn_computed_error(label: str, what: str) -> TraceError:
+    """The step computed in NumPy with an array it drew (``label``) before handing it to
+    torch (core/python_draws.py)."""
+    return TraceError(
+        f"the step computes with the array {label} drew ({what}) before handing it to torch. "
+        "functacc draws such an array again before every call, as eager does, and feeds it "
+        "to the graph; that works for the array as drawn (torch.Tensor(z), "
+        "torch.from_numpy(z), torch.tensor(z), or a view of it), whose values the trace does "
+        "not have. Fix: hand the array to torch first and compute with torch "
+        "(torch.from_numpy(z) * 2), or draw with torch (torch.randn, torch.randint)."
+    )
+
+
+def drawn_branch_error(module: str, where: str) -> TraceError:
+    """The step branched in Python on a number it drew from ``module`` (``np.random`` or
+    ``random``), at ``where``."""
+    source = "NumPy's np.random" if module == "np.random" else "Python's random module"
+    return TraceError(
+        f"the step branches in Python on a number it drew from {source} while it was "
+        f"traced ({where}). functacc draws such a number again before every call and feeds "
+        "it to the graph, but the graph holds the one branch the trace took, where eager "
+        "takes the other whenever the number falls on the other side. Fix: decide in the "
+        "graph with torch (torch.where(torch.rand(()) < p, a, b); a layer skipped at random "
+        "is a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep), or draw the "
+        "number before the call and pass it in (a number argument is fed)."
+    )
+
+
 def replaced_error(path: str, door: str) -> RuntimeError:
     """A parameter, buffer or submodule (``path``, e.g. ``model.fc``) was replaced or
     added after ``door`` (``compile_step``, ``functacc.jit``) built the step."""

@@ -1033,15 +1033,18 @@ def test_a_torch_compiled_model_and_loss_in_the_step_are_traced_through(front_do
     assert all(torch.equal(a, b) for a, b in zip(jitted[1], eager[1], strict=True))
 
 
-def mixup_run(jit: bool) -> tuple:
-    # facebookresearch/mixup-cifar10's mixup_data draws lam from NumPy in the step; the
-    # error's advice: draw it before the call and pass it in (fed, not a trace per value).
+def mixup_run(jit: bool, inside: bool) -> tuple:
+    # facebookresearch/mixup-cifar10's mixup_data draws lam from NumPy in the step
+    # (``inside``); or, as the error's advice said before 2026-11-29, before the call, passed
+    # in (fed, not a trace per value).
     torch.manual_seed(0)
-    rng = np.random.RandomState(0)
+    np.random.seed(0)
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def body(x: torch.Tensor, y: torch.Tensor, lam: float) -> float:
+    def body(x: torch.Tensor, y: torch.Tensor, lam: float | None = None) -> float:
+        if lam is None:
+            lam = np.random.beta(1.0, 1.0)
         index = torch.randperm(x.size()[0])
         out = model(lam * x + (1 - lam) * x[index, :])
         loss = lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[index])
@@ -1055,22 +1058,25 @@ def mixup_run(jit: bool) -> tuple:
     losses = []
     for _ in range(5):
         x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
-        losses.append(step(x, y, np.float64(rng.beta(1.0, 1.0))))  # as np.random.beta gives
-    return losses, model.weight.detach().clone(), getattr(step, "num_traces", 0)
+        if inside:
+            losses.append(step(x, y))
+        else:
+            losses.append(step(x, y, np.random.beta(1.0, 1.0)))
+    after = np.random.get_state()[1].copy()  # where the draws left NumPy's generator
+    return losses, model.weight.detach().clone(), getattr(step, "num_traces", 0), after
 
 
-def test_mixups_numpy_draw_is_refused_with_advice_that_keeps_eagers_numbers() -> None:
-    model = nn.Linear(4, 3)
-
-    def drawing(x: torch.Tensor) -> torch.Tensor:
-        lam = np.random.beta(1.0, 1.0)
-        return model(lam * x).sum()
-
-    with pytest.raises(functacc.TraceError, match=r"(?s)NumPy.*pass them in.*lam=np.random"):
-        functacc.jit(drawing, modules=[model], backend="eager")(torch.randn(2, 4))
-    eager, jitted = mixup_run(False), mixup_run(True)
+@pytest.mark.parametrize("inside", [True, False], ids=["drawn in the step", "passed in"])
+def test_mixups_numpy_draw_matches_eager(inside) -> None:
+    # Before 2026-11-29 ``lam = np.random.beta(a, a)`` in the step was a TraceError: a trace
+    # would have drawn lam once for every call. It is now fed, drawn again before each call
+    # from NumPy's global generator: eager's lam, losses and weights, and NumPy's generator
+    # left where eager leaves it.
+    eager, jitted = mixup_run(False, inside), mixup_run(True, inside)
     assert jitted[0] == eager[0] and torch.equal(jitted[1], eager[1])
-    assert jitted[2] == 2  # the first call, then lam fed
+    assert np.array_equal(jitted[3], eager[3])
+    assert len(set(eager[0])) == 5  # a new lam each call (a baked one would not match)
+    assert jitted[2] == (1 if inside else 2)  # passed in: the first call, then lam fed
 
 
 class TextSampler(torch.utils.data.Dataset):

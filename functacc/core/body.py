@@ -202,7 +202,7 @@ class StepBody:
         replay = self.python.before_run(program.python)
         if replay.changed:  # a scheduler stepped before the graph: its new hyperparameters
             self.capture.sync_hyperparameters()
-        fed = self.python.inputs(program.python)
+        fed = self.python.inputs(program.python, replay)
         flat = [*state, *fed, *tensors]
         try:
             outputs = self.engine.run(

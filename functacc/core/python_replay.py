@@ -102,10 +102,12 @@ class PythonPlan:
     effects: list[tuple] = field(default_factory=list)
     n_outputs: int = 0
     conditions: Conditions | None = None  # when its trace holds for a call
+    draws: list[Any] = field(default_factory=list)  # NumPy's, drawn before it (DrawRoot)
 
     @property
     def empty(self) -> bool:
-        return not (self.seeds or self.generators or self.before or self.after or self.effects)
+        around = self.seeds or self.generators or self.before or self.after or self.effects
+        return not (around or self.draws)
 
     def signature(self) -> tuple:
         """What a graph reused for another signature must share: its Python inputs and
@@ -129,6 +131,7 @@ class Replay:
         self.plan = plan
         self.undo = _Undo()
         self.lrs: dict[int, list[list[float]]] = {}  # id(scheduler) -> lr after k steps
+        self.drawn: dict[Any, Tensor] = {}  # this call's NumPy arrays, by their DrawRoot
 
     @property
     def changed(self) -> bool:
@@ -177,6 +180,12 @@ class _Undo:
         state = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self._steps.append(lambda: _set_rng(state, cuda))
+
+    def numpy(self) -> None:
+        import numpy as np
+
+        state = np.random.get_state()
+        self._steps.append(lambda: np.random.set_state(state))
 
     def generator(self, g: torch.Generator) -> None:
         state = g.get_state()

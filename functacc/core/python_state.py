@@ -36,6 +36,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .host_calls import result_unused
 from .python_clock import new_call
+from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_reach import called_toward, code_scopes, find_roots, is_user_code
@@ -84,6 +85,7 @@ class PythonState:
         self._modules = list(modules)
         self._followed: set[int] = set()  # modules whose attributes it writes (ModuleRoot)
         self.unkeyed = set() if unkeyed is None else unkeyed  # (id(module), attr): not keyed
+        self.draws = HostDraws()  # np.random's arrays in the body, fed (python_draws)
 
     # -- per call ------------------------------------------------------------------------
     def new_call(self) -> None:
@@ -114,9 +116,16 @@ class PythonState:
         conditions = getattr(getattr(program, "python", None), "conditions", None)
         return conditions is not None and conditions.hold()
 
-    def inputs(self, plan: PythonPlan | None = None) -> list[int | float]:
-        """The fed values now: the graph's Python-number and Python-state tensor inputs."""
-        return [_as_input(loc.get()) for loc in (plan.fed if plan is not None else self.fed)]
+    def inputs(self, plan: PythonPlan | None = None, replay: Replay = QUIET) -> list[int | float]:
+        """The fed values now: the graph's Python-number and Python-state tensor inputs (a
+        run's arrays drawn from NumPy by ``replay``; a trace's: their layout)."""
+        fed = plan.fed if plan is not None else self.fed
+        roots = [getattr(loc, "root", None) for loc in fed]  # a clock read has none
+        drawn = replay.drawn
+        return [
+            _as_input(drawn[r] if r in drawn else loc.get())
+            for loc, r in zip(fed, roots, strict=True)
+        ]
 
     # -- tracing -------------------------------------------------------------------------
     def prepare(self) -> list[Location]:
@@ -153,7 +162,7 @@ class PythonState:
         recorder.item_reads = self.item_reads
         recorder.scopes = code_scopes(self._fn)  # its names for output functions (save_image)
         self._recorder = recorder
-        with recorder:
+        with recorder, self.draws.tracing():
             yield recorder
 
     def unsettled(self) -> str:
@@ -175,6 +184,7 @@ class PythonState:
         ):
             return True
         promote = exc.promote if isinstance(exc, Retry) else []
+        promote = list(dict.fromkeys([*promote, *self.draws.new]))  # np.random's arrays
         self._learned = list(promote)
         if not promote and recorder is not None:  # a tensor of its Python state: feed it
             promote = recorder.unfed_tensors()
@@ -236,6 +246,9 @@ class PythonState:
         """After a successful trace: keep its guards and the condition on the fed numbers
         it branched on (``branches``, over ``t0, t1, ...`` in ``fed``'s order; made at
         ``sites`` of the user's code), and plan its Python side."""
+        if branches:  # a number drawn from np.random or random: never one value to guard
+            drawn = [loc for loc in fed if isinstance(getattr(loc, "root", None), DrawRoot)]
+            branched_on_draws(branches, recorder.symbolic_inputs, fed, drawn, sites)
         branch = self._branch_checks.get((branches, tuple(fed))) if branches else None
         if branches and branch is None:
             from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
@@ -252,6 +265,7 @@ class PythonState:
             self.guards.setdefault(loc, None)
             self.traced_values[loc] = value
         plan = PythonPlan(fed=list(fed), seeds=list(recorder.seeds), effects=recorder.effects)
+        plan.draws = list(self.draws.made)
         plan.conditions = Conditions(recorder.guards, fed, recorder.loose, branch)
         plan.n_outputs = len(recorder.outputs)
         for event in recorder.schedulers:
@@ -304,6 +318,9 @@ class PythonState:
         replay = Replay(plan)
         if plan.seeds or plan.generators:
             replay.undo.rng()
+        if plan.draws:  # NumPy's arrays the step draws: eager's, in its order (python_draws)
+            replay.undo.numpy()
+            replay.drawn = draw_all(plan.draws)
         for g, state in plan.generators:
             replay.undo.generator(g)
             g.set_state(state)

@@ -1,0 +1,168 @@
+"""Draws from NumPy's and Python's global generators in a jitted step (core/python_draws.py).
+
+Eager draws new numbers at every call; a trace runs the step's Python once. Before
+2026-11-29 every such draw was a ``TraceError`` advising to draw before the call and pass the
+values in. Now an array handed to torch as drawn (``Tensor(np.random.normal(...))``, a view,
+an ``astype``) and a drawn number used in tensor arithmetic are graph inputs, drawn again
+before each call in the step's order: the losses and weights are eager's bit for bit on the
+eager backend, and both generators are left where eager leaves them. What a trace cannot
+follow (NumPy arithmetic on the array, a Python branch on a drawn number) is a
+``TraceError`` that leaves everything as it was.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import functacc
+
+Tensor, LongTensor = torch.FloatTensor, torch.LongTensor
+
+# Each: the noise z (5 x 8) the step computes with, drawn its way.
+NOISE = {
+    "Tensor(normal)": lambda n: Tensor(np.random.normal(0, 1, (n, 8))),
+    "from_numpy(randn).float()": lambda n: torch.from_numpy(np.random.randn(n, 8)).float(),
+    "tensor(rand, dtype)": lambda n: torch.tensor(np.random.rand(n, 8), dtype=torch.float32),
+    "astype(float32)": lambda n: torch.from_numpy(
+        np.random.standard_normal((n, 8)).astype(np.float32)
+    ),
+    "a view": lambda n: Tensor(np.random.uniform(-1, 1, (n, 16))[:, ::2]),
+    "reshape": lambda n: Tensor(np.random.random(n * 8).reshape(n, 8)),
+    "randint, LongTensor": lambda n: F.one_hot(LongTensor(np.random.randint(0, 8, n)), 8).float(),
+    "np scalar (beta)": lambda n: np.random.beta(2.0, 2.0) * torch.ones(n, 8),
+    "random.uniform, randint": lambda n: (
+        torch.ones(n, 8) * random.uniform(0.5, 1.5) + random.randint(0, 3)
+    ),
+    "two draws": lambda n: (
+        Tensor(np.random.normal(0, 1, (n, 8))) * Tensor(np.random.random((n, 1)))
+    ),
+}
+
+
+def run(noise, jit: bool, backend: str = "eager", calls: int = 4) -> tuple:
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = (model(noise(x.shape[0])) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend=backend) if jit else body
+    g = torch.Generator().manual_seed(1)
+    losses = [step(torch.randn(5, 3, generator=g)) for _ in range(calls)]
+    generators = (np.random.get_state()[1].copy(), random.getstate())
+    return losses, model.weight.detach().clone(), generators, getattr(step, "num_traces", 0)
+
+
+@pytest.mark.parametrize("kind", list(NOISE))
+def test_drawn_in_the_step_as_in_eager(kind) -> None:
+    eager, jitted = run(NOISE[kind], False), run(NOISE[kind], True)
+    assert all(torch.equal(a, b) for a, b in zip(jitted[0], eager[0], strict=True))
+    assert len({float(a) for a in eager[0]}) == 4  # new numbers each call: none baked
+    assert torch.equal(jitted[1], eager[1])
+    assert np.array_equal(jitted[2][0], eager[2][0]) and jitted[2][1] == eager[2][1]
+    assert jitted[3] == 1
+
+
+@pytest.mark.inductor
+def test_drawn_in_the_step_under_inductor() -> None:
+    # Inductor's kernels round differently from eager's: losses within 1e-5; the draws,
+    # and so the generators' states, are eager's exactly.
+    noise = NOISE["two draws"]
+    eager, jitted = run(noise, False), run(noise, True, backend="inductor")
+    torch.testing.assert_close(torch.stack(jitted[0]), torch.stack(eager[0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(jitted[1], eager[1], rtol=1e-5, atol=1e-6)
+    assert np.array_equal(jitted[2][0], eager[2][0]) and jitted[2][1] == eager[2][1]
+
+
+REFUSED = {
+    "NumPy arithmetic": (lambda n: Tensor(np.random.randn(n, 8) * 2), r"np\.multiply"),
+    "an item": (lambda n: torch.ones(n, 8) * float(np.random.rand(2)[0]), r"an item of it"),
+    "a reduction": (lambda n: torch.ones(n, 8) * np.random.rand(3).mean(), r"np\.add"),
+    "a cast to int": (
+        lambda n: torch.from_numpy(np.random.rand(n, 8).astype(np.int64)).float(),
+        r"a cast to int64",
+    ),
+    "a branch on np.random": (
+        lambda n: torch.ones(n, 8) * (2.0 if np.random.rand() < 0.5 else 1.0),
+        r"branches in Python on a number it drew from NumPy's np\.random",
+    ),
+    "a branch on random": (
+        lambda n: torch.ones(n, 8) * (2.0 if random.random() < 0.5 else 1.0),
+        r"branches in Python on a number it drew from Python's random module.*torch\.where",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_what_a_trace_cannot_follow_is_an_error_that_changes_nothing(kind) -> None:
+    noise, message = REFUSED[kind]
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = (model(noise(x.shape[0])) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    before = model.weight.detach().clone(), np.random.get_state()[1].copy(), random.getstate()
+    with pytest.raises(functacc.TraceError, match=message):
+        step(torch.randn(5, 3))
+    assert torch.equal(model.weight, before[0]) and not opt.state
+    assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
+
+
+class NoisyInput(nn.Module):
+    """Adds Gaussian noise drawn with NumPy to its input in training (a denoising model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x + torch.from_numpy(np.random.normal(0, 0.1, size=tuple(x.shape))).float()
+        return self.fc(x)
+
+
+def test_compile_step_forward_drawing_from_numpy_as_in_eager() -> None:
+    def train(door: bool) -> tuple:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        model = NoisyInput()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss_fn = nn.CrossEntropyLoss()
+        step = functacc.compile_step(model, loss_fn, opt, backend="eager") if door else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+            if step is not None:
+                losses.append(step(x, y).detach())
+                continue
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, model.fc.weight.detach().clone(), np.random.get_state()[1].copy()
+
+    eager, compiled = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(compiled[0], eager[0], strict=True))
+    assert torch.equal(compiled[1], eager[1]) and np.array_equal(compiled[2], eager[2])
