@@ -42,7 +42,19 @@ NOISE = {
     "two draws": lambda n: (
         Tensor(np.random.normal(0, 1, (n, 8))) * Tensor(np.random.random((n, 1)))
     ),
+    "beside a NumPy constant": lambda n: (
+        Tensor(np.random.normal(0, 1, (n, 8))) * torch.from_numpy(SCALES).float()
+    ),
 }
+SCALES = np.linspace(0.5, 1.5, 8)  # a constant of the graph: the same in every trace
+
+
+def to_categorical(y: np.ndarray, num_columns: int) -> torch.Tensor:
+    """PyTorch-GAN's infogan.py: NumPy indexes with the drawn labels in C, where no check
+    of the array sees it."""
+    y_cat = np.zeros((y.shape[0], num_columns))
+    y_cat[range(y.shape[0]), y] = 1.0
+    return Tensor(y_cat)
 
 
 def run(noise, jit: bool, backend: str = "eager", calls: int = 4) -> tuple:
@@ -94,6 +106,11 @@ REFUSED = {
     "a cast to int": (
         lambda n: torch.from_numpy(np.random.rand(n, 8).astype(np.int64)).float(),
         r"a cast to int64",
+    ),
+    "NumPy indexing with it (infogan)": (
+        lambda n: to_categorical(np.random.randint(0, 8, n), 8),
+        r"randint\(0, 8, 5\) \(draw 1\) drew \(NumPy code reading its values, whose result "
+        r"reaches torch at .*test_jit_host_draws.py:\d+",
     ),
     "a branch on np.random": (
         lambda n: torch.ones(n, 8) * (2.0 if np.random.rand() < 0.5 else 1.0),

@@ -36,12 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import TraceError, drawn_branch_error, drawn_computed_error
+from ..errors import drawn_branch_error, drawn_computed_error
+from .drawn_arrays import Lifts
 from .python_location import Location, Root
 
-__all__ = ["DrawRoot", "DrawnArray", "HostDraws", "draw_all"]
+__all__ = ["DrawRoot", "HostDraws", "branched_on_draws", "draw_all"]
 
 
 class DrawRoot(Root):
@@ -80,64 +81,6 @@ def draw_all(roots: list[DrawRoot]) -> dict[DrawRoot, Any]:
     return {root: root.draw() for root in sorted(roots, key=lambda r: r.index)}
 
 
-class DrawnArray(np.ndarray):
-    """An array ``np.random`` drew while a body was traced: handed to torch it is the
-    graph's input; computing with it in NumPy is refused (it has no values of the call)."""
-
-    _root: DrawRoot | None = None
-    _draws: HostDraws | None = None
-
-    def __array_finalize__(self, obj: Any) -> None:
-        root, draws = getattr(obj, "_root", None), getattr(obj, "_draws", None)
-        self._root, self._draws = root, draws
-        if draws is not None and root is not None and draws.span(self) is None:
-            draws.refuse(root, "a copy of it (astype, copy, np.array)")
-
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        raise self._refused(f"np.{ufunc.__name__}")
-
-    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        raise self._refused(f"np.{func.__name__}")
-
-    def astype(self, dtype: Any, *args: Any, **kwargs: Any) -> Any:
-        """A cast, as torch's ``.to(dtype)`` makes it: handed to torch, the draw's input cast
-        in the graph (``np.random.normal(size=s).astype(np.float32)``)."""
-        draws, root = self._draws, self._root
-        self._draws = None  # the copy is not refused: it is noted as a cast
-        try:
-            cast = super().astype(dtype, *args, **kwargs)
-        finally:
-            self._draws = draws
-        if draws is not None and root is not None:
-            if draws.span(self) is None or self.size != cast.size:
-                draws.refuse(root, "a cast of a part of it")
-            elif not _castable(self.dtype, cast.dtype):
-                draws.refuse(root, f"a cast to {cast.dtype}")
-            else:
-                draws.cast(cast, self)
-        return cast
-
-    def __getitem__(self, index: Any) -> Any:
-        item = super().__getitem__(index)
-        if not isinstance(item, np.ndarray):
-            raise self._refused(f"an item of it ([{index!r}])")
-        return item
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.ndim <= 1:
-            raise self._refused("iterating over its numbers")
-        return super().__iter__()
-
-    def _scalar(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refused("a number of it")
-
-    item = tolist = __float__ = __int__ = __index__ = __bool__ = _scalar  # type: ignore[assignment]
-
-    def _refused(self, what: str) -> TraceError:
-        where = self._root.label if self._root is not None else "np.random"
-        return drawn_computed_error(where, what)
-
-
 def branched_on_draws(
     branches: str, inputs: dict, fed: list[Location], drawn: list[Location], sites: Any
 ) -> None:
@@ -162,17 +105,16 @@ class HostDraws:
         self._roots: dict[tuple, DrawRoot] = {}
         self.new: list[Location] = []  # draws the last trace found that were not fed
         self.made: list[DrawRoot] = []  # the last trace's draws, in order
-        self._arrays: list[tuple[DrawnArray, DrawRoot]] = []
-        self._refusal: TraceError | None = None
-        self._casts: list[tuple[np.ndarray, np.ndarray]] = []
+        self._lifts = Lifts()  # the arrays of the trace running
+        self._finder: tuple[list[DrawRoot], Lifts] | None = None  # the trace that found them
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
-        """While a body is traced: ``np.random``'s functions, called by the tracing thread
-        with plain arguments, give :class:`DrawnArray`; handed to torch, each is its fed
-        input (or, not fed yet, a draw found: :attr:`new`)."""
-        self.new, self.made, self._arrays, self._refusal = [], [], [], None
-        self._casts: list[tuple[np.ndarray, np.ndarray]] = []
+        """While a body is traced: the generators' functions, called by the tracing thread
+        with plain arguments, give a fed input's symbol or a :class:`~.drawn_arrays.DrawnArray`
+        (or, a draw not fed yet, its value: :attr:`new`, for the next trace)."""
+        self.new, self.made, lifts = [], [], Lifts()
+        self._lifts = lifts
         tracer = threading.get_ident()
         patched = []
         for module, (get, names) in _GENERATORS.items():
@@ -182,20 +124,36 @@ class HostDraws:
                     patched.append((get(), name, current))
                     setattr(get(), name, self._drawing(module, name, current, tracer))
         try:
-            with _Lifted(self):
+            with lifts.mode():
                 yield
-            if self._refusal is not None:
-                raise self._refusal
+            if lifts.refusal is not None:
+                raise lifts.refusal
+            self._check_constants(lifts)
             if self.new:  # found by this trace: the next one takes them as inputs
                 from .python_trace import Retry
 
                 raise Retry(self.new)
         finally:
+            if self.new:  # (also where the trace stopped for another reason to learn)
+                self._finder = (list(self.made), lifts)
             for owner, name, current in patched:
                 setattr(owner, name, current)
             for root in self._roots.values():
                 root.traced = None
-            self._arrays, self._casts = [], []
+            self._lifts = Lifts()
+
+    def _check_constants(self, lifts: Lifts) -> None:
+        """A constant of the graph that differs from the one the trace that found the draws
+        made (its arrays had other values): computed from them where no check could see."""
+        finder, self._finder = self._finder, None
+        if finder is None or finder[0] != self.made or self.new:
+            return
+        where = lifts.changed_constant(finder[1])
+        if where is not None:
+            raise drawn_computed_error(
+                " or ".join(r.label for r in self.made if isinstance(r._layout, Tensor)),
+                f"NumPy code reading its values, whose result reaches torch at {where}",
+            )
 
     def _drawing(self, module: str, name: str, current: Any, tracer: int) -> Any:
         original = getattr(current, "__wrapped__", current)  # under HostRandomWatch's note
@@ -221,10 +179,7 @@ class HostDraws:
                 self.new.append(Location(root))
             if not isinstance(value, np.ndarray):  # its symbol (this trace's value: redone)
                 return value if root.traced is None else root.traced
-            array = value.view(DrawnArray)
-            array._root, array._draws = root, self
-            self._arrays.append((array, root))
-            return array
+            return self._lifts.add(value, root, rotate=root.traced is not None)
 
         return draw
 
@@ -235,70 +190,6 @@ class HostDraws:
         if key not in self._roots:
             self._roots[key] = DrawRoot(index, *call)
         return self._roots[key]
-
-    def span(self, array: np.ndarray) -> tuple[DrawRoot, int] | None:
-        """The draw whose memory ``array`` views, with its first element's offset there."""
-        start = _address(array)
-        for drawn, root in self._arrays:
-            if _inside(drawn, start) and array.dtype == drawn.dtype:
-                return root, (start - _address(drawn)) // drawn.itemsize
-        return None
-
-    def lifted(self, real: Tensor) -> Tensor | None:
-        """The graph's tensor for ``real``, a tensor torch made of a drawn array (None: of
-        no draw, or of one not fed yet, whose trace is made again)."""
-        start = real.data_ptr()
-        for cast, of in self._casts:  # z.astype(np.float32): the draw's view, cast
-            if _inside(cast, start):
-                inner = self._view(of)
-                same = start == _address(cast) and real.shape == cast.shape
-                if inner is None or not same or real.stride() != _elements(cast):
-                    raise drawn_computed_error(self._owner(of), "a part of a cast of it")
-                return inner.to(_TORCH[cast.dtype])
-        for drawn, root in self._arrays:
-            if _inside(drawn, start):
-                if root.traced is None:
-                    return None
-                if real.dtype != root.traced.dtype:
-                    raise drawn_computed_error(root.label, f"its memory as {real.dtype}")
-                offset = (start - _address(drawn)) // drawn.itemsize
-                return _strided(root.traced, tuple(real.shape), real.stride(), offset)
-        return None
-
-    def _view(self, array: np.ndarray) -> Tensor | None:
-        """The graph's tensor for ``array``, a drawn array or a view of one."""
-        found = self.span(array)
-        if found is None or found[0].traced is None:
-            return None
-        return _strided(found[0].traced, array.shape, _elements(array), found[1])
-
-    def _owner(self, array: np.ndarray) -> str:
-        found = self.span(array)
-        return found[0].label if found is not None else "np.random"
-
-    def cast(self, cast: np.ndarray, of: np.ndarray) -> None:
-        """``cast`` is ``of``, a drawn array or a view of one, cast to another dtype."""
-        self._casts.append((cast, of))
-
-    def refuse(self, root: DrawRoot, what: str) -> None:
-        if self._refusal is None:
-            self._refusal = drawn_computed_error(root.label, what)
-
-
-class _Lifted(TorchDispatchMode):
-    """Turns torch's tensor of a drawn array (``aten.lift_fresh``, which every conversion
-    of a NumPy array goes through) into the draw's graph input."""
-
-    def __init__(self, draws: HostDraws):
-        super().__init__()
-        self.draws = draws
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.lift_fresh.default and type(args[0]) is Tensor:
-            lifted = self.draws.lifted(args[0])
-            if lifted is not None:
-                return lifted
-        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -318,42 +209,6 @@ def _number(value: Any) -> int | float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return value
-
-
-def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
-def _inside(array: np.ndarray, address: int) -> bool:
-    return _address(array) <= address < _address(array) + max(array.nbytes, 1)
-
-
-def _elements(array: np.ndarray) -> tuple[int, ...]:
-    return tuple(s // array.itemsize for s in array.strides)
-
-
-def _strided(t: Tensor, shape: tuple, stride: tuple, offset: int) -> Tensor:
-    if offset == 0 and tuple(t.shape) == tuple(shape) and t.stride() == tuple(stride):
-        return t
-    return t.as_strided(shape, stride, offset)
-
-
-# NumPy's dtypes a cast may give, as torch's (made without a tensor: tensors made while
-# the trace runs would be fakes).
-_TORCH = {
-    np.dtype(name): getattr(torch, name)
-    for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8")
-}
-
-
-def _castable(source: np.dtype, target: np.dtype) -> bool:
-    """Whether NumPy's cast is torch's: between floating types, or integers to floats or to
-    wider integers (no wrapping, no truncation of a float: those differ at the edges)."""
-    if source.kind == "f":
-        return target.kind == "f" and target in _TORCH
-    if target not in _TORCH:
-        return False
-    return source.kind in "iu" and (target.kind == "f" or np.can_cast(source, target))
 
 
 def _symbolic(value: Any) -> bool:
