@@ -943,3 +943,43 @@ def test_anomaly_detection_checking_for_nan_is_a_clear_error(where: str) -> None
             with torch.autograd.set_detect_anomaly(True):
                 jitted(torch.randn(3, 4))
     assert torch.equal(model.weight, before) and not opt.state
+
+
+def test_a_torchvision_random_transform_in_the_step_says_to_transform_before_the_call() -> None:
+    # torchvision's random transforms decide on the host (`if torch.rand(1) < self.p:`,
+    # the crop's corner from torch.randint(...).item()). Before 2026-11-29 the error was the
+    # generic advice (torch.where). Its advice followed, the numbers are eager's.
+    import torchvision.transforms as T
+
+    def train(door: str) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        aug = T.Compose([T.RandomCrop(8, padding=2), T.RandomHorizontalFlip()])
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            if door == "as written":
+                x = aug(x)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,))) for _ in "abc"]
+        if door == "as written":
+            with pytest.raises(TraceError) as info:
+                jitted(*batches[0])
+            assert not opt.state
+            return str(info.value), model
+        if door == "eager":
+            return [step(aug(x), y) for x, y in batches], model
+        return [jitted(aug(x), y) for x, y in batches], model
+
+    message, _ = train("as written")
+    assert message.startswith("torchvision's RandomCrop decides on the host what it does")
+    assert "x = aug(x)" in message and "Fix: transform the batch before the call" in message
+    eager, advised = train("eager"), train("advice")
+    assert eager[0] == advised[0] and torch.equal(eager[1][1].weight, advised[1][1].weight)

@@ -25,6 +25,7 @@ from .failure_sites import (
     library_call,
     numpy_index,
     optim_utility,
+    random_transform,
     user_frame,
     user_module,
 )
@@ -130,6 +131,17 @@ def translate(
             "size=data.num_graphs) (and the other global_*_pool), to_dense_batch(x, batch, "
             "batch_size=data.num_graphs), scatter(..., dim_size=...); a Batch passed to the "
             f"step is read afresh every call. Inputs were: {signature}."
+        )
+    transform = random_transform(exc) if is_data_dependent(exc) else None
+    if transform is not None:
+        return TraceError(
+            f"torchvision's {transform} decides on the host what it does to the batch, from "
+            f"a number torch drew {where}\nA graph traced once cannot: the decision (flip or "
+            "not, the crop's corner) would be taken once, at the trace, where eager takes it "
+            "at every call. Fix: transform the batch before the call (step(aug(x), y)), or "
+            "each sample in the dataset's transform, the usual place (the numbers are eager's "
+            "where the step draws nothing before the transform). Inputs were: "
+            f"{signature}."
         )
     indexed = numpy_index(exc) if is_data_dependent(exc) else None
     if indexed is not None:

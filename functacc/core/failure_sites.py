@@ -35,6 +35,7 @@ __all__ = [
     "library_call",
     "numpy_index",
     "optim_utility",
+    "random_transform",
     "user_frame",
     "user_module",
 ]
@@ -194,6 +195,18 @@ def in_package(exc: BaseException, package: str, outermost: bool = False) -> str
             found = tb.tb_frame.f_code.co_name
             if outermost:
                 return found
+        tb = tb.tb_next
+    return found
+
+
+def random_transform(exc: BaseException) -> str | None:
+    """The torchvision transform (``RandomHorizontalFlip``) whose code ``exc`` was raised in:
+    a random one decides on the host, from a number torch drew."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_globals.get("__name__", "").startswith("torchvision.transforms"):
+            found = type(owner).__name__ if owner is not None else found
         tb = tb.tb_next
     return found
 
