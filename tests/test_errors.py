@@ -983,3 +983,34 @@ def test_a_torchvision_random_transform_in_the_step_says_to_transform_before_the
     assert "x = aug(x)" in message and "Fix: transform the batch before the call" in message
     eager, advised = train("eager"), train("advice")
     assert eager[0] == advised[0] and torch.equal(eager[1][1].weight, advised[1][1].weight)
+
+
+def test_a_library_model_that_reads_values_says_it_cannot_be_in_the_step() -> None:
+    # torchvision's detection models pick sizes and boxes from the data (the training
+    # resize's random choice of min_size, proposals, NMS). Before 2026-11-29 the error
+    # advised rewriting the branch with torch.where, which a user cannot do inside torchvision.
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(
+        weights=None, weights_backbone=None, num_classes=3, min_size=64, max_size=64
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = copy.deepcopy(model.state_dict())
+
+    def step(images: list, targets: list) -> float:
+        losses = sum(model(images, targets).values())
+        opt.zero_grad()
+        losses.backward()
+        opt.step()
+        return losses.item()
+
+    box = {"boxes": torch.tensor([[4.0, 4.0, 30.0, 30.0]]), "labels": torch.tensor([1])}
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(TraceError) as info:
+        jitted([torch.rand(3, 64, 64)], [box])
+    message = str(info.value)
+    assert message.startswith("torchvision's code reads a tensor's value as a Python number")
+    assert "transform.py:" in message and "keep this model out of the jitted step" in message
+    assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")
+    assert not opt.state

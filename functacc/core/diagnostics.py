@@ -23,6 +23,7 @@ from .failure_sites import (
     in_package,
     is_data_dependent,
     library_call,
+    library_code,
     numpy_index,
     optim_utility,
     random_transform,
@@ -197,6 +198,17 @@ def translate(
             "loss.item()) and branch after the call, where eager's numbers are (a best-loss "
             "check, saving a checkpoint: the update of that call is done by then); inside the "
             f"step, select with torch.where. Inputs were: {signature}."
+        )
+    package = library_code(exc) if is_data_dependent(exc) else None
+    if package is not None:
+        return TraceError(
+            f"{package[0]}'s code reads a tensor's value as a Python number in {package[1]} "
+            f"({package[2]}), called {where}\nIt decides a size or a branch from the data (a "
+            "detection model's resizing, proposals and NMS do), which a graph traced once "
+            "cannot: functacc compiles the whole step into one graph, without breaks. Fix: "
+            f"look for an option of {package[0]} that avoids the read; otherwise keep this "
+            "model out of the jitted step (train it eagerly, or with torch.compile, which "
+            f"splits its graph where the data decides). Inputs were: {signature}."
         )
     if is_data_dependent(exc):
         return TraceError(

@@ -33,6 +33,7 @@ __all__ = [
     "in_package",
     "is_data_dependent",
     "library_call",
+    "library_code",
     "numpy_index",
     "optim_utility",
     "random_transform",
@@ -44,6 +45,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not core/
 _STDLIB_DIR = os.path.dirname(os.__file__)
 _LIBRARY_DIRS = (_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)
+_OWN_DIRS = tuple(d + os.sep for d in _LIBRARY_DIRS)  # not torchvision's (its name starts so)
 
 
 def _installed(path: str) -> bool:
@@ -208,6 +210,22 @@ def random_transform(exc: BaseException) -> str | None:
         if tb.tb_frame.f_globals.get("__name__", "").startswith("torchvision.transforms"):
             found = type(owner).__name__ if owner is not None else found
         tb = tb.tb_next
+    return found
+
+
+def library_code(exc: BaseException) -> tuple[str, str, str] | None:
+    """Where an installed package's code (not torch's) was running, innermost, when ``exc``
+    was raised past the user's code: its package, its function and ``file:line: text``."""
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or path.startswith(_OWN_DIRS):
+            continue
+        found = None
+        if _installed(path):
+            package = path.split(f"-packages{os.sep}", 1)[1].split(os.sep)[0].split(".")[0]
+            line = f"{os.path.basename(path)}:{frame.lineno}: {(frame.line or '').strip()}"
+            found = (package, frame.name, line)
     return found
 
 
