@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import linecache
 import os
 import sys
 import traceback
@@ -214,19 +215,22 @@ def random_transform(exc: BaseException) -> str | None:
 
 
 def library_code(exc: BaseException) -> tuple[str, str, str] | None:
-    """Where an installed package's code (not torch's) was running, innermost, when ``exc``
-    was raised past the user's code: its package, its function and ``file:line: text``."""
-    found = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        path = os.path.abspath(frame.filename)
-        if frame.filename.startswith("<") or path.startswith(_OWN_DIRS):
-            continue
-        found = None
-        if _installed(path):
-            package = path.split(f"-packages{os.sep}", 1)[1].split(os.sep)[0].split(".")[0]
-            line = f"{os.path.basename(path)}:{frame.lineno}: {(frame.line or '').strip()}"
-            found = (package, frame.name, line)
-    return found
+    """Where an installed package's model code (not torch's) was running, innermost, when
+    ``exc`` was raised past the user's code: its package, its function and ``file:line:
+    text``. None where none of its frames runs a module (an optimizer's step)."""
+    run, tb = [], exc.__traceback__  # the installed packages' frames since the user's last
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not (tb.tb_frame.f_code.co_filename.startswith("<") or path.startswith(_OWN_DIRS)):
+            run = [*run, tb] if _installed(path) else []
+        tb = tb.tb_next
+    if not any(isinstance(t.tb_frame.f_locals.get("self"), nn.Module) for t in run):
+        return None
+    code, lineno = run[-1].tb_frame.f_code, run[-1].tb_lineno
+    path = os.path.abspath(code.co_filename)
+    package = path.split(f"-packages{os.sep}", 1)[1].split(os.sep)[0].split(".")[0]
+    line = linecache.getline(path, lineno).strip()
+    return package, code.co_name, f"{os.path.basename(path)}:{lineno}: {line}"
 
 
 def in_function(exc: BaseException, name: str) -> bool:
