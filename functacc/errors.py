@@ -102,18 +102,23 @@ def drawn_computed_error(label: str, what: str) -> TraceError:
     )
 
 
-def drawn_branch_error(module: str, where: str) -> TraceError:
+def drawn_branch_error(module: str, where: str, statement: str | None = None) -> TraceError:
     """The step branched in Python on a number it drew from ``module`` (``np.random`` or
-    ``random``), at ``where``."""
+    ``random``), at ``where``; ``statement``: the step's line that called the library code
+    that drew it."""
     source = "NumPy's np.random" if module == "np.random" else "Python's random module"
+    fix = (
+        f"run `{statement}` before the call and pass what it makes to the step"
+        if statement
+        else "decide in the graph with torch (torch.where(torch.rand(()) < p, a, b); a layer "
+        "skipped at random is a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / "
+        "keep), or draw the number before the call and pass it in (a number argument is fed)"
+    )
     return TraceError(
         f"the step branches in Python on a number it drew from {source} while it was "
         f"traced ({where}). functacc draws such a number again before every call and feeds "
         "it to the graph, but the graph holds the one branch the trace took, where eager "
-        "takes the other whenever the number falls on the other side. Fix: decide in the "
-        "graph with torch (torch.where(torch.rand(()) < p, a, b); a layer skipped at random "
-        "is a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep), or draw the "
-        "number before the call and pass it in (a number argument is fed)."
+        f"takes the other whenever the number falls on the other side. Fix: {fix}."
     )
 
 

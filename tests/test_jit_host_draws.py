@@ -183,3 +183,49 @@ def test_compile_step_forward_drawing_from_numpy_as_in_eager() -> None:
     eager, compiled = train(False), train(True)
     assert all(torch.equal(a, b) for a, b in zip(compiled[0], eager[0], strict=True))
     assert torch.equal(compiled[1], eager[1]) and np.array_equal(compiled[2], eager[2])
+
+
+def test_timms_mixup_in_the_step_says_to_run_it_before_the_call() -> None:
+    # timm's Mixup decides mixup or cutmix with np.random.rand() < p, in its own code: the
+    # error names the line there and the step's statement to run before the call instead.
+    # Done so, the numbers are eager's (its draws come first in the step).
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+
+    def train(door: str) -> tuple:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mixup_fn = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=4)
+        criterion = SoftTargetCrossEntropy()
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            if door != "advice":
+                x, y = mixup_fn(x, y)
+            loss = criterion(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.arange(4)) for _ in range(4)]
+        if door == "eager":
+            return [step(x, y) for x, y in batches], model[1].weight, np.random.get_state()[1]
+        jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        if door == "as written":
+            with pytest.raises(functacc.TraceError) as info:
+                jitted(*batches[0])
+            return str(info.value), np.random.get_state()[1]
+        losses = [jitted(*mixup_fn(x, y)) for x, y in batches]
+        return losses, model[1].weight, np.random.get_state()[1]
+
+    message, generator = train("as written")
+    assert "np.random.rand() (draw 1) at mixup.py:" in message
+    assert "Fix: run `x, y = mixup_fn(x, y)` before the call" in message
+    eager, advised = train("eager"), train("advice")
+    assert advised[0] == eager[0] and torch.equal(advised[1], eager[1])
+    assert np.array_equal(advised[2], eager[2])
+    np.random.seed(0)
+    assert np.array_equal(generator, np.random.get_state()[1])  # the failed call drew nothing

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import linecache
+import os
 import random
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -94,8 +97,9 @@ def branched_on_draws(
     used = {numbers[int(i)] for i in re.findall(r"L\['t(\d+)'\]", branches)}
     hit = [loc for loc in drawn if loc in used]
     if hit:
-        at = f" at {', '.join(sites[:3])}" if sites else ""
-        raise drawn_branch_error(hit[0].root.module, f"{hit[0].label}{at}")
+        site, statement = getattr(hit[0].root, "site", (None, None))
+        at = f" at {site}" if site else (f" at {', '.join(sites[:3])}" if sites else "")
+        raise drawn_branch_error(hit[0].root.module, f"{hit[0].label}{at}", statement)
 
 
 class HostDraws:
@@ -174,6 +178,7 @@ class HostDraws:
             if not isinstance(value, np.ndarray) and _number(value) is None:
                 return current(*args, **kwargs)  # random.choice(names): as before, an error
             root = self._root(len(self.made), module, name, *plain, value)
+            root.site = _call_site(sys._getframe(1))
             self.made.append(root)
             if root.traced is None:
                 self.new.append(Location(root))
@@ -209,6 +214,23 @@ def _number(value: Any) -> int | float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return value
+
+
+def _call_site(frame: Any) -> tuple[str, str | None]:
+    """Where a draw was made (``file:line in function``) and, where that is a library's
+    code, the step's statement that called into it (``x, y = mixup_fn(x, y)``)."""
+    from .python_output import is_user_code
+
+    site = (
+        f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    )
+    if is_user_code(frame.f_code.co_filename):
+        return site, None
+    while frame is not None and not is_user_code(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return site, None
+    return site, linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() or None
 
 
 def _symbolic(value: Any) -> bool:
