@@ -229,3 +229,34 @@ def test_timms_mixup_in_the_step_says_to_run_it_before_the_call() -> None:
     assert np.array_equal(advised[2], eager[2])
     np.random.seed(0)
     assert np.array_equal(generator, np.random.get_state()[1])  # the failed call drew nothing
+
+
+def test_a_draw_sized_by_a_batch_that_changes_size(caplog) -> None:
+    # Under dynamic=True a batch size is a symbol; a NumPy draw sized by it cannot be drawn
+    # before the call from a symbol, so that trace fixes its sizes: one trace per size, each
+    # eager's numbers, and the retrace warning says why and what keeps sizes symbolic.
+    def train(jit: bool) -> tuple:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def body(x: torch.Tensor) -> torch.Tensor:
+            loss = (model(Tensor(np.random.normal(0, 1, (x.shape[0], 8)))) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager", dynamic=True)
+        g = torch.Generator().manual_seed(1)
+        losses = [(step if jit else body)(torch.randn(n, 3, generator=g)) for n in (6, 4, 5, 3)]
+        return losses, model.weight.detach().clone(), step.num_traces
+
+    eager = train(False)
+    with caplog.at_level("WARNING", logger="functacc"):
+        jitted = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(jitted[0], eager[0], strict=True))
+    assert torch.equal(jitted[1], eager[1]) and jitted[2] == 4
+    assert "(sizes fixed: np.random.normal draws with one of them)" in caplog.text
+    assert "Fix: draw with torch (torch.randn(x.shape[0], d): symbolic sizes)" in caplog.text

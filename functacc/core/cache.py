@@ -318,6 +318,13 @@ def _fix(reason: str, static: bool = False) -> str:
             "traces apart). Fix: pad batches to a few sizes "
             "with functacc.DeviceLoader(loader, buckets=[...])."
         )
+    if " dim " in reason and "draws with one of them" in reason:
+        return (
+            "Each new input size costs a trace and a compile: a draw from NumPy or random "
+            "sized by the batch fixes the sizes (it is drawn again before each call, at its "
+            "size). Fix: draw with torch (torch.randn(x.shape[0], d): symbolic sizes), or "
+            "pad batches to a few sizes with functacc.DeviceLoader(loader, buckets=[...])."
+        )
     if " dim " in reason:
         return (
             "Each new input size costs a trace and a compile. Fix: dynamic=True (of jit or "

@@ -232,7 +232,9 @@ class Engine:
                     dims[plan.names[i]] = kept
         record = TraceRecord(
             number=self.cache.num_traces + 1,
-            reason=plan.reason,
+            reason=f"{plan.reason} ({traced.fixed})"
+            if getattr(traced, "fixed", "")
+            else plan.reason,
             signature=plan.signature,
             dynamic=dims,
             trace_s=plan.traced_at - plan.started,

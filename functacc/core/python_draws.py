@@ -170,7 +170,7 @@ class HostDraws:
             if plain is None and _symbolic((args, kwargs)):  # a size kept symbolic (x.shape[0])
                 from .tracer import _MixedGuard
 
-                raise _MixedGuard(f"{module}.{name} drew with a symbolic size: sizes fixed")
+                raise _MixedGuard(f"sizes fixed: {module}.{name} draws with one of them")
             if plain is None:
                 return current(*args, **kwargs)
             with _kept_state():  # the plan draws it before each call; the trace does not

@@ -126,8 +126,9 @@ def trace(
                 traced = _trace(
                     fn, detached, devices, dynamic if symbolic else None, functional, strict
                 )
-            except _MixedGuard:  # sizes this trace cannot keep symbolic: these sizes, fixed
+            except _MixedGuard as why:  # sizes this trace cannot keep symbolic: fixed
                 traced = _trace(fn, detached, devices, None, functional, strict)
+                traced.fixed = str(why)  # said in the retrace's reason (a draw's size)
     except Exception as exc:
         if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
             raise
