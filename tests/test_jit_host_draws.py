@@ -260,3 +260,29 @@ def test_a_draw_sized_by_a_batch_that_changes_size(caplog) -> None:
     assert torch.equal(jitted[1], eager[1]) and jitted[2] == 4
     assert "(sizes fixed: np.random.normal draws with one of them)" in caplog.text
     assert "Fix: draw with torch (torch.randn(x.shape[0], d): symbolic sizes)" in caplog.text
+
+
+def test_a_call_that_fails_after_its_draws_puts_the_generators_back() -> None:
+    # The draws are made before the graph runs; a run that fails (here clipping's check of a
+    # non-finite norm, asserted in the graph) leaves NumPy's and Python's generators, like
+    # the model, as they were: the next call draws what eager's would.
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        z = Tensor(np.random.normal(0, 1, (x.shape[0], 8))) * random.uniform(0.5, 1.5)
+        loss = (model(z) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.step()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    step(torch.randn(5, 3))
+    before = model.weight.detach().clone(), np.random.get_state()[1].copy(), random.getstate()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        step(torch.full((5, 3), float("nan")))
+    assert torch.equal(model.weight, before[0])
+    assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]

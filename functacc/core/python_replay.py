@@ -181,11 +181,14 @@ class _Undo:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self._steps.append(lambda: _set_rng(state, cuda))
 
-    def numpy(self) -> None:
+    def host_generators(self) -> None:
+        """NumPy's and Python's global generators, which the plan's draws advance."""
+        import random
+
         import numpy as np
 
-        state = np.random.get_state()
-        self._steps.append(lambda: np.random.set_state(state))
+        states = np.random.get_state(), random.getstate()
+        self._steps.append(lambda: (np.random.set_state(states[0]), random.setstate(states[1])))
 
     def generator(self, g: torch.Generator) -> None:
         state = g.get_state()

@@ -319,7 +319,7 @@ class PythonState:
         if plan.seeds or plan.generators:
             replay.undo.rng()
         if plan.draws:  # NumPy's arrays the step draws: eager's, in its order (python_draws)
-            replay.undo.numpy()
+            replay.undo.host_generators()
             replay.drawn = draw_all(plan.draws)
         for g, state in plan.generators:
             replay.undo.generator(g)
