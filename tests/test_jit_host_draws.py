@@ -286,3 +286,38 @@ def test_a_call_that_fails_after_its_draws_puts_the_generators_back() -> None:
         step(torch.full((5, 3), float("nan")))
     assert torch.equal(model.weight, before[0])
     assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
+
+
+def test_a_drawn_array_returned_kept_or_printed_is_the_calls_draw(capsys) -> None:
+    # Eager returns, stores and prints the array it drew at that call. Before this, the
+    # trace's array was a constant of the program (a TraceError from its repr).
+    def train(jit: bool) -> tuple:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        history: list = []
+
+        def body(x: torch.Tensor) -> tuple:
+            z = np.random.normal(0, 1, (x.shape[0], 8))
+            w = np.random.rand(x.shape[0], 8).astype(np.float32)
+            history.append(z[:, :2])
+            print("w", w)
+            loss = (model(Tensor(z) * torch.from_numpy(w)) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach(), z, w
+
+        step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        capsys.readouterr()
+        out = [(step if jit else body)(torch.randn(2, 3, generator=g)) for _ in range(3)]
+        return out, history, capsys.readouterr().out
+
+    (eager, eager_kept, eager_out), (jitted, kept, out) = train(False), train(True)
+    for (loss, z, w), (ref_loss, ref_z, ref_w) in zip(jitted, eager, strict=True):
+        assert torch.equal(loss, ref_loss) and np.array_equal(z, ref_z)
+        assert np.array_equal(w, ref_w) and w.dtype == np.float32 and type(z) is np.ndarray
+    assert all(np.array_equal(a, b) for a, b in zip(kept, eager_kept, strict=True))
+    assert out == eager_out and out.count("w [[") == 3

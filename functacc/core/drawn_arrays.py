@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..errors import TraceError, drawn_computed_error
 
-__all__ = ["DrawnArray", "Lifts"]
+__all__ = ["DrawnArray", "Lifts", "drawn_template"]
 
 
 class DrawnArray(np.ndarray):
@@ -107,6 +107,8 @@ class Lifts:
         place, for the trace that takes the draw as an input)."""
         array = (np.roll(value, 1) if rotate else value).view(DrawnArray)
         array._root, array._lifts = root, self
+        if root is not None:
+            root.lifts = self  # (a cast of the array holds no Lifts of its own)
         self.arrays.append((array, root))
         return array
 
@@ -163,6 +165,22 @@ class Lifts:
 
     def mode(self) -> TorchDispatchMode:
         return _Lifted(self)
+
+
+def drawn_template(value: DrawnArray, template: Any) -> tuple:
+    """How to make ``value``, a drawn array (or a view or a cast of one) the step returns,
+    stores or prints, after each call: the array of its graph input, as eager's is that
+    call's draw. ``template`` makes a tensor's template (an output of the graph)."""
+    lifts = value._lifts or getattr(value._root, "lifts", None)
+    if value._root is None or value._root.traced is None or lifts is None:
+        return ("const", "<drawn>")  # a trace that found the draw: made again, not run
+    cast = next((of for c, of in lifts.casts if c is value), None)
+    tensor = lifts._view(cast if cast is not None else value)
+    if tensor is None:
+        raise drawn_computed_error(_label(value._root), "a copy of a part of it, kept")
+    if cast is not None:
+        tensor = tensor.to(_TORCH[value.dtype])
+    return ("numpy", template(tensor.detach()), ())
 
 
 class _Lifted(TorchDispatchMode):

@@ -1,19 +1,17 @@
 """While a step body is traced: what it reads and writes in Python, noted as it happens.
 
-:class:`Recorder` is entered around one trace of the body (:meth:`PythonState.scope
-<functacc.core.python_state.PythonState.scope>`). It
+:class:`Recorder` is entered around one trace of the body (``PythonState.scope``). It
 
 - installs the values of *symbolic* locations (counters the body writes) as the ``.item()``
   of a 0-dim graph input each, so that ``self.step += 1`` traces to ``u0 + 1``, a value the
   graph computes on every call;
-- notes every scalar the body reads from a location that stays baked in (a *guard*: a
-  changed value retraces) and every write, which becomes an :class:`~.python_effects.Effect`
-  replayed after each call (a constant, or a value the graph returns);
+- notes every scalar the body reads from a location that stays baked in (a *guard*) and
+  every write, an :class:`~.python_effects.Effect` replayed after each call;
 - swaps each optimizer's ``param_groups`` entries for recording dicts: a body that reads
   ``group["lr"]`` gets the learning rate fed to the graph, one that assigns it changes the
   ``opt.step()`` that follows;
-- stands in for ``lr_scheduler.step()`` (replayed for real before or after the graph) and
-  for ``torch.manual_seed`` (replayed before the graph, before any draw);
+- stands in for ``lr_scheduler.step()`` (run before or after the graph) and for
+  ``torch.manual_seed`` (before the graph);
 - puts every location back as it was, whatever happened.
 """
 
@@ -29,6 +27,7 @@ import torch
 from torch import SymBool, SymFloat, SymInt, Tensor
 
 from ..errors import TraceError
+from .drawn_arrays import DrawnArray, drawn_template
 from .lookup_tables import install_tables, is_array
 from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template
 from .python_files import noting_files
@@ -301,8 +300,9 @@ class Recorder:
             return ("out", len(self.outputs) - 1)
         if isinstance(value, LastLR):
             return ("lr", value)
-        if isinstance(value, TracedArray):  # t.numpy(): the array, made after each call
-            return numpy_template(value, lambda t: self.template(t, where))
+        if isinstance(value, (TracedArray, DrawnArray)):  # an array, made after each call
+            make = numpy_template if isinstance(value, TracedArray) else drawn_template
+            return make(value, lambda t: self.template(t, where))
         made = output_template(value, lambda v: self.template(v, where), self.rendered)
         if made is not None:  # a formatted string or path, a state_dict()
             return made
