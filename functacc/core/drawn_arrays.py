@@ -171,7 +171,7 @@ def drawn_template(value: DrawnArray, template: Any) -> tuple:
     """How to make ``value``, a drawn array (or a view or a cast of one) the step returns,
     stores or prints, after each call: the array of its graph input, as eager's is that
     call's draw. ``template`` makes a tensor's template (an output of the graph)."""
-    lifts = value._lifts or getattr(value._root, "lifts", None)
+    lifts = value._lifts or getattr(value._root, "lifts", None)  # a cast's: its draw's
     if value._root is None or value._root.traced is None or lifts is None:
         return ("const", "<drawn>")  # a trace that found the draw: made again, not run
     cast = next((of for c, of in lifts.casts if c is value), None)

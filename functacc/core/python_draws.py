@@ -60,16 +60,19 @@ class DrawRoot(Root):
         self.index, self.module, self.name = index, module, name
         self.args, self.kwargs = args, kwargs
         self.traced: Any = None  # its graph input (a number's symbol) while a trace runs
+        self.lifts: Lifts | None = None  # where the trace running keeps its arrays
+        self.site: tuple[str, str | None] = ("", None)  # where drawn (python_draws._call_site)
         if isinstance(value, np.ndarray):
             with _disable_current_modes():  # made while tracing: a real tensor, not a fake
                 self._layout: Any = torch.from_numpy(np.array(value))  # drawn once: its layout
         else:
             self._layout = _number(value)
 
-    def _spec(self) -> Tensor:
+    def _spec(self) -> Any:
         return self._layout
 
-    def _install(self, value: Any) -> None:
+    def _install(self, value: Any) -> None:  # a trace's graph input; the layout: none
+
         traced = isinstance(value, (Tensor, *_SYMBOLS)) and value is not self._layout
         self.traced = value if traced else None
 
@@ -97,7 +100,7 @@ def branched_on_draws(
     used = {numbers[int(i)] for i in re.findall(r"L\['t(\d+)'\]", branches)}
     hit = [loc for loc in drawn if loc in used]
     if hit:
-        site, statement = getattr(hit[0].root, "site", (None, None))
+        site, statement = hit[0].root.site
         at = f" at {site}" if site else (f" at {', '.join(sites[:3])}" if sites else "")
         raise drawn_branch_error(hit[0].root.module, f"{hit[0].label}{at}", statement)
 
