@@ -321,3 +321,47 @@ def test_a_drawn_array_returned_kept_or_printed_is_the_calls_draw(capsys) -> Non
         assert np.array_equal(w, ref_w) and w.dtype == np.float32 and type(z) is np.ndarray
     assert all(np.array_equal(a, b) for a, b in zip(kept, eager_kept, strict=True))
     assert out == eager_out and out.count("w [[") == 3
+
+
+GENERATORS = {
+    "np.random.default_rng": lambda: np.random.default_rng(0),
+    "np.random.RandomState": lambda: np.random.RandomState(0),
+    "random.Random": lambda: random.Random(0),
+}
+
+
+@pytest.mark.parametrize("kind", list(GENERATORS))
+@pytest.mark.parametrize("held_in", ["variable", "dict"])
+def test_a_generator_object_the_step_reaches_is_an_error_that_changes_nothing(
+    kind, held_in
+) -> None:
+    # `rng = np.random.default_rng(seed)` at script level, drawn from in the step: its
+    # methods are not followed as np.random's functions are. Before 2026-11-29 the trace's
+    # draw was a constant of the graph, every call training on it, silently.
+    made = GENERATORS[kind]()
+    holder = {"rng": made}
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        rng = made if held_in == "variable" else holder["rng"]
+        scale = rng.random() if isinstance(rng, random.Random) else rng.uniform(0.5, 1.5, (1, 8))
+        loss = (model(torch.ones(x.shape[0], 8) * torch.as_tensor(scale).float()) - x).pow(2)
+        opt.zero_grad()
+        loss.mean().backward()
+        opt.step()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    state = GENERATORS[kind]()  # a twin: the state the generator must still have
+    with pytest.raises(
+        functacc.TraceError,
+        match=rf"drew random numbers from .*\({type(made).__name__}\) while it was traced",
+    ):
+        step(torch.randn(5, 3))
+    assert not opt.state
+    if isinstance(made, random.Random):
+        assert made.getstate() == state.getstate()
+    else:
+        assert made.random() == state.random()  # the same next number: put back

@@ -45,7 +45,7 @@ from ..errors import drawn_branch_error, drawn_computed_error
 from .drawn_arrays import Lifts
 from .python_location import Location, Root
 
-__all__ = ["DrawRoot", "HostDraws", "branched_on_draws", "draw_all"]
+__all__ = ["DrawRoot", "HostDraws", "branched_on_draws", "draw_all", "reached_generators"]
 
 
 class DrawRoot(Root):
@@ -198,6 +198,45 @@ class HostDraws:
         if key not in self._roots:
             self._roots[key] = DrawRoot(index, *call)
         return self._roots[key]
+
+
+@contextlib.contextmanager
+def reached_generators(recorder: Any, modules: Any = ()) -> Iterator[None]:
+    """Refuses a trace that drew from a generator object the body reaches (a closure
+    variable or global ``rng = np.random.default_rng(0)``, a ``random.Random(0)``, also in a
+    dict, list or plain object it reaches): its methods cannot be followed as the module
+    functions are, so the draw would be a constant of the graph. Its state is put back.
+    One the step's ``modules`` hold is the tracer's to refuse (``HeldRandomWatch``)."""
+    from .python_reach import held
+    from .watches import (
+        _generator_state,
+        _held_generators,
+        _is_host_generator,
+        _same,
+        _set_generator_state,
+    )
+
+    kinds = (random.Random, np.random.Generator, np.random.RandomState)
+    reached = held(recorder.variables, recorder.objects.values(), kinds)
+    found = {id(g): (loc, g) for loc, g in reached}
+    for _, module in modules:
+        for g in _held_generators(module).values():
+            found.pop(id(g), None)
+    before = [(loc, g, _generator_state(g)) for loc, g in found.values() if _is_host_generator(g)]
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        drawn = [(loc, g) for loc, g, state in before if not _same(state, _generator_state(g))]
+        for _, g, state in before:
+            _set_generator_state(g, state)
+        if drawn and not failed:
+            from ..errors import host_random_error
+
+            raise host_random_error([f"{loc.label} ({type(g).__name__})" for loc, g in drawn])
 
 
 @contextlib.contextmanager

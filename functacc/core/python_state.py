@@ -36,7 +36,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .host_calls import result_unused
 from .python_clock import new_call
-from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all
+from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all, reached_generators
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_reach import called_toward, code_scopes, find_roots, is_user_code
@@ -162,7 +162,7 @@ class PythonState:
         recorder.item_reads = self.item_reads
         recorder.scopes = code_scopes(self._fn)  # its names for output functions (save_image)
         self._recorder = recorder
-        with recorder, self.draws.tracing():
+        with recorder, self.draws.tracing(), reached_generators(recorder, self._modules):
             yield recorder
 
     def unsettled(self) -> str:
