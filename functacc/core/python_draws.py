@@ -201,13 +201,14 @@ class HostDraws:
 
 
 @contextlib.contextmanager
-def reached_generators(recorder: Any, modules: Any = ()) -> Iterator[None]:
+def reached_generators(roots: list[Root], modules: Any = ()) -> Iterator[None]:
     """Refuses a trace that drew from a generator object the body reaches (a closure
     variable or global ``rng = np.random.default_rng(0)``, a ``random.Random(0)``, also in a
     dict, list or plain object it reaches): its methods cannot be followed as the module
     functions are, so the draw would be a constant of the graph. Its state is put back.
-    One the step's ``modules`` hold is the tracer's to refuse (``HeldRandomWatch``)."""
-    from .python_reach import held
+    One the step's ``modules`` hold is the tracer's to refuse (``HeldRandomWatch``). Entered
+    before the body's recording starts: finding them reads no recorded list."""
+    from .python_reach import held, plain_objects
     from .watches import (
         _generator_state,
         _held_generators,
@@ -217,7 +218,8 @@ def reached_generators(recorder: Any, modules: Any = ()) -> Iterator[None]:
     )
 
     kinds = (random.Random, np.random.Generator, np.random.RandomState)
-    reached = held(recorder.variables, recorder.objects.values(), kinds)
+    variables = [(Location(root), root.get()) for root in roots]
+    reached = held(variables, plain_objects(roots).values(), kinds)
     found = {id(g): (loc, g) for loc, g in reached}
     for _, module in modules:
         for g in _held_generators(module).values():

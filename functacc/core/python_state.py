@@ -162,7 +162,7 @@ class PythonState:
         recorder.item_reads = self.item_reads
         recorder.scopes = code_scopes(self._fn)  # its names for output functions (save_image)
         self._recorder = recorder
-        with recorder, self.draws.tracing(), reached_generators(recorder, self._modules):
+        with reached_generators(self.roots, self._modules), recorder, self.draws.tracing():
             yield recorder
 
     def unsettled(self) -> str:
