@@ -1038,10 +1038,6 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         torch.manual_seed(len(history))  # len() read at the trace, where eager reads it anew
         history.append(standard(model, opt, x, y).item())
 
-    def computes_with_numpy(x: Tensor, y: Tensor) -> float:
-        loss = standard(model, opt, x, y)  # the array exists only after the call
-        return float((model(x).detach().numpy() > 0).mean()) + loss.item()
-
     def deque_appendleft(x: Tensor, y: Tensor) -> Tensor:
         loss = standard(model, opt, x, y)
         trainer.window.appendleft(loss.item())  # only appends are replayed
@@ -1094,11 +1090,6 @@ def refused_bodies() -> dict[str, tuple[Callable, type[Exception], str]]:
         "saves_scheduler": (saves_scheduler, functacc.TraceError, r"StepLR\.state_dict\(\)"),
         "stacks_appended": (stacks_what_it_appends, functacc.TraceError, "reads the list .*losses"),
         "counts_by_length": (counts_by_length, functacc.TraceError, "keep a counter"),
-        "computes_with_numpy": (
-            computes_with_numpy,
-            functacc.TraceError,
-            r"NumPy array of a traced tensor.*after the call",
-        ),
     }, (trainer, sched, history)
 
 

@@ -140,6 +140,7 @@ def compile_graph(
     (:mod:`functacc.backends.background`), for static graphs on CPU without collectives
     where a worker can start; elsewhere it compiles here.
     """
+    from ..core.graph_passes import bools_as_tensors
     from ..parallel.schedule import issue_collectives_early
     from ..transforms.remat_passes import order_recomputation
     from .inductor.masks import draw_masks_as_bytes
@@ -176,6 +177,7 @@ def compile_graph(
     # and the eager backend keeps the float mask alive anyway.
     draw_masks_as_bytes(gm)
     order_recomputation(gm)  # Inductor would pull recomputations into forward
+    bools_as_tensors(gm)  # Inductor cannot compile the SymBool of a returned bool
     split = split_at_optimizer(gm)
     remove_marker(gm)
     if split is None:

@@ -11,7 +11,9 @@
   are not baked into the capture back out);
 - :func:`fingerprint`: what makes two traced graphs the same program;
 - :func:`sink_to_first_use`: ops computed from some inputs alone run where first read
-  (ZeRO-3's gathers).
+  (ZeRO-3's gathers);
+- :func:`bools_as_tensors`: a Python bool the graph returns as its tensor (Inductor
+  cannot compile a ``SymBool``: ``(out > 0).tolist()``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .signature import TensorSpec
 
 __all__ = [
     "bernoulli_in_place",
+    "bools_as_tensors",
     "direct_writes",
     "drop_unread_ops",
     "drop_unused_inputs",
@@ -208,3 +211,49 @@ def sink_to_first_use(gm: GraphModule, sources: Sequence[int]) -> None:
             moved = True
     if moved:
         gm.recompile()
+
+
+def bools_as_tensors(gm: GraphModule) -> int:
+    """Return a bool tensor's value the graph returns (``.item()``, ``.tolist()`` of a bool
+    tensor: ``scalar_tensor(_local_scalar_dense(t))``) as that 0-d tensor ``t``, the same
+    value: the ``SymBool`` between the two is gone, which Inductor's passes cannot compare.
+    Returns how many were rewritten.
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> f = lambda x: [torch.scalar_tensor((x > 0).item(), dtype=torch.bool)]
+        >>> gm = make_fx(f, tracing_mode="fake")(torch.ones(()))
+        >>> bools_as_tensors(gm), "_local_scalar_dense" in gm.code, gm(torch.ones(()))
+        (1, False, [tensor(True)])
+    """
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (list, tuple)):
+        return 0
+    rewritten = [_bool_tensor(value) for value in values]
+    replaced = [old for new, old in zip(rewritten, values, strict=True) if new is not old]
+    if replaced:
+        output.args = (type(values)(rewritten),)
+        for made in replaced:  # only these: an unused draw still draws (eager's generator)
+            read = made.args[0]
+            for node in (made, read):
+                if not node.users:
+                    gm.graph.erase_node(node)
+        gm.recompile()
+    return len(replaced)
+
+
+def _bool_tensor(value: object) -> object:
+    """The 0-d bool tensor whose value ``value`` makes a tensor of again, or ``value``."""
+    aten = torch.ops.aten
+    if not (isinstance(value, torch.fx.Node) and value.target is aten.scalar_tensor.default):
+        return value
+    read = value.args[0]
+    if not (isinstance(read, torch.fx.Node) and read.target is aten._local_scalar_dense.default):
+        return value
+    source, made = read.args[0].meta.get("val"), value.meta.get("val")
+    if not (isinstance(source, Tensor) and isinstance(made, Tensor)):
+        return value
+    same = (source.dtype, source.device, source.dim()) == (made.dtype, made.device, 0)
+    return read.args[0] if same and source.dtype == torch.bool else value

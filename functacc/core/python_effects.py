@@ -94,7 +94,8 @@ def build(template: Template, outputs: Any, lrs: dict) -> Any:
         return made
     if kind == "numpy":  # tensor.numpy() in the step (python_numpy)
         array = build(template[1], outputs, lrs).numpy()
-        return array[template[2]] if template[2] else array
+        scalar = len(template) > 3 and template[3]  # a NumPy scalar: array[()] of a 0-d one
+        return array[template[2]] if template[2] or scalar else array
     if kind in ("fmt", "path"):
         from .python_output import fill
 

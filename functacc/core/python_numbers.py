@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .._compat import symbolic_max_min
+from .python_numpy import TracedArray
 
 __all__ = ["STAND_INS", "symbolic_builtins", "unstood"]
 
@@ -54,6 +55,8 @@ class _Float(float, metaclass=_Builtin):
     builtin, symbols = float, (torch.SymFloat,)
 
     def __new__(cls, x: Any = 0.0, /) -> Any:  # a SymFloat where a tensor is given
+        if isinstance(x, TracedArray):  # float(np.mean(pred == y)) of a .numpy() array
+            x = x.symbol()
         if isinstance(x, Tensor) and x.numel() == 1:
             return torch.sym_float(x.item())
         return torch.sym_float(x) if isinstance(x, _SYMBOLS) else float(x)
@@ -63,6 +66,8 @@ class _Int(int, metaclass=_Builtin):
     builtin, symbols = int, (torch.SymInt, torch.SymBool)  # a bool is an int
 
     def __new__(cls, x: Any = 0, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, TracedArray) and not args and not kwargs:
+            x = x.symbol()
         if isinstance(x, Tensor) and x.numel() == 1 and not args and not kwargs:
             value = x.item()  # int() of a float truncates, as torch.sym_int does
             return torch.sym_int(value) if x.is_floating_point() else value

@@ -40,7 +40,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .python_effects import ABSENT, Effect, restorer
 from .python_files import NotedFile, OpenFile, noting_open
-from .python_numpy import traced_numpy
+from .python_numpy import TracedArray, traced_numpy
 from .python_percent import patch_percent, untangle
 
 __all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output", "token"]
@@ -93,6 +93,8 @@ def fill(text: str, outputs: Sequence[Any], lrs: dict | None = None) -> str:
             value = (lrs or {})[scheduler][count][index]
         else:
             value = outputs[int(which)]
+        if spec.startswith("!n"):  # a .numpy() array's value or NumPy scalar (python_numpy)
+            value, spec = value.numpy()[()], spec[2:]
         if spec.startswith("!r"):  # a tensor's repr: eager's, grad_fn included
             return _repr_with(value, spec[2:])
         if spec.startswith("!p"):  # a module's parameter, as nn.Parameter's repr shows it
@@ -193,7 +195,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
     wandb = sys.modules.get("wandb")
     if inspect.ismethod(getattr(wandb, "log", None)):  # wandb.init() bound it to its run
         patch(wandb, "log", _noting(wandb.log, note, "wandb.log()"))
-    for cls in (torch.SymFloat, torch.SymInt):
+    for cls in (torch.SymFloat, torch.SymInt, TracedArray):  # TracedArray: NumPy's text
         real_format, real_str = cls.__format__, cls.__str__
         patch(cls, "__format__", _formatting(real_format, recorder))
         patch(cls, "__str__", _formatting(lambda v, spec, f=real_str: f(v), recorder))
@@ -322,6 +324,8 @@ def token(recorder: Any, value: Any, spec: str = "") -> str:
     """The token standing for a traced ``value`` in a string, formatted with ``spec`` (a
     ``format`` spec, a ``%`` conversion, or ``!r`` and a tensor's grad suffix) by
     :func:`fill` after the call."""
+    if isinstance(value, TracedArray):  # formatted as NumPy formats it (fill: "!n")
+        value, spec = value.value(), f"!n{spec}"
     index = recorder.template(value, "a value formatted into a string")[1]
     return f"\x00functacc{index}:{spec}\x00"
 

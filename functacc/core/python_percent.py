@@ -62,6 +62,8 @@ def patch_percent(recorder: Any, patch: Callable[[Any, str, Any], None]) -> None
     returns a stand-in whose renderings ``recorder.rendered`` maps to the value's token."""
     import torch
 
+    from .python_numpy import TracedArray
+
     made = [0]  # stand-ins so far
 
     # Not Tensor's: torch's __torch_function__ handlers tell its methods by identity
@@ -72,6 +74,8 @@ def patch_percent(recorder: Any, patch: Callable[[Any, str, Any], None]) -> None
         (torch.SymFloat, "__int__", _INT_TYPES, int),
         (torch.SymInt, "__int__", _INT_TYPES, int),
         (torch.SymInt, "__index__", _INT_TYPES, int),
+        (TracedArray, "__float__", _FLOAT_TYPES, float),  # "%d%%" % (100 * d_acc): NumPy's
+        (TracedArray, "__int__", _INT_TYPES, int),
     ):
         if name in vars(cls):
             patch(cls, name, _converting(vars(cls)[name], recorder, kinds, kind, made))
@@ -95,7 +99,7 @@ def _converting(real: Callable, recorder: Any, kinds: str, kind: type, made: lis
 
         made_token = token(recorder, value)  # the value's, with each conversion's spec below
         for spec in specs:  # the one the format applies to it is among them
-            recorder.rendered[spec % stand_in] = made_token.replace(":\x00", f":{spec}\x00")
+            recorder.rendered[spec % stand_in] = f"{made_token[:-1]}{spec}\x00"
         return stand_in
 
     return convert

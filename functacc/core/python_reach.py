@@ -34,6 +34,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -265,7 +266,9 @@ def _watchable(value: Any) -> bool:
 
 
 # -- what a value is ----------------------------------------------------------------------
-_SCALARS = (int, float, bool, str, bytes, type(None), complex, enum.Enum, torch.dtype)
+# NumPy's scalars too (np.int64: a count the step keeps with np.sum), not its object ones.
+_SCALARS = (int, float, bool, str, bytes, type(None), complex, enum.Enum, torch.dtype, np.number,
+            np.bool_)  # fmt: skip
 
 
 def is_scalar(value: Any) -> bool:

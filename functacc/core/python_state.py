@@ -39,6 +39,7 @@ from .python_clock import new_call
 from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all, reached_generators
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
+from .python_numpy import NUMBERS
 from .python_reach import called_toward, code_scopes, find_roots, is_user_code
 from .python_recording import groups_root
 from .python_replay import QUIET, Conditions, Exact, PythonPlan, Replay
@@ -372,13 +373,15 @@ def generator_key(g: torch.Generator) -> int:
 
 
 def _numeric(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A number fed to the graph when it changes: Python's, NumPy's int64 and float64 (a
+    count kept with np.sum: a float64 is a float; int64 arithmetic is int's)."""
+    return isinstance(value, NUMBERS) and not isinstance(value, bool)
 
 
 def _as_input(value: Any) -> int | float | Tensor:
     if isinstance(value, Tensor):  # a tensor read from the Python state (python_tensors)
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _numeric(value):
         raise TypeError(f"a fed Python value must be an int or a float; got {value!r}")
     return float(value) if isinstance(value, float) else int(value)  # np.float64: a float
 

@@ -35,7 +35,7 @@ from .python_lists import RecordingDeque, RecordingList, list_writes, took_list
 from .python_location import MISSING, Location, Root, fields_of
 from .python_made import made_template
 from .python_numbers import unstood
-from .python_numpy import TracedArray, numpy_template
+from .python_numpy import NUMBERS, TracedArray, new_number, numpy_template
 from .python_output import output_template, patch_output
 from .python_reach import held, holds_traced, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording, shared
@@ -374,12 +374,11 @@ class Recorder:
         self, target: Location, old: Any, new: Any, key: tuple | None, always: bool
     ) -> bool:
         """A counter (a number the body reads and then writes) is traced symbolically."""
-        numeric = (int, float)
         if target in self.symbolic_inputs or target in self.pinned:
             return False
-        if isinstance(old, bool) or isinstance(new, bool) or not isinstance(old, numeric):
+        if isinstance(old, bool) or isinstance(new, bool) or not isinstance(old, NUMBERS):
             return False
-        return isinstance(new, (*numeric, SymInt, SymFloat)) and (always or key in self._read_first)
+        return new_number(new) and (always or key in self._read_first)
 
     # -- optimizers, schedulers and seeds ------------------------------------------------------
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
