@@ -273,3 +273,20 @@ def test_what_needs_the_values_is_a_clear_error_and_changes_nothing(name: str) -
         step(*data(1)[0])
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
     assert not opt.state
+
+
+def test_returned_bools_compile_under_inductor() -> None:
+    # (out > 0).tolist() and a bool tensor's .item() returned from the step: before this
+    # change Inductor failed on the SymBool between the tensor and the returned value
+    # ("unsupported operand type(s) for -: 'Equality' and 'Equality'").
+    def bools(model, opt, state):
+        def body(x, y):
+            out, loss = train(model, opt, x, y)
+            return (out > 0).tolist(), (loss > 1.0).item(), (out.numpy() > 0).tolist()
+
+        return body
+
+    eager = run(bools, jit=False, calls=1)
+    jitted = run(bools, jit=True, backend="inductor", calls=1)
+    assert same(jitted[1], eager[1])
+    assert type(jitted[1][0][1]) is bool and len(jitted[1][0][0]) == 6
