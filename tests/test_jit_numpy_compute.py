@@ -207,6 +207,7 @@ def counted(model, opt, state):
     return body
 
 
+@pytest.mark.inductor
 def test_numpy_under_inductor() -> None:
     eager = run(counted, jit=False, calls=3)
     jitted = run(counted, jit=True, backend="inductor", calls=3)
@@ -275,6 +276,7 @@ def test_what_needs_the_values_is_a_clear_error_and_changes_nothing(name: str) -
     assert not opt.state
 
 
+@pytest.mark.inductor
 def test_returned_bools_compile_under_inductor() -> None:
     # (out > 0).tolist() and a bool tensor's .item() returned from the step: before this
     # change Inductor failed on the SymBool between the tensor and the returned value

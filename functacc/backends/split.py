@@ -23,6 +23,8 @@ from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from ..core.graph_passes import has_effect
+
 __all__ = ["Split", "mark_optimizer_inputs", "split_at_optimizer"]
 
 
@@ -116,7 +118,7 @@ def _live(nodes: list[Node]) -> set[Node]:
     to find out: that cost 0.1-0.2 s of a large step's warm start)."""
     live: set[Node] = set()
     for n in reversed(nodes):
-        if n.op in ("placeholder", "output") or n.is_impure() or any(u in live for u in n.users):
+        if n.op in ("placeholder", "output") or has_effect(n) or any(u in live for u in n.users):
             live.add(n)
     return live
 
@@ -144,7 +146,7 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
     # backward even when nothing uses their result: later ops read the tensor written (a
     # channels-last model's backward writes gradients into an as_strided view). Dropped
     # from the gradients graph, they made its gradients wrong.
-    writes = [n for n in nodes[: nodes.index(marker)] if n.op == "call_function" and n.is_impure()]
+    writes = [n for n in nodes[: nodes.index(marker)] if n.op == "call_function" and has_effect(n)]
     roots = [
         *marker.args[0],
         *writes,

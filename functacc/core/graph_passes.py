@@ -35,6 +35,7 @@ __all__ = [
     "drop_unread_ops",
     "drop_unused_inputs",
     "fingerprint",
+    "has_effect",
     "sink_to_first_use",
     "written_inputs",
 ]
@@ -90,11 +91,26 @@ def _is_collective(node: torch.fx.Node) -> bool:
     return getattr(node.target, "namespace", None) == "_c10d_functional"
 
 
+def has_effect(node: torch.fx.Node) -> bool:
+    """Whether ``node`` runs for an effect (a write, a draw, an assert), also where its
+    schema hides the write (:func:`_hidden_writes`): kept even if nothing reads it."""
+    return node.is_impure() or node.target in _hidden_writes()
+
+
+def _hidden_writes() -> set:
+    """Ops that write into an input their schema does not mark as written:
+    ``native_batch_norm`` updates the running statistics in place (a forward whose output
+    is dropped still updates them in eager: PyTorch-GAN's relativistic_gan)."""
+    aten = torch.ops.aten
+    names = ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_impl_index")
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
 def _pure(node: torch.fx.Node) -> bool:
     target = node.target
     if target is operator.getitem:
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, torch._ops.OpOverload) or target in _hidden_writes():
         return False
     schema = target._schema
     # An op that returns nothing runs for its effect (aten._assert_async).
