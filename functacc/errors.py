@@ -79,7 +79,10 @@ def host_random_error(generators: list[str]) -> TraceError:
         "while it was traced: a compiled step runs its Python code once, when it traces, so "
         "every step would "
         "reuse the numbers drawn then (a layer-drop or stochastic-depth decision taken once "
-        "for the whole run), where eager PyTorch draws new ones at every step. Draw them with "
+        "for the whole run), where eager PyTorch draws new ones at every step. A draw with "
+        "plain arguments (numbers and sizes: np.random.normal(0, 1, (n, d)), rng.random() "
+        "of a generator the step reads) is drawn again before every call and fed; this one "
+        "(an array argument, a shuffle in place, a library's own draw) cannot be. Draw them with "
         "torch instead (torch.rand, torch.bernoulli, torch.randint): they are part of the "
         "graph, new at every step, and eager's numbers. A decision that skips a layer can be "
         "a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep. Or draw them "
@@ -106,7 +109,8 @@ def drawn_branch_error(module: str, where: str, statement: str | None = None) ->
     """The step branched in Python on a number it drew from ``module`` (``np.random`` or
     ``random``), at ``where``; ``statement``: the step's line that called the library code
     that drew it."""
-    source = "NumPy's np.random" if module == "np.random" else "Python's random module"
+    sources = {"np.random": "NumPy's np.random", "random": "Python's random module"}
+    source = sources.get(module, f"the generator {module}")
     fix = (
         f"run `{statement}` before the call and pass what it makes to the step"
         if statement

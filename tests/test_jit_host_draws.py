@@ -13,6 +13,7 @@ follow (NumPy arithmetic on the array, a Python branch on a drawn number) is a
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -330,38 +331,126 @@ GENERATORS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(GENERATORS))
-@pytest.mark.parametrize("held_in", ["variable", "dict"])
-def test_a_generator_object_the_step_reaches_is_an_error_that_changes_nothing(
-    kind, held_in
-) -> None:
-    # `rng = np.random.default_rng(seed)` at script level, drawn from in the step: its
-    # methods are not followed as np.random's functions are. Before 2026-11-29 the trace's
-    # draw was a constant of the graph, every call training on it, silently.
-    made = GENERATORS[kind]()
-    holder = {"rng": made}
-    torch.manual_seed(0)
-    model = nn.Linear(8, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
+def generator_body(made, holder, held_in, model, opt):
     def body(x: torch.Tensor) -> torch.Tensor:
-        rng = made if held_in == "variable" else holder["rng"]
-        scale = rng.random() if isinstance(rng, random.Random) else rng.uniform(0.5, 1.5, (1, 8))
-        loss = (model(torch.ones(x.shape[0], 8) * torch.as_tensor(scale).float()) - x).pow(2)
+        rng = made if held_in == "variable" else holder["rng"] if held_in == "dict" else holder.rng
+        if isinstance(rng, random.Random):
+            scale = torch.full((1, 8), rng.random()) + rng.gauss(0.0, 1.0)
+        else:
+            scale = torch.as_tensor(rng.uniform(0.5, 1.5, (1, 8))).float()
+        loss = (model(torch.ones(x.shape[0], 8) * scale) - x).pow(2)
         opt.zero_grad()
         loss.mean().backward()
         opt.step()
         return loss.detach()
 
+    return body
+
+
+@pytest.mark.parametrize("kind", list(GENERATORS))
+@pytest.mark.parametrize("held_in", ["variable", "dict", "object"])
+def test_a_generator_object_the_step_reaches_draws_as_in_eager(kind, held_in) -> None:
+    # `rng = np.random.default_rng(seed)` at script level (NumPy's recommended style), drawn
+    # from in the step. Before 2026-11-29 the trace's draw was a constant of the graph, every
+    # call training on it, silently; then a TraceError. Now each draw is fed, drawn from that
+    # generator before every call: eager's numbers, and the generator left as eager leaves it
+    # (isinstance(rng, random.Random) holds in the trace too).
+    runs = []
+    for jit in (False, True):
+        made = GENERATORS[kind]()
+        holder = {"rng": made} if held_in == "dict" else types.SimpleNamespace(rng=made)
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = generator_body(made, holder, held_in, model, opt)
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        losses = [step(torch.randn(5, 3, generator=g)) for _ in range(3)]
+        runs.append((losses, model.weight.detach().clone(), made.random(), step))
+    (eager, weight, after, _), (losses, jit_weight, jit_after, step) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager, strict=True))
+    assert torch.equal(jit_weight, weight) and jit_after == after  # the generator's next number
+    assert step.num_traces == 1
+
+
+def test_a_generator_object_reassigned_between_calls_is_drawn_from_anew() -> None:
+    # Eager draws from whatever the variable holds at each call.
+    runs = []
+    for jit in (False, True):
+        holder = types.SimpleNamespace(rng=np.random.default_rng(0))
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = generator_body(None, holder, "object", model, opt)
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+        losses = [step(x)]
+        holder.rng = np.random.default_rng(7)
+        losses += [step(x), step(x)]
+        runs.append(losses)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+
+
+def refused_generator_uses():
+    def shuffles(rng, x):
+        order = np.arange(x.shape[0])
+        rng.shuffle(order)  # in place, into an array of the step: not a fed draw
+        return x[torch.from_numpy(order)]
+
+    def branches(rng, x):
+        return x * 2 if rng.random() < 0.5 else x
+
+    def chooses(rng, x):
+        return x * rng.choice(np.array([0.5, 2.0]))  # an array argument: not plain
+
+    return {
+        "shuffle": (shuffles, r"from closure variable 'rng' \(Generator\) while .*a shuffle in"),
+        "branch": (branches, r"branches in Python on a number it drew from the generator closure"),
+        "choice(array)": (chooses, r"from closure variable 'rng' \(Generator\) while"),
+    }
+
+
+@pytest.mark.parametrize("name", list(refused_generator_uses()))
+def test_what_a_generator_object_cannot_feed_is_an_error_that_changes_nothing(name) -> None:
+    use, match = refused_generator_uses()[name]
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = model(use(rng, x)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
     step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
-    state = GENERATORS[kind]()  # a twin: the state the generator must still have
-    with pytest.raises(
-        functacc.TraceError,
-        match=rf"drew random numbers from .*\({type(made).__name__}\) while it was traced",
-    ):
+    before = model.weight.detach().clone()
+    with pytest.raises(functacc.TraceError, match=match):
         step(torch.randn(5, 3))
-    assert not opt.state
-    if isinstance(made, random.Random):
-        assert made.getstate() == state.getstate()
-    else:
-        assert made.random() == state.random()  # the same next number: put back
+    assert not opt.state and torch.equal(model.weight, before)
+    assert rng.random() == np.random.default_rng(0).random()  # its state put back
+
+
+def test_a_call_that_fails_puts_a_generator_objects_state_back() -> None:
+    rng = np.random.default_rng(0)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = (model(Tensor(rng.normal(0, 1, (x.shape[0], 8)))) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.step()
+        return loss.detach()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    step(torch.randn(5, 3))
+    state = rng.bit_generator.state
+    with pytest.raises(RuntimeError, match="non-finite"):
+        step(torch.full((5, 3), float("nan")))
+    assert rng.bit_generator.state == state

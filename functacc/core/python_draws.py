@@ -53,7 +53,10 @@ class DrawRoot(Root):
     calls (a signature's key), it is a value of the draw's kind (an array's layout, a
     number's type); the plan draws it for real before each call (:func:`draw_all`)."""
 
-    def __init__(self, index: int, module: str, name: str, args: tuple, kwargs: dict, value: Any):
+    def __init__(
+        self, index: int, module: str, name: str, args: tuple, kwargs: dict, value: Any,
+        source: Any = None,
+    ):  # fmt: skip
         shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
         label = f"{module}.{name}({', '.join(shown)}) (draw {index + 1})"
         super().__init__(label, self._spec, self._install)
@@ -62,6 +65,10 @@ class DrawRoot(Root):
         self.traced: Any = None  # its graph input (a number's symbol) while a trace runs
         self.lifts: Lifts | None = None  # where the trace running keeps its arrays
         self.site: tuple[str, str | None] = ("", None)  # where drawn (python_draws._call_site)
+        # The generator drawn from: a module's, or a generator object read where the step
+        # reads it (rng = np.random.default_rng(0); reassigned between calls, the new one).
+        self.source = source if source is not None else _GENERATORS[module][0]
+        self.global_generator = source is None
         if isinstance(value, np.ndarray):
             with _disable_current_modes():  # made while tracing: a real tensor, not a fake
                 self._layout: Any = torch.from_numpy(np.array(value))  # drawn once: its layout
@@ -78,7 +85,7 @@ class DrawRoot(Root):
 
     def draw(self) -> Any:
         """This call's value, drawn from the global generator as eager would."""
-        value = getattr(_GENERATORS[self.module][0](), self.name)(*self.args, **self.kwargs)
+        value = getattr(self.source(), self.name)(*self.args, **self.kwargs)
         return torch.from_numpy(value) if isinstance(value, np.ndarray) else _number(value)
 
 
@@ -149,6 +156,10 @@ class HostDraws:
                 root.traced = None
             self._lifts = Lifts()
 
+    def reached(self, roots: list[Root], modules: Any = ()) -> Any:
+        """:func:`reached_generators`, their draws fed by this body's draws."""
+        return reached_generators(roots, modules, self)
+
     def _check_constants(self, lifts: Lifts) -> None:
         """A constant of the graph that differs from the one the trace that found the draws
         made (its arrays had other values): computed from them where no check could see."""
@@ -162,8 +173,11 @@ class HostDraws:
                 f"NumPy code reading its values, whose result reaches torch at {where}",
             )
 
-    def _drawing(self, module: str, name: str, current: Any, tracer: int) -> Any:
+    def _drawing(
+        self, module: str, name: str, current: Any, tracer: int, source: Any = None
+    ) -> Any:
         original = getattr(current, "__wrapped__", current)  # under HostRandomWatch's note
+        generator = source() if source is not None else None
 
         @functools.wraps(original)
         def draw(*args: Any, **kwargs: Any) -> Any:
@@ -176,11 +190,11 @@ class HostDraws:
                 raise _MixedGuard(f"sizes fixed: {module}.{name} draws with one of them")
             if plain is None:
                 return current(*args, **kwargs)
-            with _kept_state():  # the plan draws it before each call; the trace does not
+            with _kept_state(generator):  # the plan draws it before each call, not the trace
                 value = original(*args, **kwargs)
             if not isinstance(value, np.ndarray) and _number(value) is None:
                 return current(*args, **kwargs)  # random.choice(names): as before, an error
-            root = self._root(len(self.made), module, name, *plain, value)
+            root = self._root(len(self.made), module, name, *plain, value, source)
             root.site = _call_site(sys._getframe(1))
             self.made.append(root)
             if root.traced is None:
@@ -192,7 +206,7 @@ class HostDraws:
         return draw
 
     def _root(self, index: int, *call: Any) -> DrawRoot:
-        module, name, args, kwargs, value = call
+        module, name, args, kwargs, value, _ = call
         kind = "array" if isinstance(value, np.ndarray) else type(_number(value)).__name__
         key = (index, module, name, repr(args), repr(sorted(kwargs.items())), kind)
         if key not in self._roots:
@@ -201,13 +215,15 @@ class HostDraws:
 
 
 @contextlib.contextmanager
-def reached_generators(roots: list[Root], modules: Any = ()) -> Iterator[None]:
-    """Refuses a trace that drew from a generator object the body reaches (a closure
-    variable or global ``rng = np.random.default_rng(0)``, a ``random.Random(0)``, also in a
-    dict, list or plain object it reaches): its methods cannot be followed as the module
-    functions are, so the draw would be a constant of the graph. Its state is put back.
-    One the step's ``modules`` hold is the tracer's to refuse (``HeldRandomWatch``). Entered
-    before the body's recording starts: finding them reads no recorded list."""
+def reached_generators(roots: list[Root], modules: Any = (), draws: Any = None) -> Iterator[None]:
+    """While a body is traced, a generator object it reaches (a closure variable or global
+    ``rng = np.random.default_rng(0)``, a ``np.random.RandomState``, a ``random.Random``,
+    also in a dict, list or plain object) is a :class:`_StandIn` there, whose draws with
+    plain arguments ``draws`` (the :class:`HostDraws`) feeds as it does the module
+    functions'. Any other use that draws from it (``rng.shuffle(a)``, a library holding it)
+    is refused, its state put back: the draw would be a constant of the graph. One the
+    step's ``modules`` hold is the tracer's to refuse (``HeldRandomWatch``). Entered before
+    the body's recording starts: finding them reads no recorded list."""
     from .python_reach import held, plain_objects
     from .watches import (
         _generator_state,
@@ -225,6 +241,12 @@ def reached_generators(roots: list[Root], modules: Any = ()) -> Iterator[None]:
         for g in _held_generators(module).values():
             found.pop(id(g), None)
     before = [(loc, g, _generator_state(g)) for loc, g in found.values() if _is_host_generator(g)]
+    stand_ins = []
+    if draws is not None:
+        for loc, g in reached:
+            if id(g) in found and _is_host_generator(g) and loc.get() is g:
+                stand_ins.append((loc, g, _StandIn(g, draws, loc)))
+                loc.set(stand_ins[-1][2])
     failed = False
     try:
         yield
@@ -232,6 +254,9 @@ def reached_generators(roots: list[Root], modules: Any = ()) -> Iterator[None]:
         failed = True
         raise
     finally:
+        for loc, g, stand_in in stand_ins:
+            if loc.get() is stand_in:
+                loc.set(g)
         drawn = [(loc, g) for loc, g, state in before if not _same(state, _generator_state(g))]
         for _, g, state in before:
             _set_generator_state(g, state)
@@ -241,14 +266,46 @@ def reached_generators(roots: list[Root], modules: Any = ()) -> Iterator[None]:
             raise host_random_error([f"{loc.label} ({type(g).__name__})" for loc, g in drawn])
 
 
+class _StandIn:
+    """A generator object where the step reads it while a trace runs: its drawing methods
+    are fed draws (``rng.normal(0, 1, (n, d))``), anything else is the generator's own."""
+
+    def __init__(self, generator: Any, draws: HostDraws, location: Location):
+        names = _GENERATORS["random" if isinstance(generator, random.Random) else "np.random"][1]
+        if isinstance(generator, np.random.Generator):
+            names = (*names, "integers", "standard_exponential", "standard_gamma")
+        tracer = threading.get_ident()
+        self._generator, self._methods = (
+            generator,
+            {
+                name: draws._drawing(location.label, name, method, tracer, location.get)
+                for name in names
+                if callable(method := getattr(generator, name, None))
+            },
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        methods = self.__dict__.get("_methods", {})
+        return methods[name] if name in methods else getattr(self._generator, name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(rng, np.random.Generator), as in eager
+        return type(self._generator)
+
+
 @contextlib.contextmanager
-def _kept_state() -> Iterator[None]:
+def _kept_state(generator: Any = None) -> Iterator[None]:
+    from .watches import _generator_state, _set_generator_state
+
     states = np.random.get_state(), random.getstate()
+    own = _generator_state(generator) if generator is not None else None
     try:
         yield
     finally:
         np.random.set_state(states[0])
         random.setstate(states[1])
+        if generator is not None:
+            _set_generator_state(generator, own)
 
 
 def _number(value: Any) -> int | float | None:

@@ -181,14 +181,21 @@ class _Undo:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self._steps.append(lambda: _set_rng(state, cuda))
 
-    def host_generators(self) -> None:
-        """NumPy's and Python's global generators, which the plan's draws advance."""
+    def host_generators(self, draws: Sequence[Any] = ()) -> None:
+        """NumPy's and Python's global generators, and the generator objects ``draws`` (the
+        plan's, :class:`~.python_draws.DrawRoot`) draw from, which they advance."""
         import random
 
         import numpy as np
 
+        from .watches import _generator_state, _set_generator_state
+
         states = np.random.get_state(), random.getstate()
         self._steps.append(lambda: (np.random.set_state(states[0]), random.setstate(states[1])))
+        objects = {id(g): g for g in (d.source() for d in draws if not d.global_generator)}
+        for g in objects.values():
+            state = _generator_state(g)
+            self._steps.append(lambda g=g, state=state: _set_generator_state(g, state))
 
     def generator(self, g: torch.Generator) -> None:
         state = g.get_state()

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .host_calls import result_unused
 from .python_clock import new_call
-from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all, reached_generators
+from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_numpy import NUMBERS
@@ -163,7 +163,7 @@ class PythonState:
         recorder.item_reads = self.item_reads
         recorder.scopes = code_scopes(self._fn)  # its names for output functions (save_image)
         self._recorder = recorder
-        with reached_generators(self.roots, self._modules), recorder, self.draws.tracing():
+        with self.draws.reached(self.roots, self._modules), recorder, self.draws.tracing():
             yield recorder
 
     def unsettled(self) -> str:
@@ -320,7 +320,7 @@ class PythonState:
         if plan.seeds or plan.generators:
             replay.undo.rng()
         if plan.draws:  # NumPy's arrays the step draws: eager's, in its order (python_draws)
-            replay.undo.host_generators()
+            replay.undo.host_generators(plan.draws)
             replay.drawn = draw_all(plan.draws)
         for g, state in plan.generators:
             replay.undo.generator(g)
