@@ -292,3 +292,48 @@ def test_returned_bools_compile_under_inductor() -> None:
     jitted = run(bools, jit=True, backend="inductor", calls=1)
     assert same(jitted[1], eager[1])
     assert type(jitted[1][0][1]) is bool and len(jitted[1][0][0]) == 6
+
+
+def test_a_loss_history_written_in_place_is_eagers() -> None:
+    # hist = np.zeros(n_epochs); hist[epoch] = loss.item() in the step, and a 2-D float32
+    # table written with a tensor. Before this change: a TraceError saying the array was
+    # indexed with a tensor's value (it was written with one).
+    runs = []
+    for jit in (False, True):
+        model, opt, _ = setup()
+        hist, table = np.zeros(6), np.zeros((6, 2), dtype=np.float32)
+
+        def body(i, x, y, model=model, opt=opt, hist=hist, table=table):
+            out, loss = train(model, opt, x, y)
+            hist[i] = loss.item()
+            table[i, 0] = loss.detach()
+            table[i, 1] = np.mean(out.numpy().argmax(1) == y.numpy())
+            return loss
+
+        if jit:
+            body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        for i, (x, y) in enumerate(data(4)):
+            body(i, x, y)
+        runs.append((hist, table, getattr(body, "num_traces", None)))
+    (hist, table, _), (jit_hist, jit_table, traces) = runs
+    assert np.array_equal(jit_hist, hist) and np.array_equal(jit_table, table)
+    # The first call's trace, and one with the epoch fed; none per call (its contents change).
+    assert np.count_nonzero(hist) == 4 and traces == 2
+
+
+def test_an_array_the_step_writes_and_reads_is_a_clear_error() -> None:
+    model, opt, _ = setup()
+    hist = np.zeros(6)
+
+    def body(i, x, y):
+        _, loss = train(model, opt, x, y)
+        hist[i] = loss.item()
+        return hist[: i + 1].mean()  # the trace's values
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(
+        functacc.TraceError,
+        match=r"NumPy array closure variable 'hist' and indexes it after writing",
+    ):
+        step(0, *data(1)[0])
+    assert not hist.any() and not opt.state

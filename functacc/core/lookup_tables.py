@@ -8,7 +8,13 @@ the traced counter for a real integer, which fixes it: one trace per step (and a
 view of class :class:`LookupTable`: indexed by a traced integer, it gives the entry as the
 graph computes it (the table a constant of the graph, its entry a traced number); anything
 else is NumPy's own. The array's contents are part of the step's signature, so writing into
-it traces again.
+it between calls traces again.
+
+A numeric array the step writes a traced value into (a loss history kept in place,
+``hist[epoch] = loss.item()``) has the write made after each call, with the call's value
+and position (an effect of the step, replayed as ``print``'s are); the array is then keyed
+by identity, not contents (its contents change at every call). A step that also reads the
+array it so writes is refused: what it read would be the trace's.
 
 Example:
     >>> import numpy as np
@@ -31,19 +37,98 @@ _KINDS = (np.dtype(np.float64), np.dtype(np.int64))
 
 
 class LookupTable(np.ndarray):
-    """A NumPy array whose entry at a traced integer is computed in the graph."""
+    """A NumPy array whose entry at a traced integer is computed in the graph (a 1-D table)
+    and, where the step reaches it through a variable, whose writes of traced values are
+    made after each call (:meth:`__setitem__`)."""
+
+    _recorder: Any = None  # the trace's Recorder, for a table a variable holds
+    _place: Any = None  # (its Location, the array it views)
+    _state: str = ""  # "read", "written" (by the trace running)
 
     def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, torch.SymInt):
+        self._reading("indexes it")
+        if isinstance(index, torch.SymInt) and self.ndim == 1 and self.dtype in _KINDS:
             return torch.as_tensor(self.view(np.ndarray)).select(0, index).item()
         return super().__getitem__(index)
 
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if self._recorder is None or not _traced((index, value)):
+            return super().__setitem__(index, value)
+        location, array = self._place
+        if self._state == "read":
+            raise _read_and_written(location.label)
+        if not all(isinstance(i, (int, torch.SymInt)) for i in _flat(index)):
+            raise _read_and_written(location.label, f"at {index!r}: index it with integers")
+        from .python_effects import Effect
+
+        recorder = self._recorder
+        self._state = "written"
+        recorder.guards.pop(location, None)  # keyed by identity now: its contents change
+        recorder.loose[location] = array
+        where = f"a write into NumPy array {location.label}"
+        recorder.effects.append(
+            Effect.call(_write, (array, index, value), {}, recorder.template, where=where)
+        )
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        written = [x for x in kwargs.get("out", ()) if getattr(x, "_recorder", None) is not None]
+        if written and _traced(inputs):  # hist += counts: read, then written
+            raise _read_and_written(written[0]._place[0].label, "updates it in place (+=)")
+        self._reading(f"computes with it (np.{ufunc.__name__})")
+        plain = [x.view(np.ndarray) if isinstance(x, LookupTable) else x for x in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(
+                x.view(np.ndarray) if isinstance(x, LookupTable) else x for x in kwargs["out"]
+            )
+        return getattr(ufunc, method)(*plain, **kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        self._reading(f"computes with it (np.{func.__name__})")
+        return super().__array_function__(func, types, args, kwargs)
+
+    def _reading(self, how: str) -> None:
+        if self._recorder is None:
+            return
+        if self._state == "written":
+            raise _read_and_written(self._place[0].label, f"{how} after writing it")
+        self._state = "read"
+
 
 def as_lookup(value: Any) -> Any:
-    """``value`` as a :class:`LookupTable` view where it is a 1-D table of numbers."""
+    """``value`` as a :class:`LookupTable` view where it is a 1-D table of numbers (where a
+    variable holds it, :func:`install_tables`: any array of numbers)."""
     if type(value) is np.ndarray and value.ndim == 1 and value.dtype in _KINDS:
         return value.view(LookupTable)
     return value
+
+
+def _write(array: np.ndarray, index: Any, value: Any) -> None:
+    """A write the step made into ``array``, made after the call with its values."""
+    array[index] = value
+
+
+def _flat(index: Any) -> tuple:
+    return index if isinstance(index, tuple) else (index,)
+
+
+def _traced(value: Any) -> bool:
+    from .python_numpy import TracedArray
+    from .python_reach import holds_traced
+
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return holds_traced(value) or any(isinstance(v, TracedArray) for v in items)
+
+
+def _read_and_written(label: str, what: str = "reads it too") -> Exception:
+    from ..errors import TraceError
+
+    return TraceError(
+        f"the step writes a tensor's value into NumPy array {label} and {what}. functacc "
+        "makes such a write after each call, with the call's value (hist[epoch] = "
+        "loss.item()); what the step reads of the array in the trace would be the trace's "
+        "values. Fix: keep the values in a list (append), or in a tensor the step updates, "
+        "or write them after the call (hist[epoch] = step(...))."
+    )
 
 
 def is_array(value: Any) -> bool:
@@ -52,20 +137,23 @@ def is_array(value: Any) -> bool:
     return type(value) is np.ndarray or type(value) is LookupTable
 
 
-def install_tables(root_values: list, originals: dict, guards: dict) -> None:
-    """While a body is traced: its variables that hold tables hold their :class:`LookupTable`
-    views (``originals`` maps each back: no write of the variable), guarded by contents, as
-    is any other NumPy array they hold (``torch.as_tensor(obs)`` of a closure's ``obs``
-    that the loop reassigns or fills between calls: a new trace, not the old values)."""
+def install_tables(recorder: Any) -> None:
+    """While a body is traced: its variables that hold arrays of numbers hold their
+    :class:`LookupTable` views (the recorder's ``originals`` maps each back: no write of the
+    variable), guarded by contents, as is any other NumPy array they hold
+    (``torch.as_tensor(obs)`` of a closure's ``obs`` that the loop reassigns or fills
+    between calls: a new trace, not the old values)."""
     from .python_location import Location
 
-    for root, value in root_values:
+    for root, value in recorder.root_values:
         if not root.loaded or not is_array(value):
             continue
-        if (table := as_lookup(value)) is not value:
+        if type(value) is np.ndarray and value.dtype.kind in "iufb":
+            table = value.view(LookupTable)
+            table._recorder, table._place = recorder, (Location(root), value)
             root.set(table)
-            originals[id(table)] = value
-        guards.setdefault(Location(root), value)
+            recorder._originals[id(table)] = value
+        recorder.guards.setdefault(Location(root), value)
 
 
 def table_key(value: np.ndarray) -> tuple:

@@ -130,7 +130,9 @@ class TracedArray:
 
         what = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
         function = getattr(tnp, ufunc.__name__, None)
-        if method != "__call__" or "out" in kwargs or function is None:
+        if "out" in kwargs:  # acc += np.bincount(arr): into host data
+            raise _values_error(f"{what} writing into a NumPy array (out=, +=)")
+        if method != "__call__" or function is None:
             raise _values_error(f"{what}, which torch._numpy does not compute")
         return _compute(what, function, inputs, kwargs)
 
