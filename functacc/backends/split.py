@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..core.graph_passes import has_effect
+from ..core.graph_passes import has_effect, live_nodes
 
 __all__ = ["Split", "mark_optimizer_inputs", "split_at_optimizer"]
 
@@ -113,16 +113,6 @@ def _data_dependent(node: Node) -> bool:
     return any(isinstance(v, symbolic) and free_unbacked_symbols(v) for v in values)
 
 
-def _live(nodes: list[Node]) -> set[Node]:
-    """The nodes that ``Graph.eliminate_dead_code`` would keep (without copying the graph
-    to find out: that cost 0.1-0.2 s of a large step's warm start)."""
-    live: set[Node] = set()
-    for n in reversed(nodes):
-        if n.op in ("placeholder", "output") or has_effect(n) or any(u in live for u in n.users):
-            live.add(n)
-    return live
-
-
 def split_at_optimizer(gm: GraphModule) -> Split | None:
     """Cut ``gm`` at its optimizer marker; ``None`` if it has none or the update would need
     a symbolic size or make a data-dependent value (then the graph is compiled whole)."""
@@ -131,7 +121,7 @@ def split_at_optimizer(gm: GraphModule) -> Split | None:
     # Without dead values (an unused gradient of the first layer's input, say), so that
     # everything not needed for the gradients really is the update. Inductor drops them too.
     everything = list(gm.graph.nodes)
-    live = _live(everything)
+    live = live_nodes(everything)
     marker = gm.graph.find_nodes(op="call_function", target=MARKER)[0]
     nodes = [n for n in everything if n in live]
     placeholders = [n for n in nodes if n.op == "placeholder"]

@@ -12,6 +12,8 @@
 - :func:`fingerprint`: what makes two traced graphs the same program;
 - :func:`sink_to_first_use`: ops computed from some inputs alone run where first read
   (ZeRO-3's gathers);
+- :func:`has_effect`, :func:`live_nodes`: what runs for an effect, also where an op's
+  schema hides its write (``native_batch_norm``'s running statistics), and what is kept;
 - :func:`bools_as_tensors`: a Python bool the graph returns as its tensor (Inductor
   cannot compile a ``SymBool``: ``(out > 0).tolist()``).
 """
@@ -36,6 +38,7 @@ __all__ = [
     "drop_unused_inputs",
     "fingerprint",
     "has_effect",
+    "live_nodes",
     "sink_to_first_use",
     "written_inputs",
 ]
@@ -95,6 +98,17 @@ def has_effect(node: torch.fx.Node) -> bool:
     """Whether ``node`` runs for an effect (a write, a draw, an assert), also where its
     schema hides the write (:func:`_hidden_writes`): kept even if nothing reads it."""
     return node.is_impure() or node.target in _hidden_writes()
+
+
+def live_nodes(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes that ``Graph.eliminate_dead_code`` would keep, effects FX does not see
+    included (:func:`has_effect`), without copying the graph to find out (that cost
+    0.1-0.2 s of a large step's warm start)."""
+    live: set[torch.fx.Node] = set()
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "output") or has_effect(n) or any(u in live for u in n.users):
+            live.add(n)
+    return live
 
 
 def _hidden_writes() -> set:
