@@ -337,3 +337,42 @@ def test_an_array_the_step_writes_and_reads_is_a_clear_error() -> None:
     ):
         step(0, *data(1)[0])
     assert not hist.any() and not opt.state
+
+
+def test_a_counter_array_updated_in_place_is_a_clear_error() -> None:
+    # counts[k] += 1 reads the array and writes it: the trace's count would be written at
+    # every call. Before this change the write happened only when the step was traced
+    # (counts [0, 2, 0] after 5 calls, eager's [0, 5, 0]), silently.
+    model, opt, _ = setup()
+    counts = np.zeros(3, dtype=np.int64)
+
+    def body(x, y):
+        _, loss = train(model, opt, x, y)
+        counts[1] += 1
+        return loss
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"NumPy array .*counts.* reads it too"):
+        step(*data(1)[0])
+    assert not counts.any() and not opt.state
+
+
+def test_plain_writes_into_an_array_are_made_at_every_call() -> None:
+    # hist[i] = 0.5 * i: plain values (the index fed once it changes), made after each call
+    # as eager makes them (before this change: in the traces only).
+    runs = []
+    for jit in (False, True):
+        model, opt, _ = setup()
+        hist = np.zeros(6)
+
+        def body(i, x, y, model=model, opt=opt, hist=hist):
+            _, loss = train(model, opt, x, y)
+            hist[i] = 0.5 * i + 1.0
+            return loss
+
+        if jit:
+            body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        for i, (x, y) in enumerate(data(5)):
+            body(i, x, y)
+        runs.append(hist)
+    assert np.array_equal(runs[1], runs[0]) and np.count_nonzero(runs[0]) == 5

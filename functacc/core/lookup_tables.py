@@ -10,11 +10,13 @@ graph computes it (the table a constant of the graph, its entry a traced number)
 else is NumPy's own. The array's contents are part of the step's signature, so writing into
 it between calls traces again.
 
-A numeric array the step writes a traced value into (a loss history kept in place,
+A numeric array the step writes into (a loss history kept in place,
 ``hist[epoch] = loss.item()``) has the write made after each call, with the call's value
-and position (an effect of the step, replayed as ``print``'s are); the array is then keyed
-by identity, not contents (its contents change at every call). A step that also reads the
-array it so writes is refused: what it read would be the trace's.
+and position (an effect of the step, replayed as ``print``'s are; a write of plain values is
+made in the trace too); the array is then keyed by identity, not contents (its contents
+change at every call). A step that reads the array and then writes it (``counts[k] += 1``:
+the trace's values, written at every call), or reads what it wrote with a traced value, is
+refused.
 
 Example:
     >>> import numpy as np
@@ -52,17 +54,20 @@ class LookupTable(np.ndarray):
         return super().__getitem__(index)
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        if self._recorder is None or not _traced((index, value)):
+        if self._recorder is None:
             return super().__setitem__(index, value)
         location, array = self._place
-        if self._state == "read":
-            raise _read_and_written(location.label)
-        if not all(isinstance(i, (int, torch.SymInt)) for i in _flat(index)):
+        traced = _traced((index, value))
+        if self._state == "read":  # counts[k] += 1: the trace's values, written every call
+            raise _read_and_written(location.label, "reads it too (counts[k] += 1)")
+        if traced and not all(isinstance(i, (int, torch.SymInt)) for i in _flat(index)):
             raise _read_and_written(location.label, f"at {index!r}: index it with integers")
+        if not traced:  # a plain write, made now (the step may read it) and after each call
+            super().__setitem__(index, value)
         from .python_effects import Effect
 
         recorder = self._recorder
-        self._state = "written"
+        self._state = "written" if traced else self._state or "plain"
         recorder.guards.pop(location, None)  # keyed by identity now: its contents change
         recorder.loose[location] = array
         where = f"a write into NumPy array {location.label}"
@@ -72,8 +77,8 @@ class LookupTable(np.ndarray):
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         written = [x for x in kwargs.get("out", ()) if getattr(x, "_recorder", None) is not None]
-        if written and _traced(inputs):  # hist += counts: read, then written
-            raise _read_and_written(written[0]._place[0].label, "updates it in place (+=)")
+        if written:  # counts += 1, np.add(hist, x, out=hist): read, then written
+            raise _read_and_written(written[0]._place[0].label, "updates it in place (+=, out=)")
         self._reading(f"computes with it (np.{ufunc.__name__})")
         plain = [x.view(np.ndarray) if isinstance(x, LookupTable) else x for x in inputs]
         if "out" in kwargs:
@@ -89,9 +94,9 @@ class LookupTable(np.ndarray):
     def _reading(self, how: str) -> None:
         if self._recorder is None:
             return
-        if self._state == "written":
+        if self._state == "written":  # a traced value: its write is made after the call
             raise _read_and_written(self._place[0].label, f"{how} after writing it")
-        self._state = "read"
+        self._state = self._state or "read"
 
 
 def as_lookup(value: Any) -> Any:
@@ -119,15 +124,16 @@ def _traced(value: Any) -> bool:
     return holds_traced(value) or any(isinstance(v, TracedArray) for v in items)
 
 
-def _read_and_written(label: str, what: str = "reads it too") -> Exception:
+def _read_and_written(label: str, what: str) -> Exception:
     from ..errors import TraceError
 
     return TraceError(
-        f"the step writes a tensor's value into NumPy array {label} and {what}. functacc "
-        "makes such a write after each call, with the call's value (hist[epoch] = "
-        "loss.item()); what the step reads of the array in the trace would be the trace's "
-        "values. Fix: keep the values in a list (append), or in a tensor the step updates, "
-        "or write them after the call (hist[epoch] = step(...))."
+        f"the step writes into NumPy array {label} and {what}. functacc makes the step's "
+        "writes into such an array after each call, with the call's values (hist[epoch] = "
+        "loss.item()); what the step reads of it in the trace would be the trace's values, "
+        "the same at every call. Fix: keep a count in a Python number or a tensor the step "
+        "updates, values in a list (append), or write into the array after the call "
+        "(hist[epoch] = step(...))."
     )
 
 
