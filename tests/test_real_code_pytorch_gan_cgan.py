@@ -16,12 +16,9 @@ the PNG files and NumPy's generator are eager's, byte for byte (``backend="eager
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
-
-import functacc
+from pytorch_gan import eager_and_jit, images
 
 SCRIPT = '''
 import numpy as np
@@ -165,20 +162,6 @@ def iteration(epoch, i, imgs, labels):
 '''
 
 
-def script(folder: str) -> dict:
-    """The script run as ``python cgan.py`` would, from a file in ``folder``."""
-    path = os.path.join(folder, "cgan.py")
-    with open(path, "w") as f:
-        f.write(SCRIPT)
-    namespace = {"__name__": "cgan"}
-    exec(compile(SCRIPT, path, "exec"), namespace)
-    return namespace
-
-
-def images(folder: str) -> dict[str, bytes]:
-    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
-
-
 def test_pytorch_gan_cgan_draws_its_noise_and_labels_as_in_eager(
     tmp_path, monkeypatch, capsys
 ) -> None:
@@ -187,31 +170,17 @@ def test_pytorch_gan_cgan_draws_its_noise_and_labels_as_in_eager(
         (torch.rand(8, 1, 4, 4, generator=g) * 2 - 1, torch.randint(0, 10, (8,), generator=g))
         for _ in range(6)
     ]
-    runs = {}
-    for run in ("eager", "jit"):
-        (tmp_path / run / "images").mkdir(parents=True)
-        monkeypatch.chdir(tmp_path / run)
-        ns = script(str(tmp_path / run))
-        step = ns["iteration"]
-        if run == "jit":
-            step = functacc.jit(
-                step,
-                modules=[ns["generator"], ns["discriminator"]],
-                optimizers=[ns["optimizer_G"], ns["optimizer_D"]],
-                backend="eager",
-            )
-        capsys.readouterr()
-        for i, (imgs, labels) in enumerate(batches):
-            step(0, i, imgs, labels)
-        runs[run] = (ns, capsys.readouterr().out, np.random.get_state()[1].copy(), step)
+    runs = eager_and_jit(
+        SCRIPT, "cgan", tmp_path, monkeypatch, capsys, batches, lambda step, i, b: step(0, i, *b)
+    )
     (eager, eager_out, eager_numpy, _), (ns, out, numpy_after, step) = runs["eager"], runs["jit"]
     assert out == eager_out and out.count("\n") == 6
     assert np.array_equal(numpy_after, eager_numpy)
     for name in ("generator", "discriminator"):
         expected = eager[name].state_dict()
         assert all(torch.equal(v, expected[k]) for k, v in ns[name].state_dict().items())
-    saved = images(str(tmp_path / "jit" / "images"))
-    assert saved == images(str(tmp_path / "eager" / "images")) and list(saved) == ["0.png", "3.png"]
+    saved = images(tmp_path / "jit" / "images")
+    assert saved == images(tmp_path / "eager" / "images") and list(saved) == ["0.png", "3.png"]
     # the first call; its generator's grads (left by the call) now state; the calls that
     # do not sample, with their own draws
     assert step.num_traces == 3, [t.reason for t in step.traces]

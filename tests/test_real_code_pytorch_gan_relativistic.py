@@ -17,12 +17,9 @@ byte (``backend="eager"``).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
-
-import functacc
+from pytorch_gan import eager_and_jit, images
 
 SCRIPT = """
 import os
@@ -194,20 +191,6 @@ def iteration(epoch, i, imgs):
 """  # noqa: E501 (the script's lines, as written)
 
 
-def script(folder: str) -> dict:
-    """The script run as ``python relativistic_gan.py`` would, from a file in ``folder``."""
-    path = os.path.join(folder, "relativistic_gan.py")
-    with open(path, "w") as f:
-        f.write(SCRIPT)
-    namespace = {"__name__": "relativistic_gan"}
-    exec(compile(SCRIPT, path, "exec"), namespace)
-    return namespace
-
-
-def images(folder: str) -> dict[str, bytes]:
-    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
-
-
 def test_pytorch_gan_relativistic_gan_updates_batchnorm_in_its_dropped_forward_as_eager(
     tmp_path, monkeypatch, capsys
 ) -> None:
@@ -216,29 +199,20 @@ def test_pytorch_gan_relativistic_gan_updates_batchnorm_in_its_dropped_forward_a
         (torch.rand(8, 1, 16, 16, generator=g) * 2 - 1, torch.randint(0, 10, (8,), generator=g))
         for _ in range(5)
     ]
-    runs = {}
-    for run in ("eager", "jit"):
-        monkeypatch.chdir(tmp_path)
-        (tmp_path / run).mkdir()
-        monkeypatch.chdir(tmp_path / run)
-        ns = script(str(tmp_path / run))
-        step = ns["iteration"]
-        if run == "jit":
-            step = functacc.jit(
-                step,
-                modules=[ns["generator"], ns["discriminator"]],
-                optimizers=[ns["optimizer_G"], ns["optimizer_D"]],
-                backend="eager",
-            )
-        capsys.readouterr()
-        for i, (imgs, _) in enumerate(batches):
-            step(0, i, imgs)
-        runs[run] = (ns, capsys.readouterr().out, np.random.get_state()[1].copy())
-    (eager, eager_out, eager_numpy), (ns, out, numpy_after) = runs["eager"], runs["jit"]
+    runs = eager_and_jit(
+        SCRIPT,
+        "relativistic_gan",
+        tmp_path,
+        monkeypatch,
+        capsys,
+        batches,
+        lambda step, i, b: step(0, i, b[0]),
+    )
+    (eager, eager_out, eager_numpy, _), (ns, out, numpy_after, _) = runs["eager"], runs["jit"]
     assert out == eager_out and out.count("\n") == 5
     assert np.array_equal(numpy_after, eager_numpy)
     for name in ("generator", "discriminator"):
         expected = eager[name].state_dict()
         assert all(torch.equal(v, expected[k]) for k, v in ns[name].state_dict().items())
-    saved = images(str(tmp_path / "jit" / "images"))
-    assert saved == images(str(tmp_path / "eager" / "images")) and list(saved) == ["0.png", "3.png"]
+    saved = images(tmp_path / "jit" / "images")
+    assert saved == images(tmp_path / "eager" / "images") and list(saved) == ["0.png", "3.png"]

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections.abc import Sequence
@@ -111,13 +112,14 @@ def live_nodes(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return live
 
 
-def _hidden_writes() -> set:
+@functools.cache
+def _hidden_writes() -> frozenset:
     """Ops that write into an input their schema does not mark as written:
     ``native_batch_norm`` updates the running statistics in place (a forward whose output
     is dropped still updates them in eager: PyTorch-GAN's relativistic_gan)."""
     aten = torch.ops.aten
     names = ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_impl_index")
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
 
 def _pure(node: torch.fx.Node) -> bool:
