@@ -376,3 +376,40 @@ def test_plain_writes_into_an_array_are_made_at_every_call() -> None:
             body(i, x, y)
         runs.append(hist)
     assert np.array_equal(runs[1], runs[0]) and np.count_nonzero(runs[0]) == 5
+
+
+CHANGES = {
+    # Each changes an array the step reaches other than by `arr[index] = value` on the
+    # variable that holds it. Before 2026-11-28 each change was made only when the step was
+    # traced, silently: `state.counts[1] += 1` gave [0, 2, 0] after 5 calls (eager [0, 5, 0]),
+    # `arr.fill(arr.sum() + 1)` 56 where eager has 1406.
+    "attribute": lambda s: STATE.counts.__setitem__(1, STATE.counts[1] + 1),
+    "dict entry": lambda s: TABLES["counts"].__setitem__(1, TABLES["counts"][1] + 1),
+    "fill": lambda s: s.fill(s.sum() + 1),
+    "sort": lambda s: s.sort(),
+    "copyto": lambda s: np.copyto(s, np.ones(4)),
+    "shuffle": lambda s: np.random.default_rng(0).shuffle(s),
+    "through a view": lambda s: s[1:3].__setitem__(0, 7.0),
+}
+STATE = types.SimpleNamespace(counts=np.zeros(4))
+TABLES = {"counts": np.zeros(4)}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_an_array_changed_in_place_otherwise_is_a_clear_error_and_put_back(change: str) -> None:
+    model, opt, _ = setup()
+    scores = np.array([3.0, 1.0, 2.0, 0.0])
+    before = [a.copy() for a in (scores, STATE.counts, TABLES["counts"])]
+
+    def body(x, y):
+        _, loss = train(model, opt, x, y)
+        CHANGES[change](scores)
+        return loss
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"changes NumPy array .* in place.* Fix: "):
+        step(*data(1)[0])
+    # Nothing lost: the arrays as before the call, the optimizer not stepped.
+    after = (scores, STATE.counts, TABLES["counts"])
+    assert all(np.array_equal(a, b) for a, b in zip(after, before, strict=True))
+    assert not opt.state

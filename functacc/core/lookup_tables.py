@@ -16,7 +16,10 @@ and position (an effect of the step, replayed as ``print``'s are; a write of pla
 made in the trace too); the array is then keyed by identity, not contents (its contents
 change at every call). A step that reads the array and then writes it (``counts[k] += 1``:
 the trace's values, written at every call), or reads what it wrote with a traced value, is
-refused.
+refused. Any other change the trace makes to a numeric array the body reaches (``arr.fill``,
+``arr.sort``, ``np.copyto``, a write through a slice or a view, into an array an attribute, a
+dict or a list holds) would be made once, when traced: :class:`ArrayWatch` compares every
+such array after the trace, refuses the step that changed one, and puts its contents back.
 
 Example:
     >>> import numpy as np
@@ -33,7 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["LookupTable", "as_lookup", "install_tables", "is_array", "table_key", "table_repr"]
+__all__ = [
+    "ArrayWatch",
+    "LookupTable",
+    "as_lookup",
+    "install_tables",
+    "is_array",
+    "table_key",
+    "table_repr",
+]
 
 _KINDS = (np.dtype(np.float64), np.dtype(np.int64))
 
@@ -64,6 +75,7 @@ class LookupTable(np.ndarray):
             raise _read_and_written(location.label, f"at {index!r}: index it with integers")
         if not traced:  # a plain write, made now (the step may read it) and after each call
             super().__setitem__(index, value)
+            self._recorder.arrays.expected[id(array)][index] = value
         from .python_effects import Effect
 
         recorder = self._recorder
@@ -143,13 +155,67 @@ def is_array(value: Any) -> bool:
     return type(value) is np.ndarray or type(value) is LookupTable
 
 
+class ArrayWatch:
+    """The contents of the numeric NumPy arrays a trace reaches, before it and as its
+    recorded writes leave them (``expected``), to compare after the trace and put back.
+
+    Example:
+        >>> from functacc.core.python_location import Location, Root
+        >>> hist = np.zeros(3)
+        >>> watch = ArrayWatch([(Location(Root("hist", lambda: hist, None)), hist)])
+        >>> hist.fill(1.0)
+        >>> watch.check()
+        Traceback (most recent call last):
+        functacc.errors.TraceError: the step changes NumPy array hist in place ...
+        >>> watch.restore()
+        >>> hist
+        array([0., 0., 0.])
+    """
+
+    def __init__(self, arrays: list[tuple[Any, Any]]):  # python_reach.held(..., np.ndarray)
+        numeric = [
+            (loc, a) for loc, a in arrays if type(a) is np.ndarray and a.dtype.kind in "iufcb"
+        ]
+        self.arrays = {id(a): (loc, a, a.copy()) for loc, a in reversed(numeric)}
+        self.expected = {i: before.copy() for i, (_, _, before) in self.arrays.items()}
+
+    def check(self) -> None:
+        """Raise the error for a step that changed an array other than by a recorded write."""
+        for i, (location, now, _) in self.arrays.items():
+            expected = self.expected[i]
+            if now.shape != expected.shape or now.tobytes() != expected.tobytes():
+                from ..errors import TraceError
+
+                raise TraceError(
+                    f"the step changes NumPy array {location.label} in place other than by "
+                    "item assignment to a variable that holds it (arr.fill(), arr.sort(), "
+                    "np.copyto(), np.random.shuffle(), a write through a slice or a view, or "
+                    "into an array an attribute, a dict or a list holds). functacc.jit runs the "
+                    "step's Python once, when it traces: the change would be made that once. "
+                    "Fix: keep the values in a tensor the step updates in place (fed to the "
+                    "graph and written back at every call) or in a list, or change the array "
+                    "after the call."
+                )
+
+    def restore(self) -> None:
+        """Every array as before the trace (the step's writes are made after each call)."""
+        for _, now, before in self.arrays.values():
+            if now.shape == before.shape:
+                np.copyto(now, before)
+
+
 def install_tables(recorder: Any) -> None:
     """While a body is traced: its variables that hold arrays of numbers hold their
     :class:`LookupTable` views (the recorder's ``originals`` maps each back: no write of the
     variable), guarded by contents, as is any other NumPy array they hold
     (``torch.as_tensor(obs)`` of a closure's ``obs`` that the loop reassigns or fills
-    between calls: a new trace, not the old values)."""
+    between calls: a new trace, not the old values). Every numeric array it reaches is
+    watched (:class:`ArrayWatch`, ``recorder.arrays``)."""
     from .python_location import Location
+    from .python_reach import held
+
+    recorder.arrays = ArrayWatch(held(recorder.variables, recorder.objects.values(), np.ndarray))
+    recorder._undo.append(recorder.arrays.restore)
 
     for root, value in recorder.root_values:
         if not root.loaded or not is_array(value):

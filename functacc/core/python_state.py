@@ -36,6 +36,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .host_calls import result_unused
 from .python_clock import new_call
+from .python_code import reached_code
 from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
@@ -44,7 +45,7 @@ from .python_reach import called_toward, code_scopes, find_roots, is_user_code
 from .python_recording import groups_root
 from .python_replay import QUIET, Conditions, Exact, PythonPlan, Replay
 from .python_schedulers import last_lrs
-from .python_tensors import fed_key, feedable, module_containers, module_hooks
+from .python_tensors import fed_key, feedable, module_containers
 from .python_trace import Recorder, Retry
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
@@ -145,7 +146,7 @@ class PythonState:
                 if loc not in self.pinned:
                     self.fed.setdefault(loc, None)
                     self.guards.pop(loc, None)
-        for hook in module_hooks(self._modules):  # feats[name] = out, feats read by the body
+        for hook in reached_code(self._modules, self.roots):  # feats[name] = out, forward()'s
             self.roots += find_roots(hook, self._known)
         owned = self.owned()
         for loc in list(self.fed):

@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -41,7 +41,6 @@ __all__ = [
     "feedable",
     "installed",
     "module_containers",
-    "module_hooks",
     "optimizer_tensors",
     "owned_tensors",
     "tensor_locations",
@@ -133,21 +132,6 @@ def module_containers(modules: Iterable[tuple[str, nn.Module]]) -> list[Root]:
                         _attribute_root(".".join(filter(None, [label, name, attr])), sub, attr)
                     )
     return roots
-
-
-def module_hooks(modules: Iterable[tuple[str, nn.Module]]) -> list[Callable[..., Any]]:
-    """The hooks registered on the step's modules (forward, pre-forward, backward): a
-    feature hook writes its output into a dict of its closure (``feats[name] = out``) that
-    the body reads, so their closures are the step's Python state too."""
-    tables = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    hooks = [
-        hook
-        for _, module in modules
-        for sub in module.modules()
-        for table in tables
-        for hook in getattr(sub, table, {}).values()
-    ]
-    return list({id(h): h for h in hooks}.values())
 
 
 def _held_by_user(module: nn.Module, attr: str, value: list | dict) -> bool:

@@ -185,6 +185,7 @@ class Recorder:
         :class:`Retry` where counters must be fed to the graph first."""
         self.recording = False
         self.sets.check()
+        self.arrays.check()
         promote = self._collect_writes() + self.unfed_tensors()
         if promote:
             raise Retry(promote)

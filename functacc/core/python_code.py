@@ -1,0 +1,71 @@
+"""The code a step runs beyond its body's own: whose globals and cells are its state too.
+
+The body's Python state is found in what its code names (:func:`~.python_reach.find_roots`:
+its closure cells, the globals it and the user functions it calls by name read). A step
+runs more of the user's code than that: the hooks registered on its modules, the methods of
+its modules' own classes (a ``forward`` that counts its calls in a global dict), and the
+callbacks it reaches in a dict, a list or an object (``hooks["on_step"]()``). Their globals
+and cells are roots too: before 2026-11-28 a write there was made only when the step was
+traced (``STATS["n"] += 1`` in a ``forward``: 2 after 4 calls, eager 4), silently.
+
+Example:
+    >>> import torch
+    >>> reached_code([("m", torch.nn.Linear(2, 2))], [])  # torch's code: not the user's
+    []
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from .held_objects import held_values
+from .python_location import Root
+from .python_reach import is_user_code
+
+__all__ = ["module_hooks", "reached_code"]
+
+
+def reached_code(modules: Iterable[tuple[str, nn.Module]], roots: list[Root]) -> list[Callable]:
+    """The functions whose roots are the step's state beyond the body's: the ``modules``'
+    hooks, their user classes' functions, and the user functions held where ``roots`` lead."""
+    modules = list(modules)
+    found = module_hooks(modules) + _module_code(modules) + _held_functions(roots)
+    return list({id(f): f for f in found}.values())
+
+
+def module_hooks(modules: Iterable[tuple[str, nn.Module]]) -> list[Callable[..., Any]]:
+    """The hooks registered on the step's modules (forward, pre-forward, backward): a
+    feature hook writes its output into a dict of its closure (``feats[name] = out``) that
+    the body reads, so their closures are the step's Python state too."""
+    tables = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return [
+        hook
+        for _, module in modules
+        for sub in module.modules()
+        for table in tables
+        for hook in getattr(sub, table, {}).values()
+    ]
+
+
+def _module_code(modules: list[tuple[str, nn.Module]]) -> list[Callable[..., Any]]:
+    """The functions of the user's classes among the modules (methods, static and class
+    methods, properties' getters)."""
+    classes = {id(c): c for _, m in modules for sub in m.modules() for c in type(sub).__mro__}
+    found = [
+        getattr(value, "__func__", getattr(value, "fget", value))
+        for cls in classes.values()
+        if is_user_code(cls)
+        for value in vars(cls).values()
+    ]
+    return [f for f in found if inspect.isfunction(f)]
+
+
+def _held_functions(roots: list[Root]) -> list[Callable[..., Any]]:
+    """The user's functions the roots hold, or the plain objects they reach (a dict of
+    callbacks, a trainer's ``self.on_step``)."""
+    found = [getattr(v, "__func__", v) for v in held_values(roots)]
+    return [f for f in found if inspect.isfunction(f) and is_user_code(f)]

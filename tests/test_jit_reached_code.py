@@ -1,0 +1,92 @@
+"""The user's code a jitted step runs beyond its body: its Python state is followed too.
+
+functacc.jit follows what the body's code names (its closure cells, the globals it and the
+functions it calls by name read). Before 2026-11-28 the code it ran beyond that was not
+followed: a model's ``forward`` that counted its calls in a global dict, a callback the body
+took from a dict (``hooks["on_step"]()``) that bumped a counter. Their writes were made only
+when the step was traced, silently (2 after 4 calls, eager 4), and a global constant they
+read was baked into the graph. Now their globals and cells are the step's state
+(core/python_code.py): written after every call, and guarded or fed where read.
+
+Reference: the same loop run eagerly; counters and parameters compared exactly (the same
+float32 ops in the same order on the eager backend).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import functacc
+
+CALLS = {"forward": 0, "callback": 0}
+SETTINGS = types.SimpleNamespace(scale=1.0, seen=0)
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CALLS["forward"] += 1  # a global the body never names
+        return self.linear(x) * SETTINGS.scale
+
+
+def on_step(loss: torch.Tensor) -> None:
+    CALLS["callback"] += 1
+    SETTINGS.seen += 1
+
+
+HOOKS = {"on_step": on_step}
+
+
+def run(jit: bool, calls: int = 4) -> tuple[dict, int, list[torch.Tensor]]:
+    CALLS.update(forward=0, callback=0)
+    SETTINGS.scale, SETTINGS.seen = 1.0, 0
+    torch.manual_seed(0)
+    model = Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        HOOKS["on_step"](loss)
+        return loss
+
+    if jit:
+        step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    g = torch.Generator().manual_seed(1)
+    for i in range(calls):
+        SETTINGS.scale = 1.0 if i < 2 else 0.5  # read by forward: changed between calls
+        step(torch.randn(4, 3, generator=g))
+    return dict(CALLS), SETTINGS.seen, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_forward_and_a_callback_writing_globals_match_eager() -> None:
+    calls, seen, params = run(jit=False)
+    jit_calls, jit_seen, jit_params = run(jit=True)
+    assert calls == {"forward": 4, "callback": 4} and seen == 4
+    assert jit_calls == calls and jit_seen == seen  # before: {2, 2} and 2
+    # The global scale forward reads: eager's at every call (before: the trace's 1.0).
+    assert all(torch.equal(a, b) for a, b in zip(jit_params, params, strict=True))
+
+
+@pytest.mark.parametrize("where", ["forward", "callback"])
+def test_code_beyond_the_body_is_followed_only_where_it_is_the_users(where: str) -> None:
+    from functacc.core.python_code import reached_code
+    from functacc.core.python_reach import find_roots
+
+    if where == "callback":  # held in a dict the body reads
+        found = reached_code([], find_roots(lambda: HOOKS))
+    else:
+        found = reached_code([("model", Counting())], [])
+    names = {f.__name__ for f in found}
+    assert names == ({"on_step"} if where == "callback" else {"__init__", "forward"})
+    # torch's own modules' code is not the user's: nothing of nn.Linear's.
+    assert reached_code([("linear", nn.Linear(2, 2))], []) == []
