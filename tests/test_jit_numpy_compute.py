@@ -384,7 +384,7 @@ CHANGES = {
     # traced, silently: `state.counts[1] += 1` gave [0, 2, 0] after 5 calls (eager [0, 5, 0]),
     # `arr.fill(arr.sum() + 1)` 56 where eager has 1406.
     "attribute": lambda s: STATE.counts.__setitem__(1, STATE.counts[1] + 1),
-    "dict entry": lambda s: TABLES["counts"].__setitem__(1, TABLES["counts"][1] + 1),
+    "dict entry": lambda s: TABLES["counts"].fill(1.0),
     "fill": lambda s: s.fill(s.sum() + 1),
     "sort": lambda s: s.sort(),
     "copyto": lambda s: np.copyto(s, np.ones(4)),
@@ -413,3 +413,33 @@ def test_an_array_changed_in_place_otherwise_is_a_clear_error_and_put_back(chang
     after = (scores, STATE.counts, TABLES["counts"])
     assert all(np.array_equal(a, b) for a, b in zip(after, before, strict=True))
     assert not opt.state
+
+
+class Trainer:
+    def __init__(self) -> None:
+        self.hist = np.zeros(6)
+        self.logs = {"acc": np.zeros(6, dtype=np.float32)}
+
+
+def test_writes_into_an_attributes_or_a_dicts_array_are_made_at_every_call() -> None:
+    # self.hist[i] = loss.item() in a trainer's method: before 2026-11-28 a TraceError
+    # (the array "used as a number"), and a plain write was made only at the trace.
+    runs = []
+    for jit in (False, True):
+        model, opt, _ = setup()
+        trainer = Trainer()
+
+        def body(i, x, y, model=model, opt=opt, trainer=trainer):
+            out, loss = train(model, opt, x, y)
+            trainer.hist[i] = loss.item()
+            trainer.logs["acc"][i] = np.mean(out.numpy().argmax(1) == y.numpy())
+            return loss
+
+        if jit:
+            body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        for i, (x, y) in enumerate(data(4)):
+            body(i, x, y)
+        runs.append(trainer)
+    assert np.count_nonzero(runs[0].hist) == 4
+    assert np.array_equal(runs[1].hist, runs[0].hist)
+    assert np.array_equal(runs[1].logs["acc"], runs[0].logs["acc"])

@@ -90,3 +90,44 @@ def test_code_beyond_the_body_is_followed_only_where_it_is_the_users(where: str)
     assert names == ({"on_step"} if where == "callback" else {"__init__", "forward"})
     # torch's own modules' code is not the user's: nothing of nn.Linear's.
     assert reached_code([("linear", nn.Linear(2, 2))], []) == []
+
+
+class Hinge(nn.Module):
+    """A criterion of the user's with Python state, not in modules= (it holds no tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.margin, self.calls = 1.0, 0
+
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.relu(self.margin - out).mean()
+
+
+def test_a_criterion_not_in_modules_keeps_its_python_state_as_in_eager() -> None:
+    # Before 2026-11-28: its margin was baked into the trace (losses from the third call
+    # on computed with the second call's margin) and `calls` was 2 after 5 calls.
+    runs = []
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model, crit = nn.Linear(3, 1), Hinge()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, model=model, crit=crit, opt=opt):
+            loss = crit(model(x))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for i in range(5):
+            crit.margin = 1.0 + i  # changed between calls, as a schedule would
+            losses.append(step(torch.randn(4, 3, generator=g)))
+        runs.append((torch.stack(losses), crit.calls, getattr(step, "num_traces", 0)))
+    (losses, calls, _), (jit_losses, jit_calls, traces) = runs
+    assert torch.equal(jit_losses, losses) and jit_calls == calls == 5
+    assert traces == 2  # the margin fed from the second call on: no trace per value

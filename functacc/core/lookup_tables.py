@@ -11,14 +11,14 @@ else is NumPy's own. The array's contents are part of the step's signature, so w
 it between calls traces again.
 
 A numeric array the step writes into (a loss history kept in place,
-``hist[epoch] = loss.item()``) has the write made after each call, with the call's value
+``hist[epoch] = loss.item()``, in a variable, an attribute ``self.hist`` or a dict entry) has the write made after each call, with the call's value
 and position (an effect of the step, replayed as ``print``'s are; a write of plain values is
 made in the trace too); the array is then keyed by identity, not contents (its contents
 change at every call). A step that reads the array and then writes it (``counts[k] += 1``:
 the trace's values, written at every call), or reads what it wrote with a traced value, is
 refused. Any other change the trace makes to a numeric array the body reaches (``arr.fill``,
-``arr.sort``, ``np.copyto``, a write through a slice or a view, into an array an attribute, a
-dict or a list holds) would be made once, when traced: :class:`ArrayWatch` compares every
+``arr.sort``, ``np.copyto``, a write through a slice or a view, into an array a list holds)
+would be made once, when traced: :class:`ArrayWatch` compares every
 such array after the trace, refuses the step that changed one, and puts its contents back.
 
 Example:
@@ -172,12 +172,27 @@ class ArrayWatch:
         array([0., 0., 0.])
     """
 
-    def __init__(self, arrays: list[tuple[Any, Any]]):  # python_reach.held(..., np.ndarray)
+    def __init__(self, arrays: list[tuple[Any, Any]], recorder: Any = None):  # held(..., ndarray)
+        self.recorder, self.views = recorder, {}
         numeric = [
             (loc, a) for loc, a in arrays if type(a) is np.ndarray and a.dtype.kind in "iufcb"
         ]
         self.arrays = {id(a): (loc, a, a.copy()) for loc, a in reversed(numeric)}
         self.expected = {i: before.copy() for i, (_, _, before) in self.arrays.items()}
+
+    def view(self, value: Any) -> Any:
+        """The :class:`LookupTable` view of a watched array through which the trace reads it
+        (an attribute's, a dict entry's: ``self.hist[epoch] = loss.item()``), whose writes are
+        made after each call; any other value itself."""
+        entry = self.arrays.get(id(value)) if type(value) is np.ndarray else None
+        if entry is None or self.recorder is None:
+            return value
+        table = self.views.get(id(value))
+        if table is None:
+            table = self.views[id(value)] = value.view(LookupTable)
+            table._recorder, table._place = self.recorder, (entry[0], value)
+            self.recorder._originals[id(table)] = value  # assigned elsewhere: no new value
+        return table
 
     def check(self) -> None:
         """Raise the error for a step that changed an array other than by a recorded write."""
@@ -188,9 +203,9 @@ class ArrayWatch:
 
                 raise TraceError(
                     f"the step changes NumPy array {location.label} in place other than by "
-                    "item assignment to a variable that holds it (arr.fill(), arr.sort(), "
-                    "np.copyto(), np.random.shuffle(), a write through a slice or a view, or "
-                    "into an array an attribute, a dict or a list holds). functacc.jit runs the "
+                    "item assignment, arr[index] = value (arr.fill(), arr.sort(), np.copyto(), "
+                    "np.random.shuffle(), a write through a slice or a view, or into an array "
+                    "a list holds). functacc.jit runs the "
                     "step's Python once, when it traces: the change would be made that once. "
                     "Fix: keep the values in a tensor the step updates in place (fed to the "
                     "graph and written back at every call) or in a list, or change the array "
@@ -214,18 +229,15 @@ def install_tables(recorder: Any) -> None:
     from .python_location import Location
     from .python_reach import held
 
-    recorder.arrays = ArrayWatch(held(recorder.variables, recorder.objects.values(), np.ndarray))
+    arrays = held(recorder.variables, recorder.objects.values(), np.ndarray)
+    recorder.arrays = ArrayWatch(arrays, recorder)
     recorder._undo.append(recorder.arrays.restore)
-
     for root, value in recorder.root_values:
-        if not root.loaded or not is_array(value):
-            continue
-        if type(value) is np.ndarray and value.dtype.kind in "iufb":
-            table = value.view(LookupTable)
-            table._recorder, table._place = recorder, (Location(root), value)
-            root.set(table)
-            recorder._originals[id(table)] = value
-        recorder.guards.setdefault(Location(root), value)
+        if root.loaded and is_array(value):
+            table = recorder.arrays.view(value)
+            if table is not value:
+                root.set(table)
+            recorder.guards.setdefault(Location(root), value)
 
 
 def table_key(value: np.ndarray) -> tuple:

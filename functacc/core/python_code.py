@@ -8,6 +8,11 @@ callbacks it reaches in a dict, a list or an object (``hooks["on_step"]()``). Th
 and cells are roots too: before 2026-11-28 a write there was made only when the step was
 traced (``STATS["n"] += 1`` in a ``forward``: 2 after 4 calls, eager 4), silently.
 
+A module of the user's class the body reaches that is not in ``modules=`` and holds no
+tensors (a criterion that counts its calls, a margin it keeps) is followed as a plain
+object is (:func:`unlisted_modules`): before, its attributes' reads were baked into the
+trace and its writes made only then.
+
 Example:
     >>> import torch
     >>> reached_code([("m", torch.nn.Linear(2, 2))], [])  # torch's code: not the user's
@@ -23,16 +28,16 @@ from typing import Any
 from torch import nn
 
 from .held_objects import held_values
-from .python_location import Root
-from .python_reach import is_user_code
+from .python_location import Location, ModuleRoot, Root
+from .python_reach import held, is_user_code, plain_objects
 
-__all__ = ["module_hooks", "reached_code"]
+__all__ = ["module_hooks", "reached_code", "unlisted_modules"]
 
 
 def reached_code(modules: Iterable[tuple[str, nn.Module]], roots: list[Root]) -> list[Callable]:
     """The functions whose roots are the step's state beyond the body's: the ``modules``'
     hooks, their user classes' functions, and the user functions held where ``roots`` lead."""
-    modules = list(modules)
+    modules = [*modules, *((r.label, r.get()) for r in roots if isinstance(r, ModuleRoot))]
     found = module_hooks(modules) + _module_code(modules) + _held_functions(roots)
     return list({id(f): f for f in found}.values())
 
@@ -69,3 +74,28 @@ def _held_functions(roots: list[Root]) -> list[Callable[..., Any]]:
     callbacks, a trainer's ``self.on_step``)."""
     found = [getattr(v, "__func__", v) for v in held_values(roots)]
     return [f for f in found if inspect.isfunction(f) and is_user_code(f)]
+
+
+def unlisted_modules(
+    roots: list[Root], modules: Iterable[tuple[str, nn.Module]], known: dict[tuple, Root]
+) -> list[Root]:
+    """Roots for the modules of the user's classes that ``roots`` lead to, hold no tensors
+    and are not (in) ``modules`` (a loss that keeps ``self.calls``), those not in ``known``."""
+    given = {id(sub) for _, m in modules for sub in m.modules()}
+    variables = []
+    for root in roots:
+        try:
+            variables.append((Location(root), root.get()))
+        except Exception:  # a cell not yet filled
+            continue
+    new = []
+    for location, module in held(variables, plain_objects(roots).values(), nn.Module):
+        key = ("module", id(module))
+        if key in known or id(module) in given or not is_user_code(type(module)):
+            continue
+        if (
+            next(iter(module.parameters()), None) is None
+            and next(iter(module.buffers()), None) is None
+        ):
+            new.append(known.setdefault(key, ModuleRoot(location.label, module)))
+    return new

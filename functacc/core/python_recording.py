@@ -67,6 +67,7 @@ def _recording_class(cls: type) -> type:
     def __getattribute__(self: Any, name: str) -> Any:
         value = super(sub, self).__getattribute__(name)
         if ACTIVE and not name.startswith("__"):
+            value = ACTIVE[-1].arrays.view(value)  # self.hist[i] = v: made after each call
             ACTIVE[-1].read(self, name, value)
         elif ACTIVE and name == "__dict__" and _users(sys._getframe(1)):
             _read_all(self, value)  # vars(args), args.__dict__: every attribute read
@@ -157,7 +158,7 @@ class RecordingDict(dict):
         self.written: set[Any] = set()
 
     def _read(self, key: Any) -> Any:
-        value = dict.__getitem__(self, key)
+        value = self.recorder.arrays.view(dict.__getitem__(self, key))
         if self.recorder.recording and key not in self.written:
             self.recorder.item_read(self, key, value)
         return value

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .host_calls import result_unused
 from .python_clock import new_call
-from .python_code import reached_code
+from .python_code import reached_code, unlisted_modules
 from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
@@ -146,6 +146,7 @@ class PythonState:
                 if loc not in self.pinned:
                     self.fed.setdefault(loc, None)
                     self.guards.pop(loc, None)
+        self.roots += unlisted_modules(self.roots, self._modules, self._known)  # crit = MyLoss()
         for hook in reached_code(self._modules, self.roots):  # feats[name] = out, forward()'s
             self.roots += find_roots(hook, self._known)
         owned = self.owned()
