@@ -1014,3 +1014,18 @@ def test_a_library_model_that_reads_values_says_it_cannot_be_in_the_step() -> No
     assert "transform.py:" in message and "keep this model out of the jitted step" in message
     assert_close(model.state_dict(), before, rtol=0, atol=0, what="model")
     assert not opt.state
+
+
+def test_a_retrace_for_a_changed_argument_structure_says_so_briefly() -> None:
+    # DQN's replay batch, a tuple of transitions whose next_state is None at an episode's
+    # end: before 2026-11-28 the reason printed both signatures whole (thousands of
+    # characters); now the counts and the first input that differs.
+    from functacc.core.differences import describe_difference
+    from functacc.core.signature import TensorSpec
+
+    state, reward = TensorSpec.of(torch.zeros(1, 4)), TensorSpec.of(torch.zeros(1))
+    old = ("inputs", (state, reward) * 8)
+    new = ("inputs", (state, reward) * 3 + (reward,) + (state, reward) * 4)
+    reason = describe_difference(old, new)
+    assert reason.startswith("inputs: 16 tensors -> 15 (the argument's structure changed")
+    assert "[6]: (1, 4) float32" in reason and len(reason) < 200

@@ -1764,3 +1764,32 @@ def test_a_config_object_read_whole_in_the_step_is_read_every_call(how: str) -> 
         return torch.stack(losses)
 
     assert torch.equal(run(True), run(False))
+
+
+def test_tensors_read_from_a_deque_are_fed_at_every_call() -> None:
+    # Frame stacking (an RL agent's `frames = deque(maxlen=3)`, appended between calls) read
+    # by torch's C++ in the step: before 2026-11-28 a TraceError saying the step changed the
+    # deque (putting the graph's inputs there was taken for the body's write).
+    runs = []
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        frames = deque([torch.zeros(1, 2)] * 3, maxlen=3)
+
+        def step(frames=frames, model=model, opt=opt) -> Tensor:
+            loss = model(torch.cat(tuple(frames), dim=1)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            frames.append(torch.randn(1, 2, generator=g))
+            losses.append(step())
+        runs.append((torch.stack(losses), getattr(step, "num_traces", 0)))
+    assert torch.equal(runs[1][0], runs[0][0]) and runs[1][1] == 1

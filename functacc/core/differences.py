@@ -62,6 +62,16 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
             return where + "; ".join(
                 [*(f"{label} added" for label in added), *(f"{label} removed" for label in removed)]
             )
+        elif _is_sequence_of_specs(old) and _is_sequence_of_specs(new):  # a None for a tensor
+            i = next(
+                (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b),
+                min(map(len, (old, new))),
+            )
+            first = (old[i] if i < len(old) else "none", new[i] if i < len(new) else "none")
+            return (
+                f"{path}{': ' if path else ''}{len(old)} tensors -> {len(new)} (the argument's "
+                f"structure changed; the first that differs, [{i}]: {first[0]!r} -> {first[1]!r})"
+            )
     where = f"{path}: " if path else ""
     return f"{where}{old!r} -> {new!r}"
 

@@ -150,7 +150,12 @@ class RecordingDeque(collections.deque):
         )
 
     appendleft = extendleft = pop = popleft = rotate = clear = remove = insert = _changed
-    __setitem__ = __delitem__ = __iadd__ = _changed
+    __delitem__ = __iadd__ = _changed
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if self.recorder.recording:
+            self._changed()
+        super().__setitem__(index, value)  # a fed tensor, put where the body reads it
 
     def _note(self) -> None:
         if self.recorder.recording:
