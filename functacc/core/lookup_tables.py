@@ -10,16 +10,17 @@ graph computes it (the table a constant of the graph, its entry a traced number)
 else is NumPy's own. The array's contents are part of the step's signature, so writing into
 it between calls traces again.
 
-A numeric array the step writes into (a loss history kept in place,
-``hist[epoch] = loss.item()``, in a variable, an attribute ``self.hist`` or a dict entry) has the write made after each call, with the call's value
-and position (an effect of the step, replayed as ``print``'s are; a write of plain values is
-made in the trace too); the array is then keyed by identity, not contents (its contents
-change at every call). A step that reads the array and then writes it (``counts[k] += 1``:
-the trace's values, written at every call), or reads what it wrote with a traced value, is
-refused. Any other change the trace makes to a numeric array the body reaches (``arr.fill``,
-``arr.sort``, ``np.copyto``, a write through a slice or a view, into an array a list holds)
-would be made once, when traced: :class:`ArrayWatch` compares every
-such array after the trace, refuses the step that changed one, and puts its contents back.
+A numeric array the step writes into (a loss history kept in place, ``hist[epoch] =
+loss.item()``, in a variable, an attribute ``self.hist`` or a dict entry) has the write made
+after each call, with the call's value and position (an effect of the step, replayed as
+``print``'s are; a write of plain values is made in the trace too); the array is then keyed
+by identity, not contents (its contents change at every call). A step that reads the array
+and then writes it (``counts[k] += 1``: the trace's values, written at every call), or reads
+what it wrote with a traced value, is refused. Any other change the trace makes to a numeric
+array the body reaches (``arr.fill``, ``arr.sort``, ``np.copyto``, a write through a slice
+or a view, into an array a list holds) would be made once, when traced: :class:`ArrayWatch`
+compares every such array after the trace, refuses the step that changed one, and puts its
+contents back.
 
 Example:
     >>> import numpy as np

@@ -4,9 +4,11 @@ The body's Python state is found in what its code names (:func:`~.python_reach.f
 its closure cells, the globals it and the user functions it calls by name read). A step
 runs more of the user's code than that: the hooks registered on its modules, the methods of
 its modules' own classes (a ``forward`` that counts its calls in a global dict), and the
-callbacks it reaches in a dict, a list or an object (``hooks["on_step"]()``). Their globals
-and cells are roots too: before 2026-11-28 a write there was made only when the step was
-traced (``STATS["n"] += 1`` in a ``forward``: 2 after 4 calls, eager 4), silently.
+callbacks it reaches in a dict, a list or an object (``hooks["on_step"]()``). Where that
+code is in the user's own files (not an installed package's, followed where the body calls
+it), its globals and cells are roots too: before 2026-11-28 a write there was made only when
+the step was traced (``STATS["n"] += 1`` in a ``forward``: 2 after 4 calls, eager 4),
+silently.
 
 A module of the user's class the body reaches that is not in ``modules=`` and holds no
 tensors (a criterion that counts its calls, a margin it keeps) is followed as a plain
@@ -22,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,6 +32,7 @@ from torch import nn
 
 from .held_objects import held_values
 from .python_location import Location, ModuleRoot, Root
+from .python_output import is_user_code as _in_users_files
 from .python_reach import held, is_user_code, plain_objects
 
 __all__ = ["module_hooks", "reached_code", "unlisted_modules"]
@@ -63,7 +67,7 @@ def _module_code(modules: list[tuple[str, nn.Module]]) -> list[Callable[..., Any
     found = [
         getattr(value, "__func__", getattr(value, "fget", value))
         for cls in classes.values()
-        if is_user_code(cls)
+        if _users_own(cls)
         for value in vars(cls).values()
     ]
     return [f for f in found if inspect.isfunction(f)]
@@ -73,7 +77,7 @@ def _held_functions(roots: list[Root]) -> list[Callable[..., Any]]:
     """The user's functions the roots hold, or the plain objects they reach (a dict of
     callbacks, a trainer's ``self.on_step``)."""
     found = [getattr(v, "__func__", v) for v in held_values(roots)]
-    return [f for f in found if inspect.isfunction(f) and is_user_code(f)]
+    return [f for f in found if inspect.isfunction(f) and _users_own(f)]
 
 
 def unlisted_modules(
@@ -91,7 +95,7 @@ def unlisted_modules(
     new = []
     for location, module in held(variables, plain_objects(roots).values(), nn.Module):
         key = ("module", id(module))
-        if key in known or id(module) in given or not is_user_code(type(module)):
+        if key in known or id(module) in given or not _users_own(type(module)):
             continue
         if (
             next(iter(module.parameters()), None) is None
@@ -99,3 +103,16 @@ def unlisted_modules(
         ):
             new.append(known.setdefault(key, ModuleRoot(location.label, module)))
     return new
+
+
+def _users_own(obj: Any) -> bool:
+    """A function or class of the user's own files: not of an installed package
+    (diffusers', Lightning's: their code is followed where the body calls it, as before)."""
+    if not is_user_code(obj):
+        return False
+    code = getattr(obj, "__code__", None)
+    filename = code.co_filename if code is not None else None
+    if filename is None:
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        filename = getattr(module, "__file__", None)
+    return filename is None or _in_users_files(filename)

@@ -137,8 +137,8 @@ def recording(obj: Any) -> Callable[[], None] | None:
         return None
     try:
         obj.__class__ = sub
-    except TypeError:  # __slots__ layouts, or a class that forbids __class__ assignment
-        return None
+    except (TypeError, AttributeError):  # __slots__ layouts, a frozen dataclass (its
+        return None  # FrozenInstanceError), a class that forbids __class__ assignment
 
     def stop() -> None:
         object.__setattr__(obj, "__class__", cls)
