@@ -1793,3 +1793,38 @@ def test_tensors_read_from_a_deque_are_fed_at_every_call() -> None:
             losses.append(step())
         runs.append((torch.stack(losses), getattr(step, "num_traces", 0)))
     assert torch.equal(runs[1][0], runs[0][0]) and runs[1][1] == 1
+
+
+def test_a_frozen_dataclass_config_is_read_as_in_eager() -> None:
+    # A frozen dataclass cannot have its class swapped for recording (FrozenInstanceError,
+    # before 2026-11-28 a TraceError "tracing the training step failed"): its numbers are
+    # guarded instead, and a config replaced between calls traces again.
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        scale: float = 1.0
+
+    runs = []
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        holder = types.SimpleNamespace(cfg=Config())
+
+        def step(x: Tensor, model=model, opt=opt, holder=holder) -> Tensor:
+            loss = model(x).pow(2).mean() * holder.cfg.scale
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for i in range(4):
+            holder.cfg = dataclasses.replace(holder.cfg, scale=1.0 + (i >= 2))
+            losses.append(step(torch.randn(4, 3, generator=g)))
+        runs.append(torch.stack(losses))
+    assert torch.equal(runs[1], runs[0])
