@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sklearn.metrics import accuracy_score
 from torch import nn
 
 import functacc
@@ -255,7 +256,7 @@ def refused():
     return {
         "branch": (branch, "branch on tensor values"),
         "asarray": (asarray, r"converting it to a real array.*after the call"),
-        "sklearn": (sklearn_metric, r"converting it to a real array.*after the call"),
+        "sklearn": (sklearn_metric, r"converting it to a real array.*functacc.host"),
         "setitem": (setitem, "changing it in place"),
         "in_place": (in_place, r"changing it in place \(add\)"),
         "np.add.reduce": (reduce_method, r"np.add.reduce, which torch._numpy does not"),
@@ -443,3 +444,38 @@ def test_writes_into_an_attributes_or_a_dicts_array_are_made_at_every_call() -> 
     assert np.count_nonzero(runs[0].hist) == 4
     assert np.array_equal(runs[1].hist, runs[0].hist)
     assert np.array_equal(runs[1].logs["acc"], runs[0].logs["acc"])
+
+
+def test_a_library_metric_in_a_host_function_matches_eager_and_unwrapped_is_a_clear_error():
+    # scikit-learn's accuracy_score imported at module level: following it, the trace
+    # reached its thread-local config, and before 2026-11-28 failed with "can't apply this
+    # __setattr__ to _thread._local object" (location unknown). Now the clear error, whose
+    # advice (functacc.host) gives eager's accuracies.
+    runs = {}
+    for mode in ("eager", "host", "plain"):
+        model, opt, _ = setup()
+        accs: list[float] = []
+
+        @functacc.host
+        def log_acc(y, pred, accs=accs):
+            accs.append(accuracy_score(y, pred))
+
+        def body(x, y, model=model, opt=opt, accs=accs, mode=mode):
+            out, loss = train(model, opt, x, y)
+            if mode == "plain":
+                accs.append(accuracy_score(y.numpy(), out.argmax(1).numpy()))
+            else:
+                log_acc(y.numpy(), out.argmax(1).numpy())
+            return loss
+
+        if mode != "eager":
+            body = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+        if mode == "plain":
+            with pytest.raises(functacc.TraceError, match=r"real array.*functacc.host"):
+                body(*data(1)[0])
+            assert not accs and not opt.state
+            continue
+        for x, y in data(4):
+            body(x, y)
+        runs[mode] = accs
+    assert runs["host"] == runs["eager"] and len(set(runs["eager"])) > 1

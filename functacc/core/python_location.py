@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -111,8 +112,9 @@ class Location:
             return
         parent = self._parent()
         kind, key = self.steps[-1]
-        if kind == "attr":  # a class's through type's own (its __dict__ is read-only)
-            (setattr if isinstance(parent, type) else object.__setattr__)(parent, key, value)
+        if kind == "attr":  # a class's, a thread-local's (scikit-learn's config) their own way
+            plain = not isinstance(parent, (type, threading.local))
+            (object.__setattr__ if plain else setattr)(parent, key, value)
         elif isinstance(parent, tuple):  # rebuilt, with this item replaced
             items = [value if i == key else v for i, v in enumerate(parent)]
             rebuilt = type(parent)(*items) if hasattr(parent, "_fields") else type(parent)(items)

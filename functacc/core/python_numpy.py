@@ -263,5 +263,7 @@ def _values_error(what: str) -> TraceError:
         "call, from the tensor the graph returns, so in the step it has no values yet. "
         "Keeping it is fine (append, store, return or print it), and so is formatting it "
         "into a string. Fix: compute with the tensor in the step (torch ops; .item() for a "
-        "number), or with the array after the call."
+        "number), or with the array after the call; a library's metric in a function of "
+        "yours wrapped with functacc.host, which runs after each call with the call's arrays "
+        "(@functacc.host def log_acc(y, p): accs.append(accuracy_score(y, p)))."
     )
