@@ -14,9 +14,11 @@ float32 ops in the same order on the eager backend).
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import pytest
+import step_settings
 import torch
 from torch import nn
 
@@ -131,3 +133,58 @@ def test_a_criterion_not_in_modules_keeps_its_python_state_as_in_eager() -> None
     (losses, calls, _), (jit_losses, jit_calls, traces) = runs
     assert torch.equal(jit_losses, losses) and jit_calls == calls == 5
     assert traces == 2  # the margin fed from the second call on: no trace per value
+
+
+def test_a_config_modules_attributes_are_read_and_written_as_in_eager() -> None:
+    # `import step_settings; step_settings.steps += 1`, and a scale read from it that the
+    # loop changes: before 2026-11-28 the count was written at the traces only (2 after 4
+    # calls) and the scale baked into the trace.
+    runs = []
+    for jit in (False, True):
+        step_settings.steps, step_settings.scale = 0, 1.0
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, model=model, opt=opt):
+            loss = model(x).pow(2).mean() * step_settings.scale
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step_settings.steps += 1
+            return loss
+
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for i in range(5):
+            step_settings.scale = 1.0 + i
+            losses.append(step(torch.randn(4, 3, generator=g)))
+        runs.append((torch.stack(losses), step_settings.steps, getattr(step, "num_traces", 0)))
+    (losses, steps, _), (jit_losses, jit_steps, traces) = runs
+    assert torch.equal(jit_losses, losses) and jit_steps == steps == 5 and traces <= 2
+
+
+def test_next_of_an_iterator_held_in_a_dict_is_a_clear_error() -> None:
+    # state["counter"] = itertools.count(): next() of it was made once, at the trace
+    # (0, 1, 1, 1 where eager counts 0, 1, 2, 3) before 2026-11-28; a variable's was refused.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"counter": itertools.count(), "seen": []}
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["seen"].append(next(state["counter"]))
+        return loss
+
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(
+        functacc.TraceError, match=r"draws from closure variable 'state'\['counter'\]"
+    ):
+        jitted(torch.randn(4, 3))
+    assert state["seen"] == [] and next(state["counter"]) == 0 and not opt.state

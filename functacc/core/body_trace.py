@@ -32,10 +32,11 @@ from .data_assign import data_assignments_written
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
+from .python_code import code_scopes
 from .python_iterators import no_batches_drawn, outside_iterators
 from .python_location import Location, Root
 from .python_numbers import symbolic_builtins
-from .python_reach import code_scopes, entries, is_user_code, plain_objects
+from .python_reach import entries, is_user_code, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
 from .torch_checkpoint import no_checkpoint_draws
@@ -142,7 +143,7 @@ class TracedBody:
                 # whole step is compiled here); Dynamo refuses FX's trace by default.
                 torch._dynamo.config.patch(error_on_nested_fx_trace=False),
                 symbolic_builtins(scopes=scopes),
-                no_batches_drawn(outside_iterators(python.roots, self.leaves)),
+                no_batches_drawn(outside_iterators(python.roots, self.leaves, recorder.objects)),
                 collectives_in_graph(),
                 value_checks_in_graph(),
                 averages_in_graph(),
@@ -312,7 +313,7 @@ def known_generators(
 
 def module_scopes(fn: Any, modules: Sequence[nn.Module] = ()) -> list[dict]:
     """The globals of the user's modules whose code the step runs: the body's and those of
-    the functions it calls (python_reach.code_scopes; compile_step's ``loss_fn``), and of
+    the functions it calls (python_code.code_scopes; compile_step's ``loss_fn``), and of
     the classes of ``modules`` (MoCo's ``int(self.queue_ptr)`` in its builder.py), for
     :func:`symbolic_builtins`."""
     scopes = code_scopes(fn)

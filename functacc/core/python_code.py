@@ -31,11 +31,11 @@ from typing import Any
 from torch import nn
 
 from .held_objects import held_values
-from .python_location import Location, ModuleRoot, Root
+from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_output import is_user_code as _in_users_files
-from .python_reach import held, is_user_code, plain_objects
+from .python_reach import _cell_value, _entry, _user_functions, held, is_user_code, plain_objects
 
-__all__ = ["module_hooks", "reached_code", "unlisted_modules"]
+__all__ = ["called_toward", "code_scopes", "module_hooks", "reached_code", "unlisted_modules"]
 
 
 def reached_code(modules: Iterable[tuple[str, nn.Module]], roots: list[Root]) -> list[Callable]:
@@ -44,6 +44,29 @@ def reached_code(modules: Iterable[tuple[str, nn.Module]], roots: list[Root]) ->
     modules = [*modules, *((r.label, r.get()) for r in roots if isinstance(r, ModuleRoot))]
     found = module_hooks(modules) + _module_code(modules) + _held_functions(roots)
     return list({id(f): f for f in found}.values())
+
+
+def code_scopes(fn: Callable[..., Any]) -> list[dict]:
+    """The globals of the modules whose code ``fn`` runs: its own, and those of the user
+    functions it reaches (as :func:`~.python_reach.find_roots` follows them)."""
+    scopes = [f.__globals__ for f in _user_functions(*_entry(fn), set())]
+    return list({id(s): s for s in scopes}.values())
+
+
+def called_toward(fn: Callable[..., Any], name: str) -> str | None:
+    """The name under which ``fn``'s code calls the user function that is, or calls on to,
+    the function named ``name`` (a guard made in ``format_time``: ``progress_bar``)."""
+    function = getattr(_entry(fn)[0], "__func__", None) or _entry(fn)[0]
+    if not inspect.isfunction(function):
+        return None
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or (), strict=True))
+    for called in function.__code__.co_names + function.__code__.co_freevars:
+        value = function.__globals__.get(called, MISSING)
+        value = _cell_value(cells[called]) if called in cells else value
+        reached = _user_functions(value, None, set(), 1) if inspect.isfunction(value) else ()
+        if any(f.__name__ == name for f in reached):
+            return called
+    return None
 
 
 def module_hooks(modules: Iterable[tuple[str, nn.Module]]) -> list[Callable[..., Any]]:

@@ -41,9 +41,13 @@ from .python_reach import entries, plain_objects
 __all__ = ["no_batches_drawn", "outside_iterators"]
 
 
-def outside_iterators(roots: Sequence[Root], leaves: Sequence[Any]) -> dict[int, tuple[Any, Any]]:
+def outside_iterators(
+    roots: Sequence[Root], leaves: Sequence[Any], objects: dict | None = None
+) -> dict[int, tuple[Any, Any]]:
     """The iterators the body reaches from outside, by ``id``: what names it in the error
-    (the label, and the code for the advice) and the object."""
+    (the label, and the code for the advice) and the object. ``objects``: the plain objects
+    the roots reach, as found before a trace put its recording copies in place (a dict's
+    copy is not walked: ``state["it"]`` was missed before 2026-11-28, its next() made once)."""
     found: dict[int, tuple[Any, Any]] = {}
 
     def note(value: Any, label: str, code: str) -> None:
@@ -52,7 +56,8 @@ def outside_iterators(roots: Sequence[Root], leaves: Sequence[Any]) -> dict[int,
 
     for root in roots:
         note(root.get(), root.label, _code(root))
-    for location, obj in plain_objects(list(roots)).values():
+    reached = plain_objects(list(roots)) if objects is None else objects
+    for location, obj in reached.values():
         base = _code(location.root) + location.label[len(location.root.label) :]
         for kind, key, value in entries(obj):
             key = f"[{key!r}]" if kind == "item" else f".{key}"

@@ -29,6 +29,7 @@ import dis
 import enum
 import functools
 import inspect
+import os
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -42,7 +43,6 @@ from .python_location import MISSING, Location, ModuleRoot, Root
 
 __all__ = [
     "MODULE_TABLES",
-    "code_scopes",
     "entries",
     "find_roots",
     "held",
@@ -98,30 +98,12 @@ def find_roots(fn: Callable[..., Any], known: dict[tuple, Root] | None = None) -
                 key = ("global", id(module_globals), name)
                 root = roots.setdefault(key, _global_root(name, module_globals))
                 root.loaded = root.loaded or name in loaded
+            elif _own_module(module_globals.get(name)):  # import cfg; cfg.steps += 1: its
+                table = vars(module_globals[name])  # attributes the code names are globals
+                for attr in _names(code) & {k for k, v in table.items() if _watchable(v)}:
+                    roots.setdefault(("global", id(table), attr), _global_root(attr, table))
+                    roots[("global", id(table), attr)].loaded = True
     return [root for key, root in roots.items() if key not in before]
-
-
-def code_scopes(fn: Callable[..., Any]) -> list[dict]:
-    """The globals of the modules whose code ``fn`` runs: its own, and those of the user
-    functions it reaches (as :func:`find_roots` follows them)."""
-    scopes = [f.__globals__ for f in _user_functions(*_entry(fn), set())]
-    return list({id(s): s for s in scopes}.values())
-
-
-def called_toward(fn: Callable[..., Any], name: str) -> str | None:
-    """The name under which ``fn``'s code calls the user function that is, or calls on to,
-    the function named ``name`` (a guard made in ``format_time``: ``progress_bar``)."""
-    function = getattr(_entry(fn)[0], "__func__", None) or _entry(fn)[0]
-    if not inspect.isfunction(function):
-        return None
-    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or (), strict=True))
-    for called in function.__code__.co_names + function.__code__.co_freevars:
-        value = function.__globals__.get(called, MISSING)
-        value = _cell_value(cells[called]) if called in cells else value
-        reached = _user_functions(value, None, set(), 1) if inspect.isfunction(value) else ()
-        if any(f.__name__ == name for f in reached):
-            return called
-    return None
 
 
 def _entry(fn: Callable[..., Any]) -> tuple[Any, Any]:
@@ -254,6 +236,13 @@ def _global_root(name: str, module_globals: dict[str, Any]) -> Root:
     return Root(
         f"global {module}.{name}", lambda: module_globals.get(name, MISSING), set_, loaded=False
     )
+
+
+def _own_module(value: Any) -> bool:
+    """A module of the user's own files (not of an installed package or Python's)."""
+    path = getattr(value, "__file__", None) or ""
+    installed = any(f"{os.sep}{d}-packages{os.sep}" in path for d in ("site", "dist"))
+    return inspect.ismodule(value) and bool(path) and is_user_code(value) and not installed
 
 
 def _watchable(value: Any) -> bool:

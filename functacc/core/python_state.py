@@ -36,12 +36,12 @@ from torch import Tensor
 from ..errors import TraceError
 from .host_calls import result_unused
 from .python_clock import new_call
-from .python_code import reached_code, unlisted_modules
+from .python_code import called_toward, code_scopes, reached_code, unlisted_modules
 from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_numpy import NUMBERS
-from .python_reach import called_toward, code_scopes, find_roots, is_user_code
+from .python_reach import find_roots, is_user_code
 from .python_recording import groups_root
 from .python_replay import QUIET, Conditions, Exact, PythonPlan, Replay
 from .python_schedulers import last_lrs
