@@ -1828,3 +1828,40 @@ def test_a_frozen_dataclass_config_is_read_as_in_eager() -> None:
             losses.append(step(torch.randn(4, 3, generator=g)))
         runs.append(torch.stack(losses))
     assert torch.equal(runs[1], runs[0])
+
+
+class SlottedMeter:
+    """A meter of a class with __slots__ (no __dict__)."""
+
+    __slots__ = ("count", "total")
+
+    def __init__(self) -> None:
+        self.count, self.total = 0, 0.0
+
+
+def test_an_object_with_slots_keeps_its_counts_as_in_eager() -> None:
+    # Before 2026-11-28 an object without a __dict__ was not followed: meter.count += 1 was
+    # made at the traces only (2 after 4 calls), and meter.total kept the trace's loss.
+    runs = []
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        meter = SlottedMeter()
+
+        def step(x: Tensor, model=model, opt=opt, meter=meter) -> Tensor:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            meter.count += 1
+            meter.total += loss.item()
+            return loss
+
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            step(torch.randn(4, 3, generator=g))
+        runs.append((meter.count, meter.total))
+    assert runs[1] == runs[0] and runs[0][0] == 4

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
-__all__ = ["MISSING", "Location", "ModuleRoot", "Root", "fields_of"]
+__all__ = ["MISSING", "Location", "ModuleRoot", "Root", "fields_of", "slot_names"]
 
 
 class _Missing:
@@ -149,6 +149,8 @@ def _step(value: Any, kind: str, key: Any) -> Any:
         return tuple(dict.keys(value)) if isinstance(value, dict) else MISSING
     if kind == "attr":
         fields = getattr(value, "__dict__", None)
+        if fields is None and not isinstance(value, type) and slot_names(type(value)):
+            fields = _SlotFields(value)  # a class with __slots__
         return fields.get(key, MISSING) if fields is not None else MISSING
     try:
         return value[key]
@@ -157,9 +159,47 @@ def _step(value: Any, kind: str, key: Any) -> Any:
 
 
 def fields_of(obj: Any) -> MutableMapping[str, Any]:
-    """``obj``'s attributes as a mapping to read and write: its ``__dict__``, or for a
-    class a view that writes through ``setattr`` (a class's ``__dict__`` is read-only)."""
-    return _ClassFields(obj) if isinstance(obj, type) else vars(obj)
+    """``obj``'s attributes as a mapping to read and write: its ``__dict__``, for a class a
+    view that writes through ``setattr`` (a class's ``__dict__`` is read-only), for an
+    object of a class with ``__slots__`` and no ``__dict__`` a view of its slots."""
+    if isinstance(obj, type):
+        return _ClassFields(obj)
+    return vars(obj) if hasattr(obj, "__dict__") else _SlotFields(obj)
+
+
+def slot_names(cls: type) -> list[str]:
+    """The slots a class's instances hold values in (its and its bases' ``__slots__``)."""
+    names = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return [n for n in dict.fromkeys(names) if n not in ("__dict__", "__weakref__")]
+
+
+class _SlotFields(MutableMapping):
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in slot_names(type(self.obj)):
+            raise KeyError(key)
+        try:
+            return object.__getattribute__(self.obj, key)
+        except AttributeError:  # a slot not set
+            raise KeyError(key) from None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        object.__setattr__(self.obj, key, value)  # not a write of the body's (recording)
+
+    def __delitem__(self, key: str) -> None:
+        self[key]  # a KeyError where not set, as a dict's
+        object.__delattr__(self.obj, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for k in slot_names(type(self.obj)) if k in self])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
 
 
 class _ClassFields(MutableMapping):

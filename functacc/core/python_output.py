@@ -309,7 +309,7 @@ def _formatting(real: Callable, recorder: Any, tensor: str = "") -> Callable:
     """``real`` (``__format__``, ``__str__`` or, for ``tensor="repr"``, a tensor's
     ``__repr__``), giving a token when the user's code calls it."""
 
-    def format_(value: Any, spec: str = "") -> str:
+    def format_(value: Any, spec: str = "", **_: Any) -> str:  # a Parameter's repr: as None
         if not _from_user(1):
             return real(value, spec)
         if tensor:  # f"{loss}" is the number, f"{x}" of a vector its repr, as in eager

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .python_location import MISSING, Location, ModuleRoot, Root
+from .python_location import MISSING, Location, ModuleRoot, Root, fields_of, slot_names
 
 __all__ = [
     "MODULE_TABLES",
@@ -280,7 +280,7 @@ def is_plain_object(value: Any) -> bool:
         return False
     if inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value):
         return False
-    if not hasattr(value, "__dict__"):
+    if not hasattr(value, "__dict__") and not slot_names(type(value)):
         return False
     top = (type(value).__module__ or "").split(".")[0]
     if top in _MODEL_LIBRARIES:  # a meter of theirs (timm's AverageMeter): numbers only
@@ -311,7 +311,7 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
             if depth < _OBJECT_DEPTH:
                 frontier.extend(
                     (location.child("attr", k), v, depth + 1)
-                    for k, v in vars(value).items()
+                    for k, v in fields_of(value).items()
                     if _containerish(v) and k not in MODULE_TABLES
                 )
     return found
@@ -324,7 +324,7 @@ def entries(obj: Any) -> list[tuple[str, Any, Any]]:
         return [("item", k, v) for k, v in dict.items(obj)]
     if isinstance(obj, (list, collections.deque)):
         return [("item", i, v) for i, v in enumerate(obj)]
-    return [("attr", k, v) for k, v in vars(obj).items()]
+    return [("attr", k, v) for k, v in fields_of(obj).items()]
 
 
 def held(

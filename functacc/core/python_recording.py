@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .python_location import Location, Root
+from .python_location import Location, Root, fields_of
 
 __all__ = [
     "ACTIVE",
@@ -75,7 +75,7 @@ def _recording_class(cls: type) -> type:
 
     def __reduce_ex__(self: Any, protocol: Any) -> Any:  # copy.copy(cfg): C reads its dict
         if ACTIVE and not _functaccs(sys._getframe(1)):
-            _read_all(self, object.__getattribute__(self, "__dict__"))
+            _read_all(self, fields_of(self))
         return super(sub, self).__reduce_ex__(protocol)
 
     def __setattr__(self: Any, name: str, value: Any) -> None:

@@ -128,7 +128,7 @@ class Recorder:
                     (location, copy, dict(obj) if isinstance(obj, dict) else list(obj))
                 )
             else:  # an object, or a dict of a class of its own (a Counter, an OrderedDict)
-                fields = obj if isinstance(obj, dict) else vars(obj)
+                fields = obj if isinstance(obj, dict) else fields_of(obj)
                 # What it held (a dict root of its own is a recording copy by now).
                 self.snapshots.append(
                     (location, obj, {k: self._original(v) for k, v in fields.items()})
@@ -219,7 +219,7 @@ class Recorder:
         """A recording object's attribute was read."""
         if not self.recording or (id(obj), name) in self._written or id(obj) not in self.objects:
             return  # (not reached from the roots: a copy.copy() made in the step)
-        if name not in object.__getattribute__(obj, "__dict__"):
+        if name not in fields_of(obj):
             return  # a method or a class attribute: code, not state
         self._read_first.add((id(obj), name))
         if isinstance(value, RecordingList):
@@ -335,7 +335,7 @@ class Recorder:
                         self.guard(location.child("item", i), value)
                         promote += self.note_tensors(location.child("item", i), value, False)
                 continue
-            fields = obj if isinstance(obj, dict) else vars(obj)
+            fields = obj if isinstance(obj, dict) else fields_of(obj)
             keys = list(contents) + [k for k in fields if k not in contents]
             for key in keys:
                 new, old = self._original(fields.get(key, MISSING)), contents.get(key, MISSING)
