@@ -49,6 +49,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_effects",
         "core/python_schedulers",
         "core/python_draws",
+        "core/generator_objects",
         "core/drawn_arrays",
         "core/python_made",
         "core/python_sets",

@@ -105,10 +105,12 @@ def drawn_computed_error(label: str, what: str) -> TraceError:
     )
 
 
-def drawn_branch_error(module: str, where: str, statement: str | None = None) -> TraceError:
-    """The step branched in Python on a number it drew from ``module`` (``np.random`` or
-    ``random``), at ``where``; ``statement``: the step's line that called the library code
-    that drew it."""
+def drawn_branch_error(
+    module: str, where: str, statement: str | None = None, count: int = 1
+) -> TraceError:
+    """The step branched in Python on ``count`` numbers it drew from ``module``
+    (``np.random`` or ``random``), the first at ``where``; ``statement``: the step's line
+    that called the library code that drew it."""
     sources = {"np.random": "NumPy's np.random", "random": "Python's random module"}
     source = sources.get(module, f"the generator {module}")
     fix = (
@@ -119,10 +121,11 @@ def drawn_branch_error(module: str, where: str, statement: str | None = None) ->
         "keep), or draw the number before the call and pass it in (a number argument is fed)"
     )
     return TraceError(
-        f"the step branches in Python on a number it drew from {source} while it was "
-        f"traced ({where}). functacc draws such a number again before every call and feeds "
-        "it to the graph, but the graph holds the one branch the trace took, where eager "
-        f"takes the other whenever the number falls on the other side. Fix: {fix}."
+        f"the step branches in Python on {count} numbers it drew from {source} while it was "
+        f"traced (the first: {where}). functacc draws such numbers ahead of each call and "
+        "runs the program traced for the branches they take, one trace per path; past 3 "
+        f"numbers the paths multiply (2**{count} here; a decision at every step of a "
+        f"sequence has one per step). Fix: {fix}."
     )
 
 

@@ -6,8 +6,10 @@ values in. Now an array handed to torch as drawn (``Tensor(np.random.normal(...)
 an ``astype``) and a drawn number used in tensor arithmetic are graph inputs, drawn again
 before each call in the step's order: the losses and weights are eager's bit for bit on the
 eager backend, and both generators are left where eager leaves them. What a trace cannot
-follow (NumPy arithmetic on the array, a Python branch on a drawn number) is a
-``TraceError`` that leaves everything as it was.
+follow (NumPy arithmetic on the array, a Python branch on more than 3 drawn numbers) is a
+``TraceError`` that leaves everything as it was. A branch on up to 3 (``if random.random() <
+p:``) is taken as eager takes it since 2026-11-28: those draws are made ahead of each call
+to choose the program traced for that path.
 """
 
 from __future__ import annotations
@@ -113,13 +115,14 @@ REFUSED = {
         r"randint\(0, 8, 5\) \(draw 1\) drew \(NumPy code reading its values, whose result "
         r"reaches torch at .*test_jit_host_draws.py:\d+",
     ),
-    "a branch on np.random": (
-        lambda n: torch.ones(n, 8) * (2.0 if np.random.rand() < 0.5 else 1.0),
-        r"branches in Python on a number it drew from NumPy's np\.random",
+    # A branch on 4 draws (a decision per step of a sequence): 2**4 paths, refused.
+    "branches on np.random": (
+        lambda n: torch.ones(n, 8) * sum(2.0 if np.random.rand() < 0.5 else 1.0 for _ in "abcd"),
+        r"branches in Python on 4 numbers it drew from NumPy's np\.random.*2\*\*4",
     ),
-    "a branch on random": (
-        lambda n: torch.ones(n, 8) * (2.0 if random.random() < 0.5 else 1.0),
-        r"branches in Python on a number it drew from Python's random module.*torch\.where",
+    "branches on random": (
+        lambda n: torch.ones(n, 8) * sum(2.0 if random.random() < 0.5 else 1.0 for _ in "abcd"),
+        r"branches in Python on 4 numbers it drew from Python's random module.*torch\.where",
     ),
 }
 
@@ -187,9 +190,9 @@ def test_compile_step_forward_drawing_from_numpy_as_in_eager() -> None:
 
 
 def test_timms_mixup_in_the_step_says_to_run_it_before_the_call() -> None:
-    # timm's Mixup decides mixup or cutmix with np.random.rand() < p, in its own code: the
-    # error names the line there and the step's statement to run before the call instead.
-    # Done so, the numbers are eager's (its draws come first in the step).
+    # timm's Mixup decides mixup or cutmix with np.random.rand() < p, in its own code; its
+    # cutmix path branches on 5 draws: the error names the line there and the step's
+    # statement to run before the call instead. Done so, the numbers are eager's.
     from timm.data import Mixup
     from timm.loss import SoftTargetCrossEntropy
 
@@ -211,25 +214,29 @@ def test_timms_mixup_in_the_step_says_to_run_it_before_the_call() -> None:
             return loss.item()
 
         g = torch.Generator().manual_seed(1)
-        batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.arange(4)) for _ in range(4)]
+        batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.arange(4)) for _ in range(10)]
         if door == "eager":
             return [step(x, y) for x, y in batches], model[1].weight, np.random.get_state()[1]
         jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
-        if door == "as written":
+        if door == "as written":  # mixup's paths (one draw) run; cutmix branches on 5
+            done, before = [], None
             with pytest.raises(functacc.TraceError) as info:
-                jitted(*batches[0])
-            return str(info.value), np.random.get_state()[1]
+                for x, y in batches:
+                    before = np.random.get_state()[1].copy()
+                    done.append(jitted(x, y))
+            return str(info.value), done, before, np.random.get_state()[1]
         losses = [jitted(*mixup_fn(x, y)) for x, y in batches]
         return losses, model[1].weight, np.random.get_state()[1]
 
-    message, generator = train("as written")
+    message, done, before, generator = train("as written")
+    assert "5 numbers it drew from NumPy's np.random" in message
     assert "np.random.rand() (draw 1) at mixup.py:" in message
     assert "Fix: run `x, y = mixup_fn(x, y)` before the call" in message
     eager, advised = train("eager"), train("advice")
+    assert done == eager[0][: len(done)]  # the calls before it: eager's, bit for bit
+    assert np.array_equal(generator, before)  # the failed call drew nothing
     assert advised[0] == eager[0] and torch.equal(advised[1], eager[1])
     assert np.array_equal(advised[2], eager[2])
-    np.random.seed(0)
-    assert np.array_equal(generator, np.random.get_state()[1])  # the failed call drew nothing
 
 
 def test_a_draw_sized_by_a_batch_that_changes_size(caplog) -> None:
@@ -400,14 +407,14 @@ def refused_generator_uses():
         return x[torch.from_numpy(order)]
 
     def branches(rng, x):
-        return x * 2 if rng.random() < 0.5 else x
+        return x * sum(2 if rng.random() < 0.5 else 1 for _ in range(4))
 
     def chooses(rng, x):
         return x * rng.choice(np.array([0.5, 2.0]))  # an array argument: not plain
 
     return {
         "shuffle": (shuffles, r"from closure variable 'rng' \(Generator\) while .*a shuffle in"),
-        "branch": (branches, r"branches in Python on a number it drew from the generator closure"),
+        "branches": (branches, r"branches in Python on 4 numbers it drew from the generator clos"),
         "choice(array)": (chooses, r"from closure variable 'rng' \(Generator\) while"),
     }
 
@@ -454,3 +461,65 @@ def test_a_call_that_fails_puts_a_generator_objects_state_back() -> None:
     with pytest.raises(RuntimeError, match="non-finite"):
         step(torch.full((5, 3), float("nan")))
     assert rng.bit_generator.state == state
+
+
+def branching_step(jit: str | None, calls: int = 24) -> tuple:
+    """Teacher forcing decided once per batch (``random.random() < ratio``), a flip
+    augmentation on ``np.random.rand() < 0.3`` and a generator object's noise: the losses,
+    what the step logged, the generators' states after the run and the trace count."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rng = np.random.default_rng(5)
+    log = []
+
+    def step(x: torch.Tensor, y: torch.Tensor, ratio: float) -> torch.Tensor:
+        teacher = random.random() < ratio
+        inp = y if teacher else x
+        flip = np.random.rand() < 0.3
+        if flip:
+            inp = inp.flip(0)
+        noise = rng.normal(0, 0.1)
+        loss = (model(inp) - y).pow(2).mean() + noise
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append((teacher, bool(flip), noise))
+        return loss.detach()
+
+    if jit is not None:
+        step = functacc.jit(step, modules=[model], optimizers=[opt], backend=jit)
+    g = torch.Generator().manual_seed(1)
+    losses = [
+        step(torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g), 0.5)
+        for _ in range(calls)
+    ]
+    after = (random.random(), np.random.rand(), rng.random())
+    return torch.stack(losses), log, after, len(step.traces) if jit else 0
+
+
+def test_a_branch_on_drawn_numbers_takes_eagers_path_at_every_call() -> None:
+    # Before 2026-11-28 a TraceError: the trace would have taken one path for every call.
+    (losses, log, after, _), (jit_losses, jit_log, jit_after, traces) = (
+        branching_step(None),
+        branching_step("eager"),
+    )
+    assert {(t, f) for t, f, _ in log} == {(a, b) for a in (True, False) for b in (True, False)}
+    assert jit_log == log and jit_after == after
+    assert torch.equal(jit_losses, losses)  # the same ops in the same order: bit for bit
+    assert traces == 4  # one per path taken, no trace per call
+
+
+@pytest.mark.inductor
+def test_a_branch_on_drawn_numbers_under_inductor() -> None:
+    # Inductor's kernels round differently from eager's: losses within 1e-5; the draws,
+    # the paths and the generators' states are eager's exactly.
+    (losses, log, after, _), (jit_losses, jit_log, jit_after, _) = (
+        branching_step(None, calls=8),
+        branching_step("inductor", calls=8),
+    )
+    assert [(t, f) for t, f, _ in jit_log] == [(t, f) for t, f, _ in log]
+    assert jit_after == after
+    torch.testing.assert_close(jit_losses, losses, rtol=1e-5, atol=1e-6)

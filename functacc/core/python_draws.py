@@ -12,9 +12,11 @@ location): a number is its symbol; an array is a :class:`DrawnArray` that, hande
 as it is (``torch.Tensor(z)``, ``torch.from_numpy(z)``, ``torch.tensor(z)``, a view, an
 ``astype``), is that input. Before each call the plan draws them for real, in the trace's
 order, from the same generators: eager's numbers, and the generators left where eager
-leaves them. What a trace cannot follow is a :class:`~functacc.TraceError`: computing with
-the array in NumPy first (``z * 2``, ``z[0]``, ``z.mean()``), or a Python branch on a drawn
-number (``if random.random() < p:``), which the trace would take once for every call.
+leaves them. A Python branch on a drawn number (``if random.random() < p:``) is taken as
+eager takes it: those draws are made ahead of each call to choose the program traced for
+that path (up to :data:`MAX_BRANCHED_DRAWS` per trace). What a trace cannot follow is a
+:class:`~functacc.TraceError`: computing with the array in NumPy first (``z * 2``,
+``z[0]``), or a branch on more draws. Generator objects: :mod:`.generator_objects`.
 
 Example:
     >>> import numpy as np
@@ -45,7 +47,13 @@ from ..errors import drawn_branch_error, drawn_computed_error
 from .drawn_arrays import Lifts
 from .python_location import Location, Root
 
-__all__ = ["DrawRoot", "HostDraws", "branched_on_draws", "draw_all", "reached_generators"]
+__all__ = [
+    "MAX_BRANCHED_DRAWS",
+    "DrawRoot",
+    "HostDraws",
+    "branched_on_draws",
+    "draw_all",
+]
 
 
 class DrawRoot(Root):
@@ -69,6 +77,9 @@ class DrawRoot(Root):
         # reads it (rng = np.random.default_rng(0); reassigned between calls, the new one).
         self.source = source if source is not None else _GENERATORS[module][0]
         self.global_generator = source is None
+        # A number the step branched on (python_state): read between calls, this call's
+        # value, drawn ahead with the draws before it and the generators put back (peeks).
+        self.branched, self.before, self.peeks = False, [], None
         if isinstance(value, np.ndarray):
             with _disable_current_modes():  # made while tracing: a real tensor, not a fake
                 self._layout: Any = torch.from_numpy(np.array(value))  # drawn once: its layout
@@ -76,7 +87,17 @@ class DrawRoot(Root):
             self._layout = _number(value)
 
     def _spec(self) -> Any:
-        return self._layout
+        if not self.branched or self.peeks is None or _TRACING:
+            return self._layout
+        if self not in self.peeks:  # this call's draws up to this one, drawn ahead
+            with contextlib.ExitStack() as kept:
+                for root in (*self.before, self):
+                    kept.enter_context(
+                        _kept_state(None if root.global_generator else root.source())
+                    )
+                for root in (*self.before, self):
+                    self.peeks[root] = root.draw()
+        return self.peeks[self]
 
     def _install(self, value: Any) -> None:  # a trace's graph input; the layout: none
 
@@ -97,8 +118,11 @@ def draw_all(roots: list[DrawRoot]) -> dict[DrawRoot, Any]:
 def branched_on_draws(
     branches: str, inputs: dict, fed: list[Location], drawn: list[Location], sites: Any
 ) -> None:
-    """Refuses a trace that branched on a drawn number (``branches``: its condition over
-    ``t0, t1, ...``, the fed numbers in ``fed``'s order; ``inputs``: their symbols)."""
+    """The draws a trace branched on (``branches``: its condition over ``t0, t1, ...``, the
+    fed numbers in ``fed``'s order; ``inputs``: their symbols) are drawn ahead of each call
+    to choose its program (``if random.random() < p:``, a trace per path taken). A trace
+    that branched on more than :data:`MAX_BRANCHED_DRAWS` is refused: its paths multiply
+    (teacher forcing decided at every step of a sequence)."""
     if not drawn:
         return
     numbers = [loc for loc in fed if not isinstance(inputs[loc], Tensor)]
@@ -106,10 +130,17 @@ def branched_on_draws(
     branches = re.sub(r"not math\.isnan\(L\['t\d+'\]\)", "", branches)
     used = {numbers[int(i)] for i in re.findall(r"L\['t(\d+)'\]", branches)}
     hit = [loc for loc in drawn if loc in used]
-    if hit:
+    if len(hit) > MAX_BRANCHED_DRAWS:
         site, statement = hit[0].root.site
         at = f" at {site}" if site else (f" at {', '.join(sites[:3])}" if sites else "")
-        raise drawn_branch_error(hit[0].root.module, f"{hit[0].label}{at}", statement)
+        raise drawn_branch_error(hit[0].root.module, f"{hit[0].label}{at}", statement, len(hit))
+    for loc in hit:
+        loc.root.branched = True
+
+
+MAX_BRANCHED_DRAWS = 3
+"""The most draws one trace may branch on: each doubles the programs a step may need."""
+_TRACING: list[bool] = []  # while a body is traced: draws give symbols, nothing peeks
 
 
 class HostDraws:
@@ -121,6 +152,7 @@ class HostDraws:
         self.made: list[DrawRoot] = []  # the last trace's draws, in order
         self._lifts = Lifts()  # the arrays of the trace running
         self._finder: tuple[list[DrawRoot], Lifts] | None = None  # the trace that found them
+        self.peeked: dict[DrawRoot, Any] = {}  # this call's branched-on draws, drawn ahead
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -137,6 +169,7 @@ class HostDraws:
                 if callable(current):
                     patched.append((get(), name, current))
                     setattr(get(), name, self._drawing(module, name, current, tracer))
+        _TRACING.append(True)
         try:
             with lifts.mode():
                 yield
@@ -148,6 +181,7 @@ class HostDraws:
 
                 raise Retry(self.new)
         finally:
+            _TRACING.pop()
             if self.new:  # (also where the trace stopped for another reason to learn)
                 self._finder = (list(self.made), lifts)
             for owner, name, current in patched:
@@ -157,7 +191,9 @@ class HostDraws:
             self._lifts = Lifts()
 
     def reached(self, roots: list[Root], modules: Any = ()) -> Any:
-        """:func:`reached_generators`, their draws fed by this body's draws."""
+        """:func:`~.generator_objects.reached_generators`, fed by this body's draws."""
+        from .generator_objects import reached_generators
+
         return reached_generators(roots, modules, self)
 
     def _check_constants(self, lifts: Lifts) -> None:
@@ -210,87 +246,9 @@ class HostDraws:
         kind = "array" if isinstance(value, np.ndarray) else type(_number(value)).__name__
         key = (index, module, name, repr(args), repr(sorted(kwargs.items())), kind)
         if key not in self._roots:
-            self._roots[key] = DrawRoot(index, *call)
+            root = self._roots[key] = DrawRoot(index, *call)
+            root.before, root.peeks = list(self.made), self.peeked  # the draws made before it
         return self._roots[key]
-
-
-@contextlib.contextmanager
-def reached_generators(roots: list[Root], modules: Any = (), draws: Any = None) -> Iterator[None]:
-    """While a body is traced, a generator object it reaches (a closure variable or global
-    ``rng = np.random.default_rng(0)``, a ``np.random.RandomState``, a ``random.Random``,
-    also in a dict, list or plain object) is a :class:`_StandIn` there, whose draws with
-    plain arguments ``draws`` (the :class:`HostDraws`) feeds as it does the module
-    functions'. Any other use that draws from it (``rng.shuffle(a)``, a library holding it)
-    is refused, its state put back: the draw would be a constant of the graph. One the
-    step's ``modules`` hold is the tracer's to refuse (``HeldRandomWatch``). Entered before
-    the body's recording starts: finding them reads no recorded list."""
-    from .python_reach import held, plain_objects
-    from .watches import (
-        _generator_state,
-        _held_generators,
-        _is_host_generator,
-        _same,
-        _set_generator_state,
-    )
-
-    kinds = (random.Random, np.random.Generator, np.random.RandomState)
-    variables = [(Location(root), root.get()) for root in roots]
-    reached = held(variables, plain_objects(roots).values(), kinds)
-    found = {id(g): (loc, g) for loc, g in reached}
-    for _, module in modules:
-        for g in _held_generators(module).values():
-            found.pop(id(g), None)
-    before = [(loc, g, _generator_state(g)) for loc, g in found.values() if _is_host_generator(g)]
-    stand_ins = []
-    if draws is not None:
-        for loc, g in reached:
-            if id(g) in found and _is_host_generator(g) and loc.get() is g:
-                stand_ins.append((loc, g, _StandIn(g, draws, loc)))
-                loc.set(stand_ins[-1][2])
-    failed = False
-    try:
-        yield
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        for loc, g, stand_in in stand_ins:
-            if loc.get() is stand_in:
-                loc.set(g)
-        drawn = [(loc, g) for loc, g, state in before if not _same(state, _generator_state(g))]
-        for _, g, state in before:
-            _set_generator_state(g, state)
-        if drawn and not failed:
-            from ..errors import host_random_error
-
-            raise host_random_error([f"{loc.label} ({type(g).__name__})" for loc, g in drawn])
-
-
-class _StandIn:
-    """A generator object where the step reads it while a trace runs: its drawing methods
-    are fed draws (``rng.normal(0, 1, (n, d))``), anything else is the generator's own."""
-
-    def __init__(self, generator: Any, draws: HostDraws, location: Location):
-        names = _GENERATORS["random" if isinstance(generator, random.Random) else "np.random"][1]
-        if isinstance(generator, np.random.Generator):
-            names = (*names, "integers", "standard_exponential", "standard_gamma")
-        tracer = threading.get_ident()
-        self._generator, self._methods = (
-            generator,
-            {
-                name: draws._drawing(location.label, name, method, tracer, location.get)
-                for name in names
-                if callable(method := getattr(generator, name, None))
-            },
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        methods = self.__dict__.get("_methods", {})
-        return methods[name] if name in methods else getattr(self._generator, name)
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:  # isinstance(rng, np.random.Generator), as in eager
-        return type(self._generator)
 
 
 @contextlib.contextmanager

@@ -91,9 +91,9 @@ class PythonState:
 
     # -- per call ------------------------------------------------------------------------
     def new_call(self) -> None:
-        """A call starts: the clocks the body reads are read once for its key, trace and
-        run (:mod:`.python_clock`)."""
+        """A call starts: its clock reads and branched-on draws are made afresh, once."""
         new_call()
+        self.draws.peeked.clear()
 
     def key(self) -> tuple:
         """The part of the signature the body's Python reads: the guarded values and the
@@ -249,7 +249,7 @@ class PythonState:
         """After a successful trace: keep its guards and the condition on the fed numbers
         it branched on (``branches``, over ``t0, t1, ...`` in ``fed``'s order; made at
         ``sites`` of the user's code), and plan its Python side."""
-        if branches:  # a number drawn from np.random or random: never one value to guard
+        if branches:  # a number drawn from np.random or random: drawn ahead of each call
             drawn = [loc for loc in fed if isinstance(getattr(loc, "root", None), DrawRoot)]
             branched_on_draws(branches, recorder.symbolic_inputs, fed, drawn, sites)
         branch = self._branch_checks.get((branches, tuple(fed))) if branches else None
