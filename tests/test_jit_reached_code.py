@@ -188,3 +188,24 @@ def test_next_of_an_iterator_held_in_a_dict_is_a_clear_error() -> None:
     ):
         jitted(torch.randn(4, 3))
     assert state["seen"] == [] and next(state["counter"]) == 0 and not opt.state
+
+
+def test_a_function_attribute_the_step_changes_is_a_clear_error_and_put_back() -> None:
+    # step.calls = step.calls + 1 on the body itself: before 2026-11-28 made at the traces
+    # only (2 after 4 calls), silently.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step.calls = getattr(step, "calls", 0) + 1
+        return loss
+
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"changes \.calls of function .*step: .*Fix"):
+        jitted(torch.randn(4, 3))
+    assert not hasattr(step, "calls") and not opt.state

@@ -32,7 +32,7 @@ from .data_assign import data_assignments_written
 from .donation import donation_target
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
-from .python_code import code_scopes
+from .python_code import code_scopes, function_attributes_kept
 from .python_iterators import no_batches_drawn, outside_iterators
 from .python_location import Location, Root
 from .python_numbers import symbolic_builtins
@@ -144,6 +144,7 @@ class TracedBody:
                 torch._dynamo.config.patch(error_on_nested_fx_trace=False),
                 symbolic_builtins(scopes=scopes),
                 no_batches_drawn(outside_iterators(python.roots, self.leaves, recorder.objects)),
+                function_attributes_kept(self.step.fn, python.roots),
                 collectives_in_graph(),
                 value_checks_in_graph(),
                 averages_in_graph(),

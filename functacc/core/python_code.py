@@ -23,9 +23,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -35,7 +36,14 @@ from .python_location import MISSING, Location, ModuleRoot, Root
 from .python_output import is_user_code as _in_users_files
 from .python_reach import _cell_value, _entry, _user_functions, held, is_user_code, plain_objects
 
-__all__ = ["called_toward", "code_scopes", "module_hooks", "reached_code", "unlisted_modules"]
+__all__ = [
+    "called_toward",
+    "code_scopes",
+    "function_attributes_kept",
+    "module_hooks",
+    "reached_code",
+    "unlisted_modules",
+]
 
 
 def reached_code(modules: Iterable[tuple[str, nn.Module]], roots: list[Root]) -> list[Callable]:
@@ -139,3 +147,37 @@ def _users_own(obj: Any) -> bool:
         module = sys.modules.get(getattr(obj, "__module__", None) or "")
         filename = getattr(module, "__file__", None)
     return filename is None or _in_users_files(filename)
+
+
+@contextlib.contextmanager
+def function_attributes_kept(fn: Callable[..., Any], roots: list[Root]) -> Iterator[None]:
+    """While a body is traced: the attributes of the user's functions it runs (the body's own
+    ``step.calls += 1``, a helper's cache) are not followed, so a change the trace makes to
+    them is a :class:`~functacc.TraceError` and put back (before 2026-11-28 it was made at
+    the traces only: 2 after 4 calls, silently)."""
+    functions = [*_user_functions(*_entry(fn), set()), *_held_functions(roots)]
+    own = {id(f): f for f in functions if _users_own(f)}  # an installed package's: its own
+    before = [(f, dict(vars(f))) for f in own.values()]
+    try:
+        yield
+    finally:
+        changed = [(f, _changed(vars(f), d)) for f, d in before if _changed(vars(f), d)]
+        for f, d in before:
+            vars(f).clear()
+            vars(f).update(d)
+    if changed:
+        from ..errors import TraceError
+
+        function, names = changed[0]
+        raise TraceError(
+            f"the step changes {', '.join(names)} of function {function.__qualname__}: "
+            "functacc.jit runs the step's Python once, when it traces, so the change would be "
+            "made that once. Fix: keep the value in a dict or an object the step reads "
+            "(stats['calls'] += 1: written back after each call), or change it after the call."
+        )
+
+
+def _changed(now: dict, before: dict) -> list[str]:
+    """The attributes set, changed or deleted (``.calls``), sorted."""
+    names = {k for k in now.keys() | before.keys() if now.get(k, now) is not before.get(k, now)}
+    return [f".{k}" for k in sorted(names)]
