@@ -14,6 +14,7 @@ float32 ops in the same order on the eager backend).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 
@@ -209,3 +210,44 @@ def test_a_function_attribute_the_step_changes_is_a_clear_error_and_put_back() -
     with pytest.raises(functacc.TraceError, match=r"changes \.calls of function .*step: .*Fix"):
         jitted(torch.randn(4, 3))
     assert not hasattr(step, "calls") and not opt.state
+
+
+class Logger:
+    def __init__(self) -> None:
+        self.logged = 0
+
+    def log(self, loss: torch.Tensor) -> None:
+        self.logged += 1
+
+
+def bump(k: int, loss: torch.Tensor) -> None:
+    CALLS["callback"] += k
+
+
+@pytest.mark.parametrize("kind", ["partial", "bound method"])
+def test_callbacks_held_in_a_list_keep_their_state_as_in_eager(kind: str) -> None:
+    # functools.partial(bump, 2) and logger.log in a list of callbacks: before 2026-11-28
+    # their writes were made at the traces only (4 vs 8; 2 vs 4), silently.
+    runs = []
+    for jit in (False, True):
+        CALLS.update(callback=0)
+        torch.manual_seed(0)
+        model, logger = nn.Linear(3, 1), Logger()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        hooks = [functools.partial(bump, 2)] if kind == "partial" else [logger.log]
+
+        def step(x, model=model, opt=opt, hooks=hooks):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            for hook in hooks:
+                hook(loss)
+            return loss
+
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        for _ in range(4):
+            step(torch.randn(4, 3))
+        runs.append((CALLS["callback"], logger.logged))
+    assert runs[1] == runs[0] == ((8, 0) if kind == "partial" else (0, 4))

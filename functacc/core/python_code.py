@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -106,9 +107,15 @@ def _module_code(modules: list[tuple[str, nn.Module]]) -> list[Callable[..., Any
 
 def _held_functions(roots: list[Root]) -> list[Callable[..., Any]]:
     """The user's functions the roots hold, or the plain objects they reach (a dict of
-    callbacks, a trainer's ``self.on_step``)."""
-    found = [getattr(v, "__func__", v) for v in held_values(roots)]
-    return [f for f in found if inspect.isfunction(f) and _users_own(f)]
+    callbacks, a trainer's ``self.on_step``): a bound method as it is (its object is a root
+    of its code, :func:`~.python_reach.find_roots`), a ``functools.partial`` too."""
+    found = []
+    for value in held_values(roots):
+        target = value.func if isinstance(value, functools.partial) else value
+        function = getattr(target, "__func__", target)
+        if inspect.isfunction(function) and _users_own(function):
+            found.append(value)
+    return found
 
 
 def unlisted_modules(
@@ -155,7 +162,8 @@ def function_attributes_kept(fn: Callable[..., Any], roots: list[Root]) -> Itera
     ``step.calls += 1``, a helper's cache) are not followed, so a change the trace makes to
     them is a :class:`~functacc.TraceError` and put back (before 2026-11-28 it was made at
     the traces only: 2 after 4 calls, silently)."""
-    functions = [*_user_functions(*_entry(fn), set()), *_held_functions(roots)]
+    held = [getattr(f, "func", f) for f in _held_functions(roots)]  # a partial's function
+    functions = [*_user_functions(*_entry(fn), set()), *(getattr(f, "__func__", f) for f in held)]
     own = {id(f): f for f in functions if _users_own(f)}  # an installed package's: its own
     before = [(f, dict(vars(f))) for f in own.values()]
     try:
