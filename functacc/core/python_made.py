@@ -27,6 +27,7 @@ from typing import Any
 import torch.utils._pytree as pytree
 
 from ..errors import TraceError
+from .python_location import fields_of
 from .python_numbers import unstood
 from .python_reach import holds_traced, is_plain_object
 
@@ -70,7 +71,7 @@ def made_template(
         leaves, extra = pytree.tree_flatten(value)
         items: Any = [template(v) for v in leaves]
     elif kind in ("dict", "defaultdict", "object"):
-        fields = vars(value) if kind == "object" else value
+        fields = fields_of(value) if kind == "object" else value
         items = {k: template(v) for k, v in fields.items()}
     else:
         items = [template(v) for v in value]
@@ -118,7 +119,7 @@ def build_made(template: Template, build: Callable[[Template], Any], memo: dict)
         made = deque((build(t) for t in items), extra)
     elif kind == "object":
         made = extra.__new__(extra)
-        vars(made).update({k: build(t) for k, t in items.items()})
+        fields_of(made).update({k: build(t) for k, t in items.items()})  # slots too
     elif kind == "pytree":
         made = pytree.tree_unflatten([build(t) for t in items], extra)
     else:

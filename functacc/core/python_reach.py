@@ -280,8 +280,8 @@ def is_plain_object(value: Any) -> bool:
         return False
     if inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value):
         return False
-    if not hasattr(value, "__dict__") and not slot_names(type(value)):
-        return False
+    if not hasattr(value, "__dict__") and not (slot_names(type(value)) and is_user_code(value)):
+        return False  # a class of the user's with __slots__ only: followed (pathlib's: not)
     top = (type(value).__module__ or "").split(".")[0]
     if top in _MODEL_LIBRARIES:  # a meter of theirs (timm's AverageMeter): numbers only
         return all(isinstance(v, (int, float)) for v in vars(value).values())
