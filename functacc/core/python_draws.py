@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import linecache
 import os
@@ -89,30 +90,51 @@ class DrawRoot(Root):
     def _spec(self) -> Any:
         if not self.branched or self.peeks is None or _TRACING:
             return self._layout
-        if self not in self.peeks:  # this call's draws up to this one, drawn ahead
-            with contextlib.ExitStack() as kept:
-                for root in (*self.before, self):
-                    kept.enter_context(
-                        _kept_state(None if root.global_generator else root.source())
-                    )
-                for root in (*self.before, self):
-                    self.peeks[root] = root.draw()
+        if self not in self.peeks:  # this call's draws up to this one, from copies of the
+            clones: dict[int, Any] = {}  # generators: theirs untouched (another thread's too)
+            for root in (*self.before, self):
+                source = root.source()
+                clone = clones.get(id(source)) or clones.setdefault(id(source), _copy(source))
+                self.peeks[root] = root.draw(clone)
         return self.peeks[self]
 
     def _install(self, value: Any) -> None:  # a trace's graph input; the layout: none
-
         traced = isinstance(value, (Tensor, *_SYMBOLS)) and value is not self._layout
         self.traced = value if traced else None
 
-    def draw(self) -> Any:
-        """This call's value, drawn from the global generator as eager would."""
-        value = getattr(self.source(), self.name)(*self.args, **self.kwargs)
+    def draw(self, source: Any = None) -> Any:
+        """This call's value, drawn from the generator as eager would (or from ``source``)."""
+        source = self.source() if source is None else source
+        value = getattr(source, self.name)(*self.args, **self.kwargs)
         return torch.from_numpy(value) if isinstance(value, np.ndarray) else _number(value)
 
 
 def draw_all(roots: list[DrawRoot]) -> dict[DrawRoot, Any]:
-    """One call's draws, in the order its trace made them."""
-    return {root: root.draw() for root in sorted(roots, key=lambda r: r.index)}
+    """One call's draws, in the order its trace made them: those drawn ahead to choose its
+    program must come again (else another thread drew from that generator meanwhile)."""
+    drawn = {root: root.draw() for root in sorted(roots, key=lambda r: r.index)}
+    for root, value in drawn.items():
+        if root.branched and root in (root.peeks or {}) and root.peeks[root] != value:
+            raise RuntimeError(
+                f"{root.label} drew {value!r} where functacc had drawn {root.peeks[root]!r} "
+                "ahead of the call, to choose the path of the step's branch on it: another "
+                "thread drew from that generator in between. Fix: give that thread a "
+                "generator of its own (random.Random(), np.random.default_rng())."
+            )
+    return drawn
+
+
+def _copy(source: Any) -> Any:
+    """A generator at ``source``'s state (the ``random`` or ``np.random`` module's own)."""
+    if source is random:
+        clone = random.Random()
+        clone.setstate(random.getstate())
+        return clone
+    if source is np.random:
+        clone = np.random.RandomState()
+        clone.set_state(np.random.get_state())
+        return clone
+    return copy.deepcopy(source)
 
 
 def branched_on_draws(
