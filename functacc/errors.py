@@ -78,7 +78,7 @@ def host_random_error(generators: list[str]) -> TraceError:
         f"the step (a forward, a loss or a jitted body) drew random numbers from {names} "
         "while it was traced: a compiled step runs its Python code once, when it traces, so "
         "every step would "
-        "reuse the numbers drawn then (a layer-drop or stochastic-depth decision taken once "
+        "reuse the numbers drawn then (an order shuffled once "
         "for the whole run), where eager PyTorch draws new ones at every step. A draw with "
         "plain arguments (numbers and sizes: np.random.normal(0, 1, (n, d)), rng.random() "
         "of a generator the step reads) is drawn again before every call and fed; this one "
