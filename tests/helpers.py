@@ -20,6 +20,22 @@ def seed_for(i: int) -> int:
     return 1000 + i
 
 
+def seeded_linear(n_in: int = 3) -> tuple[nn.Linear, torch.optim.SGD]:
+    """``nn.Linear(n_in, 1)`` seeded with 0 and its ``SGD(lr=0.1)``: the model of the tests
+    of a step's Python state, where the state is what differs."""
+    torch.manual_seed(0)
+    model = nn.Linear(n_in, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def minimize(opt: torch.optim.Optimizer, loss: Tensor) -> Tensor:
+    """One eager update on ``loss`` (zero_grad, backward, step); ``loss`` returned."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def call_model(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import minimize, seeded_linear
 from test_jit import assert_same, tensors_of
 from test_real_code_torchvision import SmoothedValue
 from torch import Tensor, nn
@@ -1772,16 +1773,11 @@ def test_tensors_read_from_a_deque_are_fed_at_every_call() -> None:
     # deque (putting the graph's inputs there was taken for the body's write).
     runs = []
     for jit in (False, True):
-        torch.manual_seed(0)
-        model = nn.Linear(6, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = seeded_linear(6)
         frames = deque([torch.zeros(1, 2)] * 3, maxlen=3)
 
         def step(frames=frames, model=model, opt=opt) -> Tensor:
-            loss = model(torch.cat(tuple(frames), dim=1)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = minimize(opt, model(torch.cat(tuple(frames), dim=1)).pow(2).mean())
             return loss
 
         if jit:
@@ -1807,16 +1803,11 @@ def test_a_frozen_dataclass_config_is_read_as_in_eager() -> None:
 
     runs = []
     for jit in (False, True):
-        torch.manual_seed(0)
-        model = nn.Linear(3, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = seeded_linear()
         holder = types.SimpleNamespace(cfg=Config())
 
         def step(x: Tensor, model=model, opt=opt, holder=holder) -> Tensor:
-            loss = model(x).pow(2).mean() * holder.cfg.scale
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = minimize(opt, model(x).pow(2).mean() * holder.cfg.scale)
             return loss
 
         if jit:
@@ -1844,16 +1835,11 @@ def test_an_object_with_slots_keeps_its_counts_as_in_eager() -> None:
     # made at the traces only (2 after 4 calls), and meter.total kept the trace's loss.
     runs = []
     for jit in (False, True):
-        torch.manual_seed(0)
-        model = nn.Linear(3, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = seeded_linear()
         meter = SlottedMeter()
 
         def step(x: Tensor, model=model, opt=opt, meter=meter) -> Tensor:
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = minimize(opt, model(x).pow(2).mean())
             meter.count += 1
             meter.total += loss.item()
             return loss

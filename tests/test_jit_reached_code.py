@@ -21,6 +21,7 @@ import types
 import pytest
 import step_settings
 import torch
+from helpers import minimize, seeded_linear
 from torch import nn
 
 import functacc
@@ -55,10 +56,7 @@ def run(jit: bool, calls: int = 4) -> tuple[dict, int, list[torch.Tensor]]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = minimize(opt, model(x).pow(2).mean())
         HOOKS["on_step"](loss)
         return loss
 
@@ -117,10 +115,7 @@ def test_a_criterion_not_in_modules_keeps_its_python_state_as_in_eager() -> None
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
         def step(x, model=model, crit=crit, opt=opt):
-            loss = crit(model(x))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = minimize(opt, crit(model(x)))
             return loss
 
         if jit:
@@ -143,15 +138,10 @@ def test_a_config_modules_attributes_are_read_and_written_as_in_eager() -> None:
     runs = []
     for jit in (False, True):
         step_settings.steps, step_settings.scale = 0, 1.0
-        torch.manual_seed(0)
-        model = nn.Linear(3, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = seeded_linear()
 
         def step(x, model=model, opt=opt):
-            loss = model(x).pow(2).mean() * step_settings.scale
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = minimize(opt, model(x).pow(2).mean() * step_settings.scale)
             step_settings.steps += 1
             return loss
 
@@ -170,16 +160,11 @@ def test_a_config_modules_attributes_are_read_and_written_as_in_eager() -> None:
 def test_next_of_an_iterator_held_in_a_dict_is_a_clear_error() -> None:
     # state["counter"] = itertools.count(): next() of it was made once, at the trace
     # (0, 1, 1, 1 where eager counts 0, 1, 2, 3) before 2026-11-28; a variable's was refused.
-    torch.manual_seed(0)
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = seeded_linear()
     state = {"counter": itertools.count(), "seen": []}
 
     def step(x):
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = minimize(opt, model(x).pow(2).mean())
         state["seen"].append(next(state["counter"]))
         return loss
 
@@ -194,15 +179,10 @@ def test_next_of_an_iterator_held_in_a_dict_is_a_clear_error() -> None:
 def test_a_function_attribute_the_step_changes_is_a_clear_error_and_put_back() -> None:
     # step.calls = step.calls + 1 on the body itself: before 2026-11-28 made at the traces
     # only (2 after 4 calls), silently.
-    torch.manual_seed(0)
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = seeded_linear()
 
     def step(x):
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = minimize(opt, model(x).pow(2).mean())
         step.calls = getattr(step, "calls", 0) + 1
         return loss
 
@@ -237,10 +217,7 @@ def test_callbacks_held_in_a_list_keep_their_state_as_in_eager(kind: str) -> Non
         hooks = [functools.partial(bump, 2)] if kind == "partial" else [logger.log]
 
         def step(x, model=model, opt=opt, hooks=hooks):
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = minimize(opt, model(x).pow(2).mean())
             for hook in hooks:
                 hook(loss)
             return loss

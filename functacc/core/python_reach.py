@@ -29,7 +29,6 @@ import dis
 import enum
 import functools
 import inspect
-import os
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -240,9 +239,10 @@ def _global_root(name: str, module_globals: dict[str, Any]) -> Root:
 
 def _own_module(value: Any) -> bool:
     """A module of the user's own files (not of an installed package or Python's)."""
-    path = getattr(value, "__file__", None) or ""
-    installed = any(f"{os.sep}{d}-packages{os.sep}" in path for d in ("site", "dist"))
-    return inspect.ismodule(value) and bool(path) and is_user_code(value) and not installed
+    from .python_output import is_user_code as in_users_files
+
+    path = getattr(value, "__file__", None)
+    return inspect.ismodule(value) and bool(path) and is_user_code(value) and in_users_files(path)
 
 
 def _watchable(value: Any) -> bool:
