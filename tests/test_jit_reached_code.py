@@ -48,7 +48,7 @@ def on_step(loss: torch.Tensor) -> None:
 HOOKS = {"on_step": on_step}
 
 
-def run(jit: bool, calls: int = 4) -> tuple[dict, int, list[torch.Tensor]]:
+def run(jit: bool, calls: int = 4, backend: str = "eager") -> tuple[dict, int, list[torch.Tensor]]:
     CALLS.update(forward=0, callback=0)
     SETTINGS.scale, SETTINGS.seen = 1.0, 0
     torch.manual_seed(0)
@@ -61,7 +61,7 @@ def run(jit: bool, calls: int = 4) -> tuple[dict, int, list[torch.Tensor]]:
         return loss
 
     if jit:
-        step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        step = functacc.jit(step, modules=[model], optimizers=[opt], backend=backend)
     g = torch.Generator().manual_seed(1)
     for i in range(calls):
         SETTINGS.scale = 1.0 if i < 2 else 0.5  # read by forward: changed between calls
@@ -76,6 +76,16 @@ def test_a_forward_and_a_callback_writing_globals_match_eager() -> None:
     assert jit_calls == calls and jit_seen == seen  # before: {2, 2} and 2
     # The global scale forward reads: eager's at every call (before: the trace's 1.0).
     assert all(torch.equal(a, b) for a, b in zip(jit_params, params, strict=True))
+
+
+@pytest.mark.inductor
+def test_a_forward_and_a_callback_writing_globals_under_inductor() -> None:
+    # The same Python state under Inductor: counts exact, weights within Inductor's rounding.
+    calls, seen, params = run(jit=False)
+    jit_calls, jit_seen, jit_params = run(jit=True, backend="inductor")
+    assert jit_calls == calls == {"forward": 4, "callback": 4} and jit_seen == seen == 4
+    for a, b in zip(jit_params, params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("where", ["forward", "callback"])
