@@ -61,6 +61,7 @@ STAGES: dict[str, list[str]] = {
         "core/c10d_in_trace",
         "core/value_checks",
         "core/constant_values",
+        "core/host_values",
         "core/metric_checks",
         "core/averaged_model",
         "core/data_assign",

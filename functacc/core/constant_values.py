@@ -67,9 +67,11 @@ def known_value(t: Tensor, computed: bool = False) -> Tensor | None:
     inputs = {}
     for k, b in enumerate(traced):
         placeholder = get_proxy_slot(b, mode.tracer, None)
-        # Computed from: a vector of integers (lengths), not a batch of data, whose values
-        # would differ at every call (`(tokens != pad).sum(1)`: a trace per call).
-        lengths = computed and b.dim() <= 1 and not b.is_floating_point()
+        # Computed from: a vector of integers (lengths; a column, (batch, 1), counts),
+        # not a batch of data, whose values would differ at every call
+        # (`(tokens != pad).sum(1)`: a trace per call).
+        vector = sum(size > 1 for size in b.shape) <= 1
+        lengths = computed and vector and not b.is_floating_point()
         if placeholder is not None and (lengths or b is t):
             inputs[placeholder.proxy.node] = k
     found = _ancestors(slot.proxy.node, inputs)

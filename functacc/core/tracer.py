@@ -30,7 +30,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..errors import TraceError
 from .diagnostics import translate
 from .eager_inplace import mark_inplace, restore_inplace, traced_node_by_node
+from .failure_sites import is_data_dependent
 from .graph_passes import bernoulli_in_place, direct_writes
+from .host_values import ValuesOnHost
 from .packed import HostPacking
 from .recurrent import recurrent_layers
 from .watches import AttributeWatch, ClockWatch, GradWatch, HeldRandomWatch, HostRandomWatch
@@ -108,7 +110,7 @@ def trace(
     # Python numbers among the inputs (a counter, a scale the body reads) are traced as
     # symbols with their value as hint: a branch on one is a guard (Traced.number_guard).
     detached = [t.detach() if _tensor(t) else t for t in example_inputs]
-    symbolic = dynamic is not None and any(dynamic)
+    dims = dynamic if dynamic is not None and any(dynamic) else None
     try:
         with contextlib.ExitStack() as stack:
             for watch in (
@@ -122,13 +124,20 @@ def trace(
                 *watches,
             ):
                 stack.enter_context(watch)
+            values = ValuesOnHost(read=False)
             try:
-                traced = _trace(
-                    fn, detached, devices, dynamic if symbolic else None, functional, strict
-                )
+                with values:
+                    traced = _trace(fn, detached, devices, dims, functional, strict)
             except _MixedGuard as why:  # sizes this trace cannot keep symbolic: fixed
                 traced = _trace(fn, detached, devices, None, functional, strict)
                 traced.fixed = str(why)  # said in the retrace's reason (a draw's size)
+            except Exception as exc:
+                # A size made of a batch's values (lengths.tolist()): read them (host_values)
+                if not (values.known_reads and is_data_dependent(exc)):
+                    raise
+                packing = contextlib.nullcontext() if recurrent_layers(holder) else HostPacking()
+                with ValuesOnHost(), packing:  # HostPacking: packing for a loss (no RNN)
+                    traced = _trace(fn, detached, devices, dims, functional, strict)
     except Exception as exc:
         if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
             raise
