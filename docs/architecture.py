@@ -62,6 +62,7 @@ STAGES: dict[str, list[str]] = {
         "core/value_checks",
         "core/constant_values",
         "core/host_values",
+        "core/tensor_equal",
         "core/metric_checks",
         "core/averaged_model",
         "core/data_assign",

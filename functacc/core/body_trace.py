@@ -39,6 +39,7 @@ from .python_numbers import symbolic_builtins
 from .python_reach import entries, is_user_code, plain_objects
 from .python_state import generator_key
 from .python_trace import Recorder
+from .tensor_equal import EqualAtTrace
 from .torch_checkpoint import no_checkpoint_draws
 from .value_checks import value_checks_in_graph
 
@@ -147,6 +148,7 @@ class TracedBody:
                 function_attributes_kept(self.step.fn, python.roots),
                 collectives_in_graph(),
                 value_checks_in_graph(),
+                EqualAtTrace(),
                 averages_in_graph(),
                 data_assignments_written(),
                 counting_backwards(self.step.engine.cache.what, self.step.fn) as returned,

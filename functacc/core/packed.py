@@ -7,7 +7,7 @@ every tensor is a fake without values, so these reads failed. The packing only d
 the sequences' lengths; given as a Python list, those are constants of the call (part of
 its signature: other lengths are another trace) and of the graph.
 
-:class:`HostPacking`, active while tracing a step whose model holds a recurrent layer,
+:class:`HostPacking`, active while tracing any step (a loss packs predictions too),
 therefore computes the packing on the host, as eager does: ``_pack_padded_sequence`` gets
 the lengths' values from the graph's constants and returns real ``batch_sizes``;
 arithmetic on them alone (``batch_sizes[0]``, ``int(...)``) runs eagerly; the recurrent

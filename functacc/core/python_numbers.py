@@ -126,6 +126,8 @@ def symbolic_builtins(
         sym = getattr(torch, f"_sym_{name}", None)
         if sym is not None:
             patch(vars(math), name, _symbolic(getattr(math, name), sym, arity=1))
+    # sgrvinod's transformer schedule: `min(math.pow(step, -0.5), step * math.pow(w, -1.5))`
+    patch(vars(math), "pow", _symbolic(math.pow, _sym_pow, arity=2))
     for name in ("exp", "log"):  # no symbolic form in torch: computed in the graph, in double
         patch(vars(math), name, _symbolic(getattr(math, name), _in_graph(name), arity=1))
     for name in ("isfinite", "isnan", "isinf"):  # MAE's `if not math.isfinite(loss_value):`
@@ -140,6 +142,13 @@ def symbolic_builtins(
                 del owner[name]
             else:
                 owner[name] = value
+
+
+def _sym_pow(x: Any, y: Any) -> Any:
+    """``math.pow`` of symbols: ``float(x) ** float(y)``, C's ``pow`` in double as
+    ``math.pow`` (a negative base with a fractional exponent, ``ValueError`` in eager, is not
+    checked)."""
+    return torch.sym_float(x) ** torch.sym_float(y)
 
 
 def _in_graph(name: str) -> Callable:

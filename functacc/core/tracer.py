@@ -34,7 +34,6 @@ from .failure_sites import is_data_dependent
 from .graph_passes import bernoulli_in_place, direct_writes
 from .host_values import ValuesOnHost
 from .packed import HostPacking
-from .recurrent import recurrent_layers
 from .watches import AttributeWatch, ClockWatch, GradWatch, HeldRandomWatch, HostRandomWatch
 
 __all__ = ["Traced", "symbolic_fakes", "trace"]
@@ -119,7 +118,7 @@ def trace(
                 HostRandomWatch(),
                 ClockWatch(),
                 HeldRandomWatch(holder),
-                *([HostPacking()] if recurrent_layers(holder) else []),
+                HostPacking(),  # a packed sequence's batch sizes on the host (packed.py)
                 _quiet_fake_tensor_log(),
                 *watches,
             ):
@@ -135,8 +134,7 @@ def trace(
                 # A size made of a batch's values (lengths.tolist()): read them (host_values)
                 if not (values.known_reads and is_data_dependent(exc)):
                     raise
-                packing = contextlib.nullcontext() if recurrent_layers(holder) else HostPacking()
-                with ValuesOnHost(), packing:  # HostPacking: packing for a loss (no RNN)
+                with ValuesOnHost():
                     traced = _trace(fn, detached, devices, dims, functional, strict)
     except Exception as exc:
         if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
