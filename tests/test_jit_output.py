@@ -465,6 +465,40 @@ def test_a_file_opened_before_the_step_gets_eagers_lines_and_json(tmp_path, back
             assert float(a.split()[2]) == pytest.approx(float(b.split()[2]), rel=1e-4, abs=1e-6)
 
 
+def test_json_dump_into_an_open_file_is_eagers(tmp_path) -> None:
+    # json.dump(stats, f) of the step's numbers (sorted keys, indented): eager's text after
+    # every call. Before 2026-11-29 a TraceError ("Object of type SymFloat is not JSON
+    # serializable"); json.dumps worked.
+    def run(jit: bool, path) -> list[str]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = open(path, "w")  # noqa: SIM115 (open across calls, as a training script keeps it)
+
+        def body(x: torch.Tensor, step: int) -> None:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            json.dump({"step": step, "loss": loss.item(), "lr": 0.1}, log, indent=1, sort_keys=True)
+            log.write("\n")
+            log.flush()
+
+        call = (
+            functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+        )
+        seen = []
+        for i in range(3):
+            call(torch.ones(2, 3) * (i + 1), i)
+            seen.append(path.read_text())
+        log.close()
+        return seen
+
+    eager = run(False, tmp_path / "eager.json")
+    assert run(True, tmp_path / "jit.json") == eager
+    assert json.loads(eager[0])["step"] == 0 and eager[2].count('"loss"') == 3
+
+
 def test_a_file_written_through_pathlib_in_the_step_is_eagers(tmp_path) -> None:
     def run(jit: bool, folder) -> list[str]:
         torch.manual_seed(0)

@@ -180,6 +180,7 @@ def patch_output(recorder: Any) -> Callable[[], None]:
     patch(logging.Logger, "_log", _noting(logging.Logger._log, note, "a logging call"))
     patch(torch, "save", _noting(torch.save, note, "torch.save()"))
     patch(json, "dumps", _json_dumps(json.dumps, recorder))  # f.write(json.dumps(stats))
+    patch(json, "dump", _json_dump)  # json.dump(stats, f): the same, through f.write
     patch(torch.Tensor, "numpy", traced_numpy(torch.Tensor.numpy))  # preds.extend(t.numpy())
     for module_name, class_name, methods in _NOTED_METHODS:
         module = sys.modules.get(module_name)
@@ -230,6 +231,12 @@ def _noting(real: Callable, note: Callable, what: str) -> Callable:
         return note(real, args, kwargs, what)
 
     return call
+
+
+def _json_dump(obj: Any, fp: Any, *args: Any, **kwargs: Any) -> None:
+    """``json.dump`` while a step is traced: ``fp.write(json.dumps(...))`` (the same text),
+    so that the numbers the step computes are written as ``json.dumps`` writes them."""
+    fp.write(json.dumps(obj, *args, **kwargs))
 
 
 def _json_dumps(real: Callable, recorder: Any) -> Callable:
