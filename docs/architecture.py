@@ -88,6 +88,7 @@ STAGES: dict[str, list[str]] = {
         "core/model_watch",
         "core/guards",
         "core/cache",
+        "core/retrace_advice",
         "core/differences",
     ],
     "transforms": ["parallel/*", "transforms/*", "backends/split"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,7 +128,14 @@ def test_show_attend_tell_decoder_loops_over_its_lengths_as_eager() -> None:
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
     reasons = [t.reason for t in step.traces]
-    assert len(reasons) == 3 and reasons[2].startswith("batch values"), reasons
+    assert len(reasons) == 3, reasons
+    # The reason names the line that read the values (the decoder's `.tolist()`).
+    line = next(
+        i
+        for i, text in enumerate(Path(sat.__file__).read_text().splitlines(), 1)
+        if "decode_lengths = (caption_lengths - 1).tolist()" in text
+    )
+    assert f"read at show_attend_tell.py:{line}" in reasons[2], reasons
 
 
 @pytest.mark.inductor
@@ -234,3 +242,27 @@ def test_a_batch_of_data_read_as_numbers_is_still_an_error() -> None:
         assert step.num_traces == 0
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k])
+
+
+def test_lengths_that_change_every_call_end_in_a_retrace_error_naming_the_line() -> None:
+    # Each new lengths vector is a trace; past max_traces the error names the line that
+    # read the values and the fix (bucket the lengths, or compute with the tensor).
+    torch.manual_seed(0)
+    model = Truncated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def body(tokens: Tensor, lengths: Tensor, y: Tensor) -> Tensor:
+        loss = nn.functional.cross_entropy(model(tokens, lengths), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager", max_traces=2)
+    tokens, y = torch.randint(0, 30, (3, 8)), torch.tensor([0, 1, 2])
+    step(tokens, torch.tensor([2, 1, 1]), y)
+    step(tokens, torch.tensor([3, 1, 1]), y)
+    with pytest.raises(
+        functacc.RetraceError, match=r"(?s)read at test_jit_host_values\.py:\d+.*bucket"
+    ):
+        step(tokens, torch.tensor([4, 1, 1]), y)

@@ -122,7 +122,7 @@ class StepBody:
         declared = [linked.optimizer for linked in capture.optimizers]
         check_declared_optimizers(self.python.roots, declared, capture.modules)
         self._plans: dict[Any, PythonPlan] = {}  # by graph fingerprint, as compiled
-        self._value_guarded: set[int] = set()  # batch tensors whose values are guarded
+        self._value_guarded: dict[int, str] = {}  # batch tensors whose values are guarded
         self._values = ValueGuard()
         self._ambient = AmbientWatch("cuda" if torch.cuda.is_available() else "cpu")  # CPU's too
         self._state_watch, self._batch_watch = BatchWatch(), BatchWatch()

@@ -110,7 +110,7 @@ class TracedBody:
         self.n_grads = 0
         self.numbers: list[tuple[int, type]] = []  # Python outputs that are numbers, by kind
         self.real_batch = [x for x in leaves if isinstance(x, Tensor)]
-        self.value_guarded: set[int] = set()  # batch tensors whose values the trace read
+        self.value_guarded: dict[int, str] = {}  # batch tensors whose values it read: where
 
     def __call__(self, *flat: Tensor) -> tuple[Any, ...]:
         n_fixed = self.n_state + len(self.fed)
@@ -239,11 +239,11 @@ class ValueGuard:
     def __init__(self) -> None:
         self._seen: dict[int, list[tuple[Tensor, Tensor, int]]] = {}
 
-    def key(self, positions: set[int], tensors: list[Tensor]) -> tuple:
+    def key(self, positions: dict[int, str], tensors: list[Tensor]) -> tuple:
         return tuple(
-            (f"batch tensor {i} (which of its values seen so far)", self._token(i, tensors[i]))
-            for i in sorted(positions)
-            if i < len(tensors)
+            (f"batch tensor {i}'s values, read at {site} (which so far)", self._token(i, t))
+            for i, site in sorted(positions.items())
+            if i < len(tensors) and (t := tensors[i]) is not None
         )
 
     def _token(self, i: int, t: Tensor) -> int:

@@ -19,7 +19,6 @@ naming what changed, and ``max_traces`` bounds them (:class:`functacc.RetraceErr
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from torch import Tensor
 
 from ..errors import RetraceError
 from .differences import describe_difference, size_changes
+from .retrace_advice import retrace_fix
 
 __all__ = ["ProgramCache", "SizeGuard", "TraceRecord", "as_call", "warm_up"]
 
@@ -202,9 +202,9 @@ class ProgramCache:
             for r in self.records[-5:]
         )
         raise RetraceError(
-            f"{self.what} would be traced a {self.num_traces + 1}th time, above "
+            f"{self.what} would be traced again (trace #{self.num_traces + 1}), above "
             f"max_traces={self.max_traces}: {reason}\n  inputs: {signature}\nThe last traces "
-            f"were:\n{recent}\n{_fix(reason, self.static)} Or raise the limit: "
+            f"were:\n{recent}\n{retrace_fix(reason, self.static)} Or raise the limit: "
             "compile_step(..., max_traces=None) means no limit. Nothing was changed by this call."
         )
 
@@ -252,7 +252,7 @@ class ProgramCache:
             f"+ {record.compile_s:.1f} s compile): {record.reason}{symbolic}"
         )
         if record.number >= WARN_FROM:
-            log.warning("%s. %s", message, _fix(record.reason, self.static))
+            log.warning("%s. %s", message, retrace_fix(record.reason, self.static))
         else:
             log.info("%s", message)
 
@@ -274,90 +274,6 @@ def _without_python(key: Hashable) -> Hashable:
 
 def _differing_dims(a: Sequence[int], b: Sequence[int]) -> set[int]:
     return {d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y}
-
-
-def _fix(reason: str, static: bool = False) -> str:
-    if "<NumPy array" in reason:
-        return (
-            "The step converts a NumPy array (an argument, a variable or an attribute it reads) "
-            "into the graph, where its values are constants: each new content costs a trace. "
-            "Fix: pass the data to the call as a tensor, step(torch.from_numpy(obs)), and use "
-            "it as the tensor in the step."
-        )
-    if reason.startswith("module attributes"):
-        return (
-            "A traced forward bakes in the Python values it reads from the model's modules, "
-            "so a changed attribute costs a trace and a compile, as it would make "
-            "torch.compile recompile. If forward does not read it, keep it elsewhere or give "
-            "it a name starting with '_' (not part of the signature); if it does and changes "
-            "often, make it a tensor buffer (register_buffer, updated in place), which the "
-            "graph reads afresh on every call."
-        )
-    if "branch on fed numbers" in reason:
-        return branch_fix(reason)
-    if re.match(r"python .*\[\d+\]: ", reason):
-        return (
-            "The step reads an item of a list in its Python state that is not a number it "
-            "can feed to the graph (a flag per transition: if is_terminal), so each new "
-            "value costs a trace and a compile. Fix: give the step those values as a tensor "
-            "(step(torch.tensor(flags))) and compute with it (torch.where), or branch "
-            "outside the step."
-        )
-    if (" dim " in reason or "guard" in reason) and static:
-        return (
-            "Each new input size costs a trace and a compile, and this step traces static "
-            "sizes only (its recurrent layers run eager's kernels, which take no symbolic "
-            "size). Fix: pad batches to a few sizes with functacc.DeviceLoader(loader, "
-            "buckets=[...]), or pad sequences to a fixed length."
-        )
-    if "guard" in reason:  # a symbolic graph was there: dynamic=True would not help
-        return (
-            "Each new input size costs a trace and a compile: the step fixed these sizes "
-            "(it branched in Python on them, or on values made from them, as torch's "
-            "transformer layers do on an attention mask; or a size was 0 or 1, which torch "
-            "traces apart). Fix: pad batches to a few sizes "
-            "with functacc.DeviceLoader(loader, buckets=[...])."
-        )
-    if " dim " in reason and "draws with one of them" in reason:
-        return (
-            "Each new input size costs a trace and a compile: a draw from NumPy or random "
-            "sized by the batch fixes the sizes (it is drawn again before each call, at its "
-            "size). Fix: draw with torch (torch.randn(x.shape[0], d): symbolic sizes), or "
-            "pad batches to a few sizes with functacc.DeviceLoader(loader, buckets=[...])."
-        )
-    if " dim " in reason:
-        return (
-            "Each new input size costs a trace and a compile. Fix: dynamic=True (of jit or "
-            "compile_step) traces sizes symbolically from the first call, or pad batches to "
-            "a few sizes with functacc.DeviceLoader(loader, buckets=[...])."
-        )
-    return (
-        "The step is traced once per distinct signature (input dtypes and layouts, train/eval "
-        "mode, trainable parameters, the modules' plain attributes such as a dropout's p, "
-        "optimizer structure, ambient autocast). Keep what changed constant between steps, "
-        "or expect one trace per variant."
-    )
-
-
-def branch_fix(reason: str) -> str:
-    """The advice for a step traced again because it branched in Python on a number that
-    changed (a counter, the clock, a number it computed), naming the function it was in."""
-    sites = re.finditer(r":\d+ in ([A-Za-z_]\w*)( \(the step\)| \(via (\w+)\)| \(result)?", reason)
-    called = [m[3] or m[1] for m in sites if m[2] not in (" (the step)", " (result")]
-    host = (
-        f"If that code only shows or logs what the step computed (a progress bar, a time "
-        f"formatted), wrap the function the step calls with functacc.host ({called[0]} = "
-        f"functacc.host({called[0]})): it then runs after each call with the call's values, "
-        "not traced. "
-        if called
-        else ""
-    )
-    return (
-        "The step branches in Python on numbers that change between calls: each new outcome "
-        "costs a trace (a branch with few outcomes, it % k == 0, a few traces in all). "
-        f"{host}{'Else' if host else 'Fix:'} branch with tensors (torch.where), or keep the "
-        "number constant."
-    )
 
 
 def warm_up(

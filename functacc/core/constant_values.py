@@ -25,17 +25,22 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from .failure_sites import call_site
+
 __all__ = ["batch_values", "known_value"]
 
 # The batch tensors of the step being traced (as the trace sees them), their real values,
-# and the positions whose values were read (guarded).
+# and the positions whose values were read (guarded), each with where it was first read.
 _BATCH: list[tuple[list[Tensor], list[Tensor], set[int]]] = []
 
 
 @contextlib.contextmanager
-def batch_values(traced: list[Tensor], real: list[Tensor], guarded: set[int]) -> Iterator[None]:
+def batch_values(
+    traced: list[Tensor], real: list[Tensor], guarded: dict[int, str]
+) -> Iterator[None]:
     """While tracing: :func:`known_value` may read the batch tensors (``traced[k]`` stands
-    for ``real[k]``); the position of each one read goes into ``guarded``."""
+    for ``real[k]``); the position of each one read goes into ``guarded``, with the user's
+    line that read it (for the reason of a later trace)."""
     _BATCH.append((traced, real, guarded))
     try:
         yield
@@ -63,7 +68,7 @@ def known_value(t: Tensor, computed: bool = False) -> Tensor | None:
     slot = None if mode is None else get_proxy_slot(t, mode.tracer, None)
     if slot is None:
         return None
-    traced, real, guarded = _BATCH[-1] if _BATCH else ([], [], set())
+    traced, real, guarded = _BATCH[-1] if _BATCH else ([], [], {})
     inputs = {}
     for k, b in enumerate(traced):
         placeholder = get_proxy_slot(b, mode.tracer, None)
@@ -92,7 +97,7 @@ def known_value(t: Tensor, computed: bool = False) -> Tensor | None:
             if node not in wanted:
                 continue
             if node.op == "placeholder":
-                guarded.add(inputs[node])
+                guarded.setdefault(inputs[node], call_site())
                 env[node] = real[inputs[node]].clone()  # an in-place op must not reach it
             elif node.op == "get_attr":
                 env[node] = functools.reduce(getattr, node.target.split("."), mode.tracer.root)

@@ -30,10 +30,11 @@ from torch.fx import GraphModule
 from ..backends import Backend, Compiled, check_generators, compile_graph
 from ..backends.background import BackgroundCompiled
 from . import tracer
-from .cache import WARN_FROM, ProgramCache, SizeGuard, TraceRecord, branch_fix, log
+from .cache import WARN_FROM, ProgramCache, SizeGuard, TraceRecord, log
 from .diagnostics import run_error
 from .graph_passes import host_scalars
 from .recurrent import static_sizes
+from .retrace_advice import branch_fix
 
 __all__ = ["Engine", "Plan", "Program", "draws_random", "rng_state", "set_rng_state"]
 

@@ -29,6 +29,7 @@ from torch import nn
 
 __all__ = [
     "anomaly_checks",
+    "call_site",
     "formats_with_percent",
     "in_function",
     "in_package",
@@ -89,7 +90,18 @@ def is_data_dependent(exc: BaseException) -> bool:
 
 def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
     """The innermost frame that is neither torch, functacc nor the standard library."""
-    frames = traceback.extract_tb(tb)
+    return _innermost_user(traceback.extract_tb(tb))
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame of the user's code running now (a message's)."""
+    frame = _innermost_user(traceback.extract_stack())
+    if frame is None:
+        return "an unknown line"
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+
+
+def _innermost_user(frames: traceback.StackSummary) -> traceback.FrameSummary | None:
     for frame in reversed(frames):
         if frame.filename.startswith("<"):  # generated code (FX, dataclasses, eval)
             continue

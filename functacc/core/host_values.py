@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
@@ -63,13 +64,16 @@ class ValuesOnHost(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _READS and args and _numbers(args[0]):
-            value = known_value(args[0], computed=True)
-            if value is not None:
-                self.known_reads += 1
-                if self.read:
-                    with _disable_current_modes():  # a real tensor: eager's own read
-                        return func(value, *args[1:], **kwargs)
+        value = None
+        if func in _READS and args:
+            # Looked at without the other modes (HostPacking would see .shape of its tensors)
+            with torch._C.DisableTorchFunction():
+                value = known_value(args[0], computed=True) if _numbers(args[0]) else None
+        if value is not None:
+            self.known_reads += 1
+            if self.read:
+                with _disable_current_modes():  # a real tensor: eager's own read
+                    return func(value, *args[1:], **kwargs)
         return func(*args, **kwargs)
 
 

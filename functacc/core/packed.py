@@ -205,5 +205,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
 
 
 def _is_method(func: Any) -> bool:
-    """A ``Tensor`` method or dunder (``__getitem__``, ``__int__``, ``size``)."""
-    return getattr(func, "__qualname__", "").startswith(("Tensor.", "TensorBase."))
+    """A ``Tensor`` method or dunder (``__getitem__``, ``__int__``, ``size``), or an
+    attribute's getter (``t.shape``: its descriptor's ``__get__``)."""
+    name = getattr(func, "__qualname__", "")
+    return name.startswith(("Tensor.", "TensorBase.")) or name.endswith(".__get__")

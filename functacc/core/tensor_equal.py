@@ -25,8 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import os
-import traceback
 from typing import Any
 
 import torch
@@ -35,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .constant_values import known_value
-from .python_output import is_user_code
+from .failure_sites import call_site
 
 __all__ = ["EqualAtTrace"]
 
@@ -50,18 +48,22 @@ class EqualAtTrace(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in _EQUALS or len(args) != 2 or not _traced(args):
+        if func not in _EQUALS or len(args) != 2:
             return func(*args, **kwargs)
-        a, b = args
-        if a.shape != b.shape:
-            return False
-        known = [known_value(t, computed=True) for t in (a, b)]
+        with torch._C.DisableTorchFunction():  # looked at without the other modes
+            if not _traced(args):
+                return func(*args, **kwargs)
+            a, b = args
+            if a.shape != b.shape:
+                return False
+            known = [known_value(t, computed=True) for t in (a, b)]
+            floating = a.is_floating_point() or a.is_complex()
         if known[0] is not None and known[1] is not None:
             with _disable_current_modes():  # real tensors: eager's answer
                 return func(*known)
-        site = _call_site()
+        site = call_site()
         if a is b:
-            if a.is_floating_point() or a.is_complex():
+            if floating:
                 torch._assert_async(
                     a.isnan().any().logical_not(),
                     f"functacc: torch.equal(x, x) at {site} is False in eager this call "
@@ -86,11 +88,3 @@ def _traced(args: tuple) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return any(isinstance(t, Tensor) and is_fake(t) for t in args)
-
-
-def _call_site() -> str:
-    """``file:line`` of the innermost frame of the user's code (for the messages)."""
-    for frame in reversed(traceback.extract_stack()):
-        if is_user_code(frame.filename) and not frame.filename.startswith("<"):
-            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
-    return "an unknown site"
