@@ -97,7 +97,8 @@ def known_value(t: Tensor, computed: bool = False) -> Tensor | None:
             if node not in wanted:
                 continue
             if node.op == "placeholder":
-                guarded.setdefault(inputs[node], call_site())
+                if inputs[node] not in guarded:  # where it was first read (a stack walk)
+                    guarded[inputs[node]] = call_site()
                 env[node] = real[inputs[node]].clone()  # an in-place op must not reach it
             elif node.op == "get_attr":
                 env[node] = functools.reduce(getattr, node.target.split("."), mode.tracer.root)

@@ -99,6 +99,7 @@ class Engine:
         max_traces: int | None = 32,
         background: bool = False,
     ):
+        self.read_values = False  # traces read known batch values (host_values.py)
         self.backend = backend
         self.background = background  # Inductor compiles in a worker meanwhile (background.py)
         self._pending: list[BackgroundCompiled] = []
@@ -171,8 +172,12 @@ class Engine:
             holder=self.holder,
             signature=plan.signature,
             dynamic=dims if plan.symbolic else None,
+            read_values=self.read_values,
             **options,
         )
+        # A step that needed its batch's values read (host_values.py) reads them in every
+        # later trace at once, instead of failing a first trace each time.
+        self.read_values = traced.read_values
         plan.traced_at = time.perf_counter()
         plan.devices = frozenset(t.device for t in example if isinstance(t, Tensor) and t.is_cuda)
         return traced

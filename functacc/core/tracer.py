@@ -58,14 +58,14 @@ class Traced:
         self.fakes = fakes
         self.guard = guard
         # The fake mode of the trace: a graph whose Python numbers came from tensors
-        # (``.item()``: unbacked symbols) or are inputs is compiled in it, where those
-        # symbols live, from the very fakes it was traced with.
+        # (unbacked symbols) or are inputs is compiled in it, from the very fakes traced.
         self.fake_mode = fake_mode
         self.example_fakes: list[Any] = []
         # The condition over the Python-number inputs under which the graph holds, and
         # where in the user's code it branched ("utils.py:53 in progress_bar").
         self.number_guard: str | None = None
         self.branch_sites: list[str] = []
+        self.read_values = False  # it read known batch values as numbers (host_values.py)
 
 
 def trace(
@@ -79,6 +79,7 @@ def trace(
     strict: bool = False,
     watches: Sequence[contextlib.AbstractContextManager] = (),
     on_error: Callable[[Exception], Exception] | None = None,
+    read_values: bool = False,
 ) -> Traced:
     """Trace ``fn(*example_inputs)`` into a graph module with fake tensors.
 
@@ -96,6 +97,8 @@ def trace(
         watches: more context managers around the trace (checks of the caller's own).
         on_error: turns an exception raised while tracing into the one to raise;
             by default a :class:`TraceError` naming the module and source line.
+        read_values: read known batch values as numbers from the start (host_values.py),
+            as an earlier trace of this step needed (``traced.read_values``).
 
     Example:
         >>> import torch
@@ -123,7 +126,7 @@ def trace(
                 *watches,
             ):
                 stack.enter_context(watch)
-            values = ValuesOnHost(read=False)
+            values = ValuesOnHost(read=read_values)
             try:
                 with values:
                     traced = _trace(fn, detached, devices, dims, functional, strict)
@@ -132,10 +135,11 @@ def trace(
                 traced.fixed = str(why)  # said in the retrace's reason (a draw's size)
             except Exception as exc:
                 # A size made of a batch's values (lengths.tolist()): read them (host_values)
-                if not (values.known_reads and is_data_dependent(exc)):
+                if values.read or not (values.known_reads and is_data_dependent(exc)):
                     raise
-                with ValuesOnHost():
+                with (values := ValuesOnHost()):
                     traced = _trace(fn, detached, devices, dims, functional, strict)
+            traced.read_values = values.read
     except Exception as exc:
         if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):
             raise
@@ -376,10 +380,8 @@ def _eager_kernels() -> Iterator[None]:
     ``aten.dropout`` (``native_dropout`` against eager's ``bernoulli_`` on an empty tensor)
     that draws a different random stream: the same seed would give different masks. For
     ``aten.lstm`` the decomposition calls oneDNN's layer in inference mode or unrolls the
-    cell in other ops than eager's, and draws the dropout between layers otherwise (seen:
-    another loss and another RNG state than eager's at the first symbolic step). Hiding
-    the Python kernels for the duration of the trace keeps the C++ composites, so symbolic
-    and static graphs compute eager's numbers and draw eager's masks.
+    cell in other ops than eager's, and draws the dropout between layers otherwise. Hiding
+    the Python kernels while tracing keeps the C++ composites: eager's numbers and masks.
     """
     from torch._C import DispatchKey
 
