@@ -70,25 +70,37 @@ def attribute_change_error(names: list[str]) -> Exception:
     )
 
 
-def host_random_error(generators: list[str]) -> TraceError:
-    """The step drew from Python's or NumPy's global generator while traced."""
+def host_random_error(
+    generators: list[str], where: str | None = None, statement: str | None = None
+) -> TraceError:
+    """The step drew from Python's or NumPy's global generator while traced; ``where``:
+    the first draw (``random.sample, at dqn.py:15 in sample: `...```), ``statement``: the
+    step's own line that led there, when that is another."""
     labels = {"random": "Python's random module", "numpy.random": "NumPy's np.random"}
     names = " and ".join(labels.get(g, g) for g in generators)
+    at = f" ({where})" if where else ""
+    pass_in = (
+        "draw them before the call and pass them in, the same numbers as eager's (mixup's "
+        "step(x, y, lam=np.random.beta(a, a)): a number argument is fed to the graph, without "
+        "a trace per value)"
+    )
+    fix = (
+        f"Fix: run `{statement}` before the call and pass what it makes to the step: eager's "
+        "numbers (a sample of a replay memory, an order shuffled in place)."
+        if statement
+        else "Fix: draw them with torch (torch.rand, torch.bernoulli, torch.randint): they are "
+        "part of the graph, new at every step, and eager's numbers. A decision that skips a "
+        "layer can be a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep. Or "
+        f"{pass_in}."
+    )
     return TraceError(
-        f"the step (a forward, a loss or a jitted body) drew random numbers from {names} "
+        f"the step (a forward, a loss or a jitted body) drew random numbers from {names}{at} "
         "while it was traced: a compiled step runs its Python code once, when it traces, so "
-        "every step would "
-        "reuse the numbers drawn then (an order shuffled once "
-        "for the whole run), where eager PyTorch draws new ones at every step. A draw with "
-        "plain arguments (numbers and sizes: np.random.normal(0, 1, (n, d)), rng.random() "
-        "of a generator the step reads) is drawn again before every call and fed; this one "
-        "(an array argument, a shuffle in place, a library's own draw) cannot be. Draw them with "
-        "torch instead (torch.rand, torch.bernoulli, torch.randint): they are part of the "
-        "graph, new at every step, and eager's numbers. A decision that skips a layer can be "
-        "a mask: x + block(x) * torch.bernoulli(torch.full((), keep)) / keep. Or draw them "
-        "before the call and pass them in, the same numbers as eager's (mixup's "
-        "step(x, y, lam=np.random.beta(a, a)): a number argument is fed to the graph, "
-        "without a trace per value)."
+        "every step would reuse the numbers drawn then (an order shuffled once for the whole "
+        "run), where eager PyTorch draws new ones at every step. A draw with plain arguments "
+        "(numbers and sizes: np.random.normal(0, 1, (n, d)), rng.random() of a generator the "
+        "step reads) is drawn again before every call and fed; this one (a population or "
+        f"array argument, a shuffle in place, a library's own draw) cannot be. {fix}"
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from .graph_passes import (
 from .graph_passes import fingerprint as graph_fingerprint
 from .held_objects import check_declared_optimizers, library_objects
 from .mapping_args import carried
-from .python_args import NumberArguments
+from .python_args import NumberArguments, leaf_name
 from .python_effects import build
 from .python_state import PythonPlan, PythonState
 from .python_tensors import owned_tensors
@@ -260,8 +261,10 @@ class StepBody:
         donated: list[int],
     ) -> BodyProgram:
         key, family = keys()
-        names_of = batch_names(*pytree.tree_unflatten(leaves, spec), positional_names(self.fn))
-        plan = self.engine.plan(key, family, names_of, tensors, describe_leaves(leaves))
+        call = pytree.tree_unflatten(leaves, spec)  # (args, kwargs)
+        names_of = batch_names(*call, positional_names(self.fn))
+        named = partial(leaf_name, self.fn, *call)  # an argument leaf's name, for reasons
+        plan = self.engine.plan(key, family, names_of, tensors, describe_leaves(leaves), named)
         stand_ins = self.capture.stand_ins(names, state)
         # Counters the body writes are fed from the first trace, numbers it branches on are
         # guarded: each discovery traces again (fake tensors, cheap), never compiles twice.
@@ -308,6 +311,7 @@ class StepBody:
             raise dropped_gradient_error(self.engine.cache.what, read)
         n_fixed = len(state) + len(fed)
         input_names = [*names, *(f"python {loc.label}" for loc in fed)]
+        outputs = (body.exit.signature(), body.out_spec, _kinds_key(body.kinds))
         fingerprint = graph_fingerprint(
             traced.graph,
             [(input_names[i] if i < n_fixed else f"batch {i - n_fixed}") for i in used],
@@ -316,13 +320,7 @@ class StepBody:
                 for e in (example[i] for i in used)
             ],
             # Factory ops traced without a dtype take the default one (Inductor bakes it in).
-            (
-                body.exit.signature(),
-                body.out_spec,
-                _kinds_key(body.kinds),
-                python.signature(),
-                torch.get_default_dtype(),
-            ),
+            (*outputs, python.signature(), torch.get_default_dtype()),
         )
         program = BodyProgram(
             run=None,  # type: ignore[arg-type]  # set below

@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor
 
 from ..errors import RetraceError
-from .differences import describe_difference, size_changes
+from .differences import describe_difference, leaf_difference, size_changes
 from .retrace_advice import retrace_fix
 
 __all__ = ["ProgramCache", "SizeGuard", "TraceRecord", "as_call", "warm_up"]
@@ -171,9 +171,15 @@ class ProgramCache:
         ]
 
     def reason(
-        self, key: Hashable, family: Hashable, names: Sequence[str], tensors: Sequence[Tensor]
+        self,
+        key: Hashable,
+        family: Hashable,
+        names: Sequence[str],
+        tensors: Sequence[Tensor],
+        leaf_name: Callable[[int], str] | None = None,
     ) -> str:
-        """Why this signature needs a trace, naming the input and dimension that changed."""
+        """Why this signature needs a trace, naming the input and dimension that changed
+        (``leaf_name(i)``: the name of the call's ``i``-th argument leaf, where known)."""
         entry = self._families.get(family)
         if entry is not None:
             shapes = [tuple(t.shape) for t in tensors]
@@ -191,21 +197,23 @@ class ProgramCache:
         # Told against the closest signature seen (the last one where as close): an update
         # step after a no-update one differs from its own kind by less than from the last.
         closest = min([self._last_key, *self._exact], key=lambda seen: _distance(seen, key))
-        return describe_difference(closest, key)
+        changed = leaf_difference(closest, key, leaf_name) if leaf_name else None
+        return changed or describe_difference(closest, key)
 
     def check_budget(self, reason: str, signature: str) -> None:
         """Raise :class:`RetraceError` if one more trace would exceed ``max_traces``."""
         if self.max_traces is None or self.num_traces < self.max_traces:
             return
         recent = "\n".join(
-            f"  trace #{r.number}: {r.reason}\n      inputs: {r.signature}"
+            f"  trace #{r.number}: {r.reason}\n      inputs: {_shortened(r.signature)}"
             for r in self.records[-5:]
         )
         raise RetraceError(
             f"{self.what} would be traced again (trace #{self.num_traces + 1}), above "
-            f"max_traces={self.max_traces}: {reason}\n  inputs: {signature}\nThe last traces "
-            f"were:\n{recent}\n{retrace_fix(reason, self.static)} Or raise the limit: "
-            "compile_step(..., max_traces=None) means no limit. Nothing was changed by this call."
+            f"max_traces={self.max_traces}: {reason}\n  inputs: {_shortened(signature)}\n"
+            f"The last traces were:\n{recent}\n{retrace_fix(reason, self.static)} Or raise "
+            "the limit: max_traces=None (of jit or compile_step) means no limit. Nothing was "
+            "changed by this call."
         )
 
     def alias(self, key: Hashable, program: Any) -> None:
@@ -312,3 +320,11 @@ def as_call(batch: Any, *, with_targets: bool) -> tuple[tuple, dict]:
     if isinstance(batch, (tuple, list)):
         return tuple(batch), {}
     return (batch,), {}
+
+
+def _shortened(text: str, limit: int = 240) -> str:
+    """``text`` cut to about ``limit`` characters (a batch of 64 tensors is thousands)."""
+    if len(text) <= limit:
+        return text
+    cut = text.rfind("; ", 0, limit)
+    return f"{text[: cut if cut > 0 else limit]}; ... ({text.count('; ') + 1} in all)"

@@ -8,12 +8,13 @@ forward filled in at its first call.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from .lookup_tables import table_repr
 from .signature import LayoutSpec, TensorSpec
 
-__all__ = ["describe_difference", "filled_settings", "size_changes"]
+__all__ = ["describe_difference", "filled_settings", "leaf_difference", "size_changes"]
 
 
 def size_changes(
@@ -74,6 +75,39 @@ def describe_difference(old: Hashable, new: Hashable, path: str = "") -> str:
             )
     where = f"{path}: " if path else ""
     return f"{where}{old!r} -> {new!r}"
+
+
+def leaf_difference(old: Hashable, new: Hashable, leaf_name: Callable[[int], str]) -> str | None:
+    """Where a call's arguments hold a tensor where the other held another value (DQN's
+    replay batch: a transition's ``next_state`` is ``None`` at an episode's end), named by
+    ``leaf_name(i)`` (``transitions[3].next_state``); None if that is not what changed.
+
+    The keys' ``("batch", treespec, constants, donated)`` entries tell: ``constants`` holds
+    ``None`` for a tensor and the value otherwise.
+    """
+    a, b = _batch_entry(old), _batch_entry(new)
+    if a is None or b is None or a[1] != b[1] or len(a[2]) != len(b[2]):
+        return None
+    for i, (x, y) in enumerate(zip(a[2], b[2], strict=True)):
+        if x != y and (x is None or y is None):
+            return (
+                f"{leaf_name(i)}: {_leaf(x)} -> {_leaf(y)} (the argument's structure changed: "
+                f"a tensor in one call, {_leaf(y if x is None else x)} in another)"
+            )
+    return None
+
+
+def _batch_entry(key: Hashable) -> tuple | None:
+    parts = key[1] if type(key) is tuple and len(key) == 2 and type(key[1]) is tuple else ()
+    return next((p for p in parts if type(p) is tuple and len(p) == 4 and p[0] == "batch"), None)
+
+
+def _leaf(constant: Any) -> str:
+    if constant is None:
+        return "a tensor"
+    if type(constant) is tuple and len(constant) == 2 and isinstance(constant[0], type):
+        return repr(constant[1])
+    return str(constant)
 
 
 def filled_settings(old: Hashable, new: Hashable, path: str = "") -> list[str] | None:

@@ -148,8 +148,9 @@ class Engine:
         names: list[str],
         tensors: list[Tensor],
         signature: str,
+        leaf_name: Callable[[int], str] | None = None,
     ) -> Plan:
-        reason = self.cache.reason(key, family, names, tensors)
+        reason = self.cache.reason(key, family, names, tensors, leaf_name)
         dynamic = self.cache.plan(family, tensors)
         if self.static:
             dynamic = [frozenset()] * len(dynamic)

@@ -30,6 +30,7 @@ from torch import nn
 __all__ = [
     "anomaly_checks",
     "call_site",
+    "draw_site",
     "formats_with_percent",
     "in_function",
     "in_package",
@@ -99,6 +100,29 @@ def call_site() -> str:
     if frame is None:
         return "an unknown line"
     return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+
+
+def draw_site() -> tuple[str, str | None]:
+    """Where the user's code running now is (``file:line in function: `code```, its
+    innermost frame) and the step's own statement that led there, when that is another
+    line (``transitions = memory.sample(BATCH_SIZE)`` for a draw in ``ReplayMemory.sample``):
+    the outermost frame of the innermost run of user frames, the step's body being called
+    by functacc's."""
+    from .python_output import is_user_code
+
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith("<")]
+    users = [is_user_code(f.filename) for f in frames]
+    inner = max((i for i, user in enumerate(users) if user), default=None)
+    if inner is None:
+        return "an unknown line", None
+    outer = inner
+    while outer > 0 and users[outer - 1]:
+        outer -= 1
+    frame = frames[inner]
+    site = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    site += f": `{frame.line.strip()}`" if frame.line else ""
+    statement = (frames[outer].line or "").strip() if outer != inner else ""
+    return site, statement or None
 
 
 def _innermost_user(frames: traceback.StackSummary) -> traceback.FrameSummary | None:

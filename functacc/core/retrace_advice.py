@@ -44,6 +44,28 @@ def retrace_fix(reason: str, static: bool = False) -> str:
             "another path. Fix: keep the values few (bucket and sort batches by length), "
             "or compute with the tensor (a mask, torch.where) instead of Python numbers."
         )
+    if re.search(r"\.__len__\(\): \d+ -> \d+", reason):
+        return (
+            "The step reads the length of a list, deque or dict in its Python state (a "
+            "replay memory's len(memory) < BATCH_SIZE), so each new length costs a trace "
+            "while it grows. Fix: check the length before the call (if len(memory) >= "
+            "BATCH_SIZE: step(...)), or give the step a counter that changes less often."
+        )
+    if "a tensor in one call, None in another" in reason:
+        return (
+            "An argument, or an item in one, is None in some calls and a tensor in others, "
+            "and each pattern of them is a trace and a compile (DQN's replay batch, a "
+            "transition's next_state None at an episode's end: a pattern per batch). Fix: "
+            "pass a tensor in every call (zeros where there is none) and a mask of which are "
+            "real (done = torch.tensor([s is None for s in batch.next_state])), and compute "
+            "with the mask: torch.where(done, 0.0, target_net(next_states).max(1).values)."
+        )
+    if "a tensor in one call" in reason:
+        return (
+            "An argument, or an item in one, is a tensor in some calls and a Python value in "
+            "others, and each pattern is a trace and a compile. Fix: pass the same kind in "
+            "every call (a tensor, with a mask for the calls where it has no value)."
+        )
     if "branch on fed numbers" in reason:
         return branch_fix(reason)
     if re.match(r"python .*\[\d+\]: ", reason):

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from ..errors import argument_error, attribute_change_error, host_random_error, user_stacklevel
+from .failure_sites import draw_site
 from .model_watch import HELD_DEPTH, held_items
 from .python_clock import fed_clock
 from .python_reach import MODULE_TABLES
@@ -161,6 +162,7 @@ class HostRandomWatch:
         self.alone = threading.active_count() == 1
         self.tracer = threading.get_ident()
         self.called: set[str] = set()  # generators the tracing thread drew from
+        self.sites: dict[str, tuple[str, str | None]] = {}  # ... where it drew first
         self.others: set[str] = set()  # ... and other threads, through the same functions
         self.patched = []
         for label, module in _host_random_modules():
@@ -175,6 +177,9 @@ class HostRandomWatch:
         def draw(*args: Any, **kwargs: Any) -> Any:
             tracing = threading.get_ident() == self.tracer
             (self.called if tracing else self.others).add(label)
+            if tracing and label not in self.sites:
+                site, statement = draw_site()
+                self.sites[label] = (f"{label}.{original.__name__}, at {site}", statement)
             return original(*args, **kwargs)
 
         return draw
@@ -193,7 +198,8 @@ class HostRandomWatch:
             if "numpy.random" in self.before:
                 sys.modules["numpy"].random.set_state(self.before["numpy.random"])
         if drawn and kind is None:
-            raise host_random_error(drawn)
+            first = next((self.sites[g] for g in drawn if g in self.sites), (None, None))
+            raise host_random_error(drawn, *first)
         if not drawn:
             warnings.warn(
                 f"{host_random_error(changed)} (Other Python threads were running, and one "
