@@ -78,22 +78,30 @@ def caption_step(
     return train_step, losses, top5accs
 
 
-def caption_batches(n: int, patterns: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+def caption_batches(
+    n: int, patterns: int, fixed: Tensor | None = None
+) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Images, captions and their lengths as the tutorial's CaptionDataset gives them
-    (lengths as a (batch, 1) column); ``patterns`` lists of lengths in turn."""
+    (lengths as a (batch, 1) column); ``patterns`` lists of lengths in turn, or ``fixed``."""
     g = torch.Generator().manual_seed(1)
     lengths = [torch.randint(3, 10, (6, 1), generator=g) for _ in range(patterns)]
+    lengths = lengths if fixed is None else [fixed]
     for i in range(n):
         imgs = torch.randn(6, 3, 8, 8, generator=g)
         caps = torch.randint(1, VOCAB, (6, 9), generator=g)
-        yield imgs, caps, lengths[i % patterns].clone()
+        yield imgs, caps, lengths[i % len(lengths)].clone()
 
 
 def run_captioning(
-    backend: str | None, n: int, patterns: int, optimizer: type = torch.optim.Adam
+    backend: str | None,
+    n: int,
+    patterns: int,
+    optimizer: type = torch.optim.Adam,
+    lengths: Tensor | None = None,
 ) -> tuple[list, list, Any]:
     """Train the tutorial's captioner eagerly (``backend=None``) or jitted; its weights,
-    optimizer states, meters and the step."""
+    optimizer states, meters and the step. ``lengths``: one column of caption lengths for
+    every batch instead of ``patterns`` drawn ones."""
     encoder, decoder, enc_opt, dec_opt = captioning(optimizer)
     body, losses, top5 = caption_step(encoder, decoder, enc_opt, dec_opt)
     step = body
@@ -101,7 +109,7 @@ def run_captioning(
         step = functacc.jit(
             body, modules=[encoder, decoder], optimizers=[enc_opt, dec_opt], backend=backend
         )
-    for i, batch in enumerate(caption_batches(n, patterns)):
+    for i, batch in enumerate(caption_batches(n, patterns, lengths)):
         torch.manual_seed(i)  # the decoder's dropout
         step(*batch)
     weights = [t.detach().clone() for m in (encoder, decoder) for t in m.state_dict().values()]
@@ -146,8 +154,11 @@ def test_show_attend_tell_under_inductor() -> None:
     # script's Adam: Adam's first updates are lr * g / |g|, and a gradient that is zero up
     # to rounding (the conv bias before BatchNorm, the bias before the softmax) becomes
     # a +-lr update whose sign the reduction order decides (1e-4 apart after 3 steps).
-    expected, expected_meters, _ = run_captioning(None, 3, 1, torch.optim.SGD)
-    got, got_meters, step = run_captioning("inductor", 3, 1, torch.optim.SGD)
+    # Two caption lengths (7 and 4): the decoder's time steps run on two batch sizes, so
+    # two sets of kernels to compile, not one per step (each a g++ run of about a second).
+    lengths = torch.tensor([[7], [4], [7], [4], [4], [7]])
+    expected, expected_meters, _ = run_captioning(None, 3, 1, torch.optim.SGD, lengths)
+    got, got_meters, step = run_captioning("inductor", 3, 1, torch.optim.SGD, lengths)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert got_meters[1] == expected_meters[1] and got_meters[4] == expected_meters[4]

@@ -45,6 +45,10 @@ def env() -> dict:
     out = dict(os.environ)
     out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
     out.setdefault("OMP_NUM_THREADS", "1")
+    # A collective waits up to the run's own limit (600 s): on a loaded 2-core machine one
+    # rank can lag the other by more than the default 300 s (seen once: a gloo send timed
+    # out while 5 processes shared the cores). A real hang still fails, at the limit.
+    out.setdefault("FUNCTACC_TIMEOUT", "570")
     return out
 
 
