@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# Two pytest workers, whole files each (a file's torchrun fixtures run once): most of the
-# suite is Inductor compiles, single-threaded Python half of the time (15 min -> 12 here).
+# Two pytest workers, whole files each (a file's torchrun fixtures run once). On a cold
+# Inductor cache most of the time is C++ compiles of Inductor's kernels (a g++ run of 1-3 s
+# each): 72 min on the 2-core Xeon of 2026-11-29 (test time: Inductor tests 41%, torchrun
+# 16%, the rest mostly jit's traces), far over the 20 minutes aimed at.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
