@@ -1,11 +1,10 @@
 """The one tracer: a flat function of tensors into one FX graph of ATen ops, on fake tensors.
 
 Both front doors trace with it: ``jit`` (and ``compile_step``, a standard body on it) gives
-it an eager step body, whose in-place writes
-(``backward()`` accumulating ``.grad``, ``opt.step()``, an EMA update) land anywhere:
-``functional=True`` traces that body with autograd running, then traces
-``torch.func.functionalize`` of the result, which moves every write into an input to the
-very end of the graph, after all computation that could fail.
+it an eager step body, whose in-place writes (``backward()`` accumulating ``.grad``,
+``opt.step()``, an EMA update) land anywhere: ``functional=True`` traces that body with
+autograd running, then traces ``torch.func.functionalize`` of the result, which moves every
+write into an input to the very end of the graph, after all computation that could fail.
 
 Tracing runs on fake tensors: no real computation happens, so BatchNorm statistics, the
 RNG and every real tensor are untouched by a trace, and Python branches on tensor values
@@ -25,6 +24,7 @@ import torch.fx.traceback as fx_traceback
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import TraceError
@@ -57,8 +57,8 @@ class Traced:
         self.graph = graph
         self.fakes = fakes
         self.guard = guard
-        # The fake mode of the trace: a graph whose Python numbers came from tensors
-        # (unbacked symbols) or are inputs is compiled in it, from the very fakes traced.
+        # The fake mode of the trace: a graph whose Python numbers came from tensors (unbacked
+        # symbols) or are inputs is compiled in it, from the very fakes traced.
         self.fake_mode = fake_mode
         self.example_fakes: list[Any] = []
         # The condition over the Python-number inputs under which the graph holds, and
@@ -126,9 +126,8 @@ def trace(
                 *watches,
             ):
                 stack.enter_context(watch)
-            values = ValuesOnHost(read=read_values)
             try:
-                with values:
+                with (values := ValuesOnHost(read=read_values)):
                     traced = _trace(fn, detached, devices, dims, functional, strict)
             except _MixedGuard as why:  # sizes this trace cannot keep symbolic: fixed
                 traced = _trace(fn, detached, devices, None, functional, strict)
@@ -249,21 +248,22 @@ def _make_fx(
     # `_allow_non_fake_inputs` (not strict): tensors a module keeps outside what the step
     # lifts as inputs are real; they become constants of the graph. Fresh handles per pass:
     # an eager body marks its parameters as requiring grad and sets their .grad, which the
-    # second pass must not see.
-    first = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
-        *[f.detach() if _tensor(f) else f for f in fakes]
-    )
+    # second pass must not see. Lazy graph modules: the passes after a trace edit the graph
+    # several times; its Python code (half a second for a large step) is made once, when run.
+    def run(f: Callable[..., object]) -> GraphModule:
+        with _use_lazy_graph_module(True):
+            args = [t.detach() if _tensor(t) else t for t in fakes]
+            return make_fx(f, tracing_mode=mode, _allow_non_fake_inputs=not strict)(*args)
+
+    first = run(fn)
     if not functional:
         return first
     # Eager's in-place ops on intermediates (a GRU cell's) come back after functionalization:
     # eager_inplace.py. The nodes carry their tag through a trace run node by node.
     mark_inplace(first)
     _carry_meta(first)
-    pure = torch.func.functionalize(traced_node_by_node(first), remove="mutations")
     with fx_traceback.preserve_node_meta():
-        second = make_fx(pure, tracing_mode=mode, _allow_non_fake_inputs=not strict)(
-            *[f.detach() if _tensor(f) else f for f in fakes]
-        )
+        second = run(torch.func.functionalize(traced_node_by_node(first), remove="mutations"))
     restore_inplace(second)
     _uncarry_meta(second)
     return second
