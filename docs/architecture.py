@@ -34,6 +34,7 @@ STAGES: dict[str, list[str]] = {
         "core/scalar_reads",
         "core/body_trace",
         "core/body_errors",
+        "core/grad_clears",
         "core/python_state",
         "core/python_replay",
         "core/python_tensors",

@@ -8,9 +8,9 @@ eager's kernels (dropout draws eager's masks) and the body's in-place writes; th
 functionalized, so every write into an input is a ``copy_`` at the very end, after all
 computation that could fail: a call that fails changes nothing.
 
-A new signature costs a trace (fake tensors, cheap) but not always a compile: a graph
-identical to one compiled already reuses it (a body that starts with ``opt.zero_grad()``
-traces the same graph with and without the ``.grad`` of a previous call).
+A new signature costs a trace (fake tensors) but not always a compile: a graph identical to
+one compiled already reuses it. The ``.grad`` a first call leaves costs neither where the body
+clears it before reading it (``opt.zero_grad()`` first: grad_clears.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .capture import Capture
 from .diagnostics import describe_leaves, message_root, translate
 from .donation import donated_positions, donated_targets, poison
 from .engine import Engine, Program
+from .grad_clears import reuse_without_grads
 from .grad_scaler import attach_grad_scalers
 from .graph_passes import (
     drop_unread_ops,
@@ -54,7 +55,7 @@ from .signature import (
     TensorSpec,
     batch_names,
     family_key,
-    hashable_constant,
+    kinds_key,
     positional_names,
 )
 
@@ -77,6 +78,7 @@ class BodyProgram(Program):
     n_grads: int = 0  # the new .grad tensors (the body's Python outputs follow them)
     numbers: list[tuple[int, type]] = field(default_factory=list)  # Python outputs: numbers
     python: PythonPlan = field(default_factory=PythonPlan)  # what runs before and after
+    cleared: frozenset[str] = frozenset()  # absent .grad its body cleared before any read
 
 
 class StepBody:
@@ -172,10 +174,10 @@ class StepBody:
             program = last[1]
         else:
 
-            def keys() -> tuple[tuple, tuple]:
+            def keys(names: tuple = names, state_key: tuple = parts[1]) -> tuple[tuple, tuple]:
                 full = (
                     ("state", names),
-                    parts[1],
+                    state_key,
                     context,
                     ("ambient", parts[3]),
                     ("grad mode", parts[4]),
@@ -189,6 +191,11 @@ class StepBody:
 
             key, family = keys()
             program = self.engine.lookup(key, family, tensors, self.python.holds)
+            if program is None:  # the .grad a first call left, cleared first: grad_clears.py
+                find = lambda *k: self.engine.lookup(*keys(*k), tensors, self.python.holds)  # noqa: E731
+                program = reuse_without_grads(names, parts[1], self.capture.dropped, find)
+                if program is not None:
+                    self.engine.cache.alias(key, program)
             if program is None:  # the next call looks up again: this trace found guards
                 program = self._build(keys, names, state, leaves, spec, tensors, list(donated))
                 self._last = None
@@ -311,7 +318,7 @@ class StepBody:
             raise dropped_gradient_error(self.engine.cache.what, read)
         n_fixed = len(state) + len(fed)
         input_names = [*names, *(f"python {loc.label}" for loc in fed)]
-        outputs = (body.exit.signature(), body.out_spec, _kinds_key(body.kinds))
+        outputs = (body.exit.signature(), body.out_spec, kinds_key(body.kinds))
         fingerprint = graph_fingerprint(
             traced.graph,
             [(input_names[i] if i < n_fixed else f"batch {i - n_fixed}") for i in used],
@@ -335,6 +342,7 @@ class StepBody:
             n_grads=body.n_grads,
             numbers=body.numbers,
             python=python,
+            cleared=body.cleared,
         )
         symbolic = traced.fakes is not None
         capture_graphs = self._captures(plan.devices)
@@ -385,13 +393,6 @@ class StepBody:
         jit = self.capture.door == "functacc.jit"  # else compile_step's standard body
         call = f"{getattr(self.fn, '__qualname__', 'fn')}(...) run eagerly" if jit else None
         return error or translate(exc, self.engine.holder, described, call)
-
-
-def _kinds_key(kinds: list[Any]) -> tuple:
-    return tuple(
-        k if isinstance(k, str) or k[0] == "donated" else ("constant", hashable_constant(k[1]))
-        for k in kinds
-    )
 
 
 def _is_t(x: Any) -> bool:

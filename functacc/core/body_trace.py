@@ -30,6 +30,7 @@ from .c10d_in_trace import collectives_in_graph
 from .constant_values import batch_values, known_value
 from .data_assign import data_assignments_written
 from .donation import donation_target
+from .grad_clears import FirstGradAccess
 from .grad_scaler import scalers_step_in_graph
 from .lookup_tables import as_lookup
 from .python_code import code_scopes, function_attributes_kept
@@ -111,6 +112,7 @@ class TracedBody:
         self.numbers: list[tuple[int, type]] = []  # Python outputs that are numbers, by kind
         self.real_batch = [x for x in leaves if isinstance(x, Tensor)]
         self.value_guarded: dict[int, str] = {}  # batch tensors whose values it read: where
+        self.cleared: frozenset[str] = frozenset()  # absent .grad zero_grad() cleared first
 
     def __call__(self, *flat: Tensor) -> tuple[Any, ...]:
         n_fixed = self.n_state + len(self.fed)
@@ -152,10 +154,12 @@ class TracedBody:
                 averages_in_graph(),
                 data_assignments_written(),
                 counting_backwards(self.step.engine.cache.what, self.step.fn) as returned,
+                FirstGradAccess(self._absent_grads(flat)) as first_access,  # grad_clears.py
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
                 out, self.out_spec = pytree.tree_flatten(result)
                 returned.extend(out)
+            self.cleared = frozenset(first_access.cleared)
             free = {i: flat[n_fixed + i] for i in self.donated}
             self._donated_inputs = list(free.values())
             produced = self._returned(out, free, flat[self.n_state : n_fixed])
@@ -175,6 +179,15 @@ class TracedBody:
                     value = torch.scalar_tensor(value, dtype=kind[1])
                 python.append(value)
             return (*produced, *new_grads, *python)
+
+    def _absent_grads(self, flat: Sequence[Any]) -> dict[int, str]:
+        """The traced parameters that hold no ``.grad``: their ``id``, their gradient's name."""
+        names = set(self.names)
+        return {
+            id(flat[i]): f"grad {name[6:]}"
+            for i, name in enumerate(self.names)
+            if name.startswith("param ") and f"grad {name[6:]}" not in names
+        }
 
     def _returned(self, out: list, free: dict[int, Tensor], fed: Sequence[Any]) -> list[Tensor]:
         """The kinds of the returned leaves, and the tensors among them that are outputs.

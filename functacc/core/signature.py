@@ -34,6 +34,7 @@ __all__ = [
     "batch_names",
     "family_key",
     "hashable_constant",
+    "kinds_key",
     "positional_names",
 ]
 
@@ -205,3 +206,11 @@ def hashable_constant(x: Any) -> Any:
     except TypeError:
         return repr(x)
     return (type(x), x)
+
+
+def kinds_key(kinds: list[Any]) -> tuple:
+    """A step's output kinds (``"tensor"``, ``("donated", i)``, a constant) as a hashable key."""
+    return tuple(
+        k if isinstance(k, str) or k[0] == "donated" else ("constant", hashable_constant(k[1]))
+        for k in kinds
+    )
