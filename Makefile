@@ -16,9 +16,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # Two pytest workers, whole files each (a file's torchrun fixtures run once). On a cold
-# Inductor cache most of the time is C++ compiles of Inductor's kernels (a g++ run of 1-3 s
-# each): 72 min on the 2-core Xeon of 2026-11-29 (test time: Inductor tests 41%, torchrun
-# 16%, the rest mostly jit's traces), far over the 20 minutes aimed at.
+# Inductor cache 61 min on the 2-core Xeon of 2026-11-29 (72 min before the traces got
+# cheaper that day), far over the 20 minutes aimed at: Inductor tests ~40% of test time
+# (a g++ run of 1-1.5 s per kernel), torchrun ~16%, the rest mostly jit's traces.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
