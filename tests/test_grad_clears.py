@@ -63,6 +63,12 @@ def model_zero_grad_first(model: nn.Module, opt: torch.optim.Optimizer) -> Calla
     return body
 
 
+def frozen_first_layer(model: nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    # A frozen layer never holds a gradient: only the trained ones arrive at the second call.
+    model[0].requires_grad_(False)
+    return zero_grad_first(model, opt)
+
+
 def reads_before_clearing(model: nn.Module, opt: torch.optim.Optimizer) -> Callable:
     # What came in is read first (a norm logged before zero_grad): its arrival matters.
     def body(x, y):
@@ -122,7 +128,7 @@ def assert_as_eager(make_body: Callable, backend: str = "eager") -> Callable:
     return step
 
 
-@pytest.mark.parametrize("make_body", [zero_grad_first, model_zero_grad_first])
+@pytest.mark.parametrize("make_body", [zero_grad_first, model_zero_grad_first, frozen_first_layer])
 def test_a_body_that_clears_the_gradients_first_is_traced_once(make_body, caplog) -> None:
     with caplog.at_level("INFO", logger="functacc"):
         step = assert_as_eager(make_body)
