@@ -70,12 +70,29 @@ def attribute_change_error(names: list[str]) -> Exception:
     )
 
 
+def computed_key_error(key: str, where: str) -> TraceError:
+    """A dict key the step formatted from a number it computes (a trace's stand-in:
+    ``"\\x00functacc...\\x00"`` in ``key``), used at ``where`` (``the dict at self.logs``)."""
+    import re
+
+    shown = re.sub("\x00functacc[^\x00]*\x00", "{...}", key)
+    return TraceError(
+        f"the step uses the string {shown!r} as a key of {where}, and formatted it from a "
+        "number it computes (the {...}): functacc.jit runs the step's Python once, when it "
+        "traces, with no values yet (a number fed to the graph, such as a counter, has none "
+        "either), so it cannot know which entry eager reads or writes there, nor how many "
+        "entries there are. Fix: compute such keys and their entries after the call, from "
+        "what the step returns (or in a function of yours wrapped with functacc.host, "
+        "which runs after each call with the call's values)."
+    )
+
+
 def host_random_error(
     generators: list[str], where: str | None = None, statement: str | None = None
 ) -> TraceError:
     """The step drew from Python's or NumPy's global generator while traced; ``where``:
     the first draw (``random.sample, at dqn.py:15 in sample: `...```), ``statement``: the
-    step's own line that led there, when that is another."""
+    call that led there, in backquotes, when that is another line (``draw_site``)."""
     labels = {"random": "Python's random module", "numpy.random": "NumPy's np.random"}
     names = " and ".join(labels.get(g, g) for g in generators)
     at = f" ({where})" if where else ""
@@ -85,7 +102,7 @@ def host_random_error(
         "a trace per value)"
     )
     fix = (
-        f"Fix: run `{statement}` before the call and pass what it makes to the step: eager's "
+        f"Fix: run {statement} before the call and pass what it makes to the step: eager's "
         "numbers (a sample of a replay memory, an order shuffled in place)."
         if statement
         else "Fix: draw them with torch (torch.rand, torch.bernoulli, torch.randint): they are "

@@ -275,8 +275,8 @@ class Capture:
             and id(value) in swap
             and (table is not vars(m) or id(value) in self.loose)
         ]
-        if python is not None and self.loose:
-            python.install_loose({i: swap[i] for i in self.loose})
+        if python is not None:  # where the body's variables and objects hold them too
+            python.install_held(swap)
         attribute_inputs = [by_name[f"attribute {q}"] for q, _, _ in self.attributes]
         traced_opts = []
         for opt in self.optimizers:

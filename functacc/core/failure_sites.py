@@ -104,10 +104,11 @@ def call_site() -> str:
 
 def draw_site() -> tuple[str, str | None]:
     """Where the user's code running now is (``file:line in function: `code```, its
-    innermost frame) and the step's own statement that led there, when that is another
-    line (``transitions = memory.sample(BATCH_SIZE)`` for a draw in ``ReplayMemory.sample``):
-    the outermost frame of the innermost run of user frames, the step's body being called
-    by functacc's."""
+    innermost frame) and, when that is another line, the statement that called the drawing
+    function, in backquotes (```transitions = memory.sample(BATCH_SIZE)``` for a draw in
+    ``ReplayMemory.sample``), with the step's statements that led to it where the step did
+    not call it itself: the innermost run of user frames, the step's body being called by
+    functacc's."""
     from .python_output import is_user_code
 
     frames = [f for f in traceback.extract_stack() if not f.filename.startswith("<")]
@@ -121,8 +122,14 @@ def draw_site() -> tuple[str, str | None]:
     frame = frames[inner]
     site = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
     site += f": `{frame.line.strip()}`" if frame.line else ""
-    statement = (frames[outer].line or "").strip() if outer != inner else ""
-    return site, statement or None
+    # The call into the drawing function, and the step's statements that led to it
+    # (improved-diffusion: `self.forward_backward(...)`, then `t, weights =
+    # self.schedule_sampler.sample(...)` in it): the one to run before the call.
+    lines = [(f.line or "").strip() for f in frames[outer:inner]]
+    if not all(lines):
+        return site, None
+    through = " -> ".join(f"`{line}`" for line in lines[:-1])
+    return site, f"`{lines[-1]}`" + (f" (which the step reaches through {through})" * bool(through))
 
 
 def _innermost_user(frames: traceback.StackSummary) -> traceback.FrameSummary | None:

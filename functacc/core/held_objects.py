@@ -2,9 +2,9 @@
 
 A GradScaler, a scheduler or another library's object: functacc does not scan their code,
 so a trace may leave its fake tensors in them (a GradScaler makes its scale at the first
-``scale()`` and fills its per-optimizer state in place). :func:`library_objects` copies
-their attributes (dicts and lists copied, everything else kept as the same object) before
-a trace; :func:`restore_objects` puts them back after one that failed or is repeated.
+``scale()`` and fills its per-optimizer state in place). :func:`library_objects` notes
+their attributes and what the dicts and lists among them hold before a trace;
+:func:`restore_objects` puts them back after one that failed or is repeated.
 
 Example:
     >>> import torch
@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import copy
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -43,7 +42,13 @@ __all__ = [
 
 
 class Held(list):
-    """What :func:`library_objects` found: ``(object, its attributes copied, where)``."""
+    """What :func:`library_objects` found: ``(object, its attributes, where)``, and the
+    contents of the dicts and lists among them (``contents``: by id, the container and
+    its items)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contents: dict[int, tuple[Any, list]] = {}
 
     def restore(self) -> None:
         """Each object's attributes exactly as they were found."""
@@ -79,7 +84,9 @@ def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> Held:
         elif isinstance(value, dict) and len(value) <= _WIDE:
             frontier += [(f"{label}[{k!r}]", v, depth + 1) for k, v in dict.items(value)]
         elif _object(value):
-            saved.append((value, _containers_copied(vars(value)), label))
+            saved.append((value, dict(vars(value)), label))
+            for v in vars(value).values():
+                _note_contents(v, saved.contents)
             frontier += [(f"{label}.{k}", v, depth + 1) for k, v in vars(value).items()]
     return saved
 
@@ -132,29 +139,36 @@ def _traced(value: Any, depth: int = 0) -> str | None:
     return None
 
 
-def _containers_copied(value: Any, depth: int = 0) -> Any:
-    """``value`` with its dicts and lists copied (a GradScaler's per-optimizer state dicts
-    are filled in place) down to a few levels; everything else kept as the same object (a
-    scheduler's optimizer stays that optimizer)."""
-    if depth > 3 or type(value) not in (dict, list, collections.defaultdict, collections.deque):
-        return value
-    if isinstance(value, list):
-        return [_containers_copied(v, depth + 1) for v in value]
-    if isinstance(value, collections.deque):  # a queue.Queue's items
-        return collections.deque((_containers_copied(v, depth + 1) for v in value), value.maxlen)
-    copied = copy.copy(value)  # a defaultdict keeps its default factory
-    for k, v in value.items():
-        copied[k] = _containers_copied(v, depth + 1)
-    return copied
+def _note_contents(value: Any, contents: dict[int, tuple[Any, list]], depth: int = 0) -> None:
+    """The items of ``value`` and of the dicts and lists in it, a few levels deep (a
+    GradScaler's per-optimizer state dicts are filled in place), each container by id."""
+    if depth > 3 or type(value) not in _CONTAINERS or id(value) in contents:
+        return
+    items = list(dict.items(value)) if isinstance(value, dict) else list(value)
+    contents[id(value)] = (value, items)
+    for v in dict.values(value) if isinstance(value, dict) else value:
+        _note_contents(v, contents, depth + 1)
 
 
-def restore_objects(saved: list[tuple[Any, dict[str, Any], str]]) -> None:
-    """Each object's attributes exactly as :func:`library_objects` saw them."""
+_CONTAINERS = (dict, list, collections.defaultdict, collections.deque)
+
+
+def restore_objects(saved: Held) -> None:
+    """Each object's attributes exactly as :func:`library_objects` saw them: the same
+    objects, the dicts and lists among them holding what they held (in place: a list held
+    under two names, ``self.master_params = self.model_params``, stays one list)."""
     for value, attributes, _ in saved:
         current = vars(value)
         for name in [n for n in current if n not in attributes]:
             del current[name]
-        current.update(_containers_copied(attributes))
+        current.update(attributes)
+    for container, items in saved.contents.values():
+        if isinstance(container, dict):
+            dict.clear(container)
+            dict.update(container, items)
+        else:
+            container.clear()
+            container.extend(items)
 
 
 def held_values(roots: list[Root]) -> list[Any]:

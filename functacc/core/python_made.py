@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.utils._pytree as pytree
 
-from ..errors import TraceError
+from ..errors import TraceError, computed_key_error
 from .python_location import fields_of
 from .python_numbers import unstood
 from .python_reach import holds_traced, is_plain_object
@@ -72,6 +72,9 @@ def made_template(
         items: Any = [template(v) for v in leaves]
     elif kind in ("dict", "defaultdict", "object"):
         fields = fields_of(value) if kind == "object" else value
+        for key in fields if kind != "object" else ():  # {f"q{quartile}": loss}
+            if isinstance(key, str) and "\x00functacc" in key:
+                raise computed_key_error(key, f"a {type(value).__name__} the step makes")
         items = {k: template(v) for k, v in fields.items()}
     else:
         items = [template(v) for v in value]

@@ -42,7 +42,14 @@ from torch import Tensor
 
 from ..errors import TraceError
 
-__all__ = ["NUMBERS", "TracedArray", "new_number", "numpy_template", "traced_numpy"]
+__all__ = [
+    "NUMBERS",
+    "TracedArray",
+    "new_number",
+    "numpy_template",
+    "symbol_ufunc",
+    "traced_numpy",
+]
 
 NUMBERS = (int, float, np.int64)
 """The numbers a step's counter may hold, fed to the graph once they change: Python's, and
@@ -245,6 +252,22 @@ def traced_numpy(real: Callable[..., Any]) -> Callable[..., Any]:
         return TracedArray(self.detach())
 
     return numpy
+
+
+def symbol_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+    """``__array_ufunc__`` of a Python number's symbol while traced (improved-diffusion's
+    ``np.sqrt(sqsum)`` of a sum of ``.item()`` s): NumPy takes the number as a 0-d array of
+    float64 (int64, bool), as it takes a Python number, so the result is the NumPy scalar
+    eager's ufunc gives, computed in the graph."""
+    kinds = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64, torch.SymBool: torch.bool}
+
+    def as_array(x: Any) -> Any:
+        kind = kinds.get(type(x))
+        return x if kind is None else TracedArray(torch.scalar_tensor(x, dtype=kind), scalar=True)
+
+    arrays = [as_array(x) for x in inputs]
+    first = next(x for x in arrays if isinstance(x, TracedArray))
+    return first.__array_ufunc__(ufunc, method, *arrays, **kwargs)
 
 
 def numpy_template(value: TracedArray, template: Callable[[Any], tuple]) -> tuple:

@@ -40,7 +40,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .python_effects import ABSENT, Effect, restorer
 from .python_files import NotedFile, OpenFile, noting_open
-from .python_numpy import TracedArray, traced_numpy
+from .python_numpy import TracedArray, symbol_ufunc, traced_numpy
 from .python_percent import patch_percent, untangle
 
 __all__ = ["fill", "has_tokens", "is_user_code", "output_template", "patch_output", "token"]
@@ -182,6 +182,8 @@ def patch_output(recorder: Any) -> Callable[[], None]:
     patch(json, "dumps", _json_dumps(json.dumps, recorder))  # f.write(json.dumps(stats))
     patch(json, "dump", _json_dump)  # json.dump(stats, f): the same, through f.write
     patch(torch.Tensor, "numpy", traced_numpy(torch.Tensor.numpy))  # preds.extend(t.numpy())
+    for cls in (torch.SymFloat, torch.SymInt, torch.SymBool):  # np.sqrt(loss.item())
+        patch(cls, "__array_ufunc__", symbol_ufunc)
     for module_name, class_name, methods in _NOTED_METHODS:
         module = sys.modules.get(module_name)
         cls = getattr(module, class_name, None)

@@ -26,6 +26,7 @@ import abc
 import inspect
 import os
 import sys
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -158,6 +159,7 @@ class RecordingDict(dict):
         self.written: set[Any] = set()
 
     def _read(self, key: Any) -> Any:
+        _known_key(self, key)
         value = self.recorder.arrays.view(dict.__getitem__(self, key))
         if self.recorder.recording and key not in self.written:
             self.recorder.item_read(self, key, value)
@@ -168,6 +170,7 @@ class RecordingDict(dict):
 
     def _absent(self, key: Any) -> None:
         """The body found ``key`` absent: a call that finds it present traces again."""
+        _known_key(self, key)
         if self.recorder.recording and key not in self.written:
             self.recorder.guard(self.location.child("has", key), False)
 
@@ -194,10 +197,12 @@ class RecordingDict(dict):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if self.recorder.recording:
+            _known_key(self, key)
             self.written.add(key)
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key: Any) -> None:
+        _known_key(self, key)
         self.written.add(key)
         dict.__delitem__(self, key)
 
@@ -230,6 +235,18 @@ class RecordingDict(dict):
     def values(self) -> Any:
         self._read_all()
         return dict.values(self)
+
+
+def _known_key(mapping: RecordingDict, key: Any) -> None:
+    """Refuse a key formatted from a number the step computes (improved-diffusion's
+    ``logger.logkv_mean(f"{key}_q{quartile}", ...)``, ``quartile`` from a timestep's
+    value): while traced it is a stand-in, so which entry the body reads or writes is not
+    known, where eager's entry follows the value. Before 2026-11-29 the stand-in stayed the
+    key, silently: an entry per call, never eager's."""
+    if isinstance(key, str) and "\x00functacc" in key and mapping.recorder.recording:
+        from ..errors import computed_key_error
+
+        raise computed_key_error(key, f"the dict at {mapping.location.label}")
 
 
 class RecordingGroup(RecordingDict):
@@ -337,12 +354,23 @@ def groups_root(linked: Any) -> Root:
 def shared(
     root_values: list[tuple[Root, Any]], objects: dict[int, tuple[Location, Any]]
 ) -> dict[int, list[Location]]:
-    """For each container found (``objects``: by id, at its first location), the roots
-    that hold it too: a feature hook's closure cell holding the dict the body reads. Its
-    recording copy is installed at each, so that the hook's writes are the body's."""
+    """For each container found (``objects``: by id, at its first location), the other
+    roots and object attributes that hold it: a feature hook's closure cell holding the
+    dict the body reads, a trainer's ``self.master_params = self.model_params``. Its
+    recording copy is installed at each, so that what the body writes through one name it
+    reads through the other, as in eager. (Not an item of another container: that one is
+    a recording copy made later, from the original's items.)"""
     places: dict[int, list[Location]] = {}
-    for root, value in root_values:
+    held = [(Location(root), value) for root, value in root_values]
+    for location, obj in objects.values():
+        if not _is_container(obj):  # an object's attributes (a container's items: above)
+            held += [(location.child("attr", k), v) for k, v in fields_of(obj).items()]
+    for location, value in held:
         first = objects.get(id(value), (None,))[0]
-        if first is not None and Location(root) != first:
-            places.setdefault(id(value), []).append(Location(root))
+        if first is not None and location != first and _is_container(value):
+            places.setdefault(id(value), []).append(location)
     return places
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (dict, list, deque))

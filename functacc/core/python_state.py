@@ -45,7 +45,7 @@ from .python_reach import find_roots, is_user_code
 from .python_recording import groups_root
 from .python_replay import QUIET, Conditions, Exact, PythonPlan, Replay
 from .python_schedulers import last_lrs
-from .python_tensors import fed_key, feedable, module_containers
+from .python_tensors import HeldTensors, fed_key, feedable, module_containers
 from .python_trace import Recorder, Retry
 
 __all__ = ["Exact", "PythonPlan", "PythonState", "Replay", "Retry", "generator_key"]
@@ -71,7 +71,7 @@ class PythonState:
         self.owned = owned  # ids of the step's own tensors: never fed (python_tensors)
         self.guards: dict[Location, None] = {}  # over every trace so far, in order
         self.fed: dict[Location, None] = {}
-        self.loose: dict[Location, Tensor] = {}  # where optimizer-only tensors were read
+        self.loose = HeldTensors()  # where its variables hold the step's own tensors
         self.pinned: set[Location] = set()  # fed once, but branched on: guarded for good
         self.traced_values: dict[Location, Any] = {}
         self._recorder: Recorder | None = None
@@ -101,8 +101,8 @@ class PythonState:
         if not self.guards and not self.fed and not self.loose:
             return ()
         guarded = tuple((loc.label, Exact(loc.get())) for loc in self.guards)
-        if self.loose:  # still the optimizer's tensor there (a new one: another trace)
-            guarded += tuple((loc.label, loc.get() is t) for loc, t in self.loose.items())
+        if self.loose:  # still the step's tensor there (a new one: another trace)
+            guarded += (("moved", self.loose.moved()),)
         fed = tuple((loc.label, fed_key(loc.get())) for loc in self.fed)
         if not self.branches:
             return guarded + fed

@@ -28,29 +28,38 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
+from ..errors import TraceError
 from .python_location import Location, Root
 from .python_reach import MODULE_TABLES
 
 __all__ = [
+    "HeldTensors",
     "fed_key",
     "feedable",
     "installed",
     "module_containers",
     "optimizer_tensors",
     "owned_tensors",
+    "requiring_grad",
     "tensor_locations",
+    "unreached_by_backward",
 ]
 
 
 def feedable(value: Any, owned: set[int]) -> bool:
     """Whether ``value`` is a tensor the graph can take as an input in its place: a plain
-    tensor (not one of the trace's), not requiring grad, not the step's own state."""
-    return type(value) is Tensor and not value.requires_grad and id(value) not in owned
+    tensor or parameter (not one of the trace's), not the step's own state, and where it
+    requires grad a leaf without ``.grad`` (an EMA's ``copy.deepcopy`` of the parameters,
+    updated in place under ``no_grad``; traced requiring grad, see ``Recorder.finish``)."""
+    if type(value) not in (Tensor, nn.Parameter) or id(value) in owned:
+        return False
+    return not value.requires_grad or (value.is_leaf and value.grad is None)
 
 
 def tensor_locations(location: Location, value: Any, owned: set[int]) -> list[Location]:
@@ -64,10 +73,87 @@ def tensor_locations(location: Location, value: Any, owned: set[int]) -> list[Lo
 
 
 def fed_key(value: Any) -> tuple:
-    """A fed location's part of the signature: a tensor's layout, a number's type."""
+    """A fed location's part of the signature: a tensor's layout (and whether it requires
+    grad), a number's type."""
     if isinstance(value, Tensor):
-        return ("fed tensor", tuple(value.shape), value.dtype, value.device, value.stride())
+        layout = (tuple(value.shape), value.dtype, value.device, value.stride())
+        return ("fed tensor", *layout, value.requires_grad)
     return ("fed", type(value).__name__)
+
+
+class HeldTensors(dict):
+    """Where the body's Python holds the step's own tensors (location -> the tensor put
+    back there after each trace: ``Recorder.install_held``), checked on every call
+    (:meth:`moved`, part of the signature): a tensor no longer there means another trace.
+    Grouped by the container that holds them, so that a list of 150 parameters costs one
+    lookup of the list and 150 identity checks (~10 us), not 150 walks from the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._groups: list[tuple[Location | None, list, list, list[Tensor]]] | None = None
+
+    def update(self, found: Any = (), /, **more: Any) -> None:
+        super().update(found, **more)
+        self._groups = None
+
+    def moved(self) -> tuple[str, ...]:
+        """The labels of the locations that no longer hold their tensor (normally none)."""
+        if self._groups is None:
+            groups: dict[Location | None, list] = {}
+            for location, tensor in self.items():
+                parent = Location(location.root, location.steps[:-1]) if location.steps else None
+                groups.setdefault(parent, []).append((location, tensor))
+            self._groups = [
+                (
+                    parent if all(loc.steps[-1][0] == "item" for loc, _ in held) else None,
+                    held,
+                    [loc.steps[-1][1] for loc, _ in held],
+                    [t for _, t in held],
+                )
+                for parent, held in groups.items()
+            ]
+        moved: list[str] = []
+        for parent, held, keys, tensors in self._groups:
+            if parent is not None:
+                container = parent.get()  # a list's (a dict's) items: the fast path
+                try:
+                    if all(map(operator.is_, map(container.__getitem__, keys), tensors)):
+                        continue
+                except Exception:  # gone, or not a container any more
+                    pass
+            moved += [loc.label for loc, t in held if loc.get() is not t]
+        return tuple(moved)
+
+
+def requiring_grad(fed: dict[Location, Any]) -> list[tuple[Location, Tensor]]:
+    """The fed tensors that require grad (``fed``: location -> graph input, before they
+    are installed): their graph inputs are made to require grad too, as in eager, where a
+    backward that reaches one accumulates into its ``.grad``."""
+    found = []
+    for location, traced in fed.items():
+        value = location.get()
+        if isinstance(traced, Tensor) and isinstance(value, Tensor) and value.requires_grad:
+            traced.requires_grad_(True)
+            traced._functacc_parameter = isinstance(value, nn.Parameter)  # print(ema_p)
+            found.append((location, traced))
+    return found
+
+
+def unreached_by_backward(fed: list[tuple[Location, Tensor]]) -> None:
+    """After the body: refuse a gradient computed for a fed tensor (:func:`requiring_grad`):
+    its graph input's ``.grad`` is not written back anywhere, where eager's ``.grad`` holds
+    it (and an optimizer would read it)."""
+    reached = [location.label for location, traced in fed if traced.grad is not None]
+    if reached:
+        raise TraceError(
+            f"backward() computed a gradient for the tensor at {', '.join(reached[:4])}, "
+            "which the step reads from its Python state: it requires grad, but it is no "
+            "parameter of the modules given in modules=(...) nor of the optimizers in "
+            "optimizers=(...), so functacc.jit cannot keep its .grad as eager does. Fix: "
+            "give the module that holds it in modules=(...) (or its optimizer in "
+            "optimizers=(...)); or, where it should not be trained, set "
+            "requires_grad_(False) on it (or compute with it under torch.no_grad())."
+        )
 
 
 def installed(location: Location, value: Any, originals: dict[int, Any]) -> None:
@@ -104,7 +190,7 @@ def optimizer_tensors(
     names, by id; it learns these too, named by their place in the optimizer
     (``opt.param_groups[0]['params'][2]``). They are parameters of the step; each trace
     puts the traced tensor where the body's variables and plain objects hold them
-    (``Recorder.install_loose``) and where a module keeps one as an attribute."""
+    (``Recorder.install_held``) and where a module keeps one as an attribute."""
     found: list[Tensor] = []
     for opt, label in zip(optimizers, labels, strict=True):
         for i, group in enumerate(getattr(opt, "param_groups", ())):

@@ -40,7 +40,7 @@ from .python_output import output_template, patch_output
 from .python_reach import held, holds_traced, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording, shared
 from .python_sets import STEPPERS, SetWatch
-from .python_tensors import installed, tensor_locations
+from .python_tensors import installed, requiring_grad, tensor_locations, unreached_by_backward
 
 __all__ = ["Recorder", "Retry"]
 
@@ -151,6 +151,7 @@ class Recorder:
             if root.loaded:
                 self.guard(Location(root), value)
                 self.note_tensors(Location(root), value)
+        self.requiring_grad = requiring_grad(self.symbolic_inputs)  # an EMA's deepcopy
         for location, value in self.symbolic_inputs.items():  # a fed number: its symbol
             if not isinstance(value, Tensor):
                 self.symbols[value.node.expr] = location
@@ -184,6 +185,7 @@ class Recorder:
         """After the body returned: every write, collected as an effect. Raises
         :class:`Retry` where counters must be fed to the graph first."""
         self.recording = False
+        unreached_by_backward(self.requiring_grad)
         self.sets.check()
         self.arrays.check()
         promote = self._collect_writes() + self.unfed_tensors()
@@ -248,9 +250,10 @@ class Recorder:
             raise Retry(new)
         return new
 
-    def install_loose(self, leaves: dict[int, Tensor]) -> None:
-        """Optimizer tensors no module owns (``log_alpha``), where the body's variables and
-        plain objects hold them: the traced tensor for each (``leaves``, by the tensor's id)."""
+    def install_held(self, leaves: dict[int, Tensor]) -> None:
+        """The step's own tensors where the body's variables and plain objects hold them
+        (``params = list(model.parameters())`` before the call, SAC's ``log_alpha`` no
+        module owns): the traced tensor for each (``leaves``, by the tensor's id)."""
         recording, self.recording = self.recording, False  # not the body's writes
         for location, value in held(self.variables, self.objects.values(), Tensor):
             if id(value) in leaves:
