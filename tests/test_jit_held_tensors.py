@@ -111,7 +111,7 @@ class DiffusionTrainer:
 
 def train(make: Callable, backend: str | None) -> tuple[list, Any, Any]:
     trainer = make()
-    body = trainer.step if hasattr(trainer, "params") else trainer.run_step
+    body = trainer.run_step if isinstance(trainer, DiffusionTrainer) else trainer.step
     step = body
     if backend is not None:
         step = functacc.jit(
@@ -121,7 +121,7 @@ def train(make: Callable, backend: str | None) -> tuple[list, Any, Any]:
     for x, y in batches():
         outs.append(step(x, y))
         states.append(trainer.state())
-        if hasattr(trainer, "step") and isinstance(trainer.step, int):
+        if isinstance(trainer, DiffusionTrainer):
             trainer.step += 1
     return outs, states, trainer
 
@@ -145,13 +145,44 @@ def assert_equal(actual: Any, expected: Any, rtol: float = 0.0) -> None:
             assert actual == expected, (actual, expected)
 
 
+class NamedTrainer:
+    """``list(model.named_parameters())`` taken before the loop (pairs: the parameter in a
+    tuple), each gradient's norm logged by name where it exists, and the gradients halved
+    in place through a list of the trainable ones, the optimizer's own list. Before
+    2026-11-29 ``p.grad`` was ``None`` there: nothing logged, silently."""
+
+    def __init__(self) -> None:
+        self.model = mlp()
+        self.named = list(self.model.named_parameters())
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(self.trainable, lr=0.01)
+        self.log: list[tuple[str, float]] = []
+
+    def step(self, x: Tensor, y: Tensor) -> float:
+        self.opt.zero_grad()
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        for name, p in self.named:
+            if p.grad is not None:
+                self.log.append((name, p.grad.norm().item()))
+        for p in self.trainable:
+            p.grad /= 2
+        self.opt.step()
+        return loss.item()
+
+    def state(self) -> Any:
+        return list(self.log)
+
+
 def clipping_only() -> ListTrainer:
     """Before 2026-11-29 this one trained unclipped, silently (no error)."""
     return ListTrainer(l2=False, log=False)
 
 
 @pytest.mark.parametrize(
-    "make", [ListTrainer, clipping_only, DiffusionTrainer], ids=["list", "clip", "diffusion"]
+    "make",
+    [ListTrainer, clipping_only, NamedTrainer, DiffusionTrainer],
+    ids=["list", "clip", "named", "diffusion"],
 )
 def test_parameters_held_outside_the_modules_train_as_eager(make: Callable) -> None:
     eager, jitted = train(make, None), train(make, "eager")
@@ -159,8 +190,10 @@ def test_parameters_held_outside_the_modules_train_as_eager(make: Callable) -> N
     assert_equal(jitted[1], eager[1])
     for p, q in zip(jitted[2].model.parameters(), eager[2].model.parameters(), strict=True):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
-    if make is not DiffusionTrainer:  # clipping acted (the norm before it is above 0.05)
+    if make in (ListTrainer, clipping_only):  # clipping acted (the norm before it > 0.05)
         assert all(before > 0.05 for _, before in eager[0])
+    if make is NamedTrainer:  # every gradient logged, each call
+        assert len(eager[1][-1]) == 4 * STEPS
 
 
 def test_parameter_list_under_inductor() -> None:

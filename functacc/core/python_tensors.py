@@ -39,16 +39,16 @@ from .python_location import Location, Root
 from .python_reach import MODULE_TABLES
 
 __all__ = [
+    "FedRequiringGrad",
     "HeldTensors",
     "fed_key",
     "feedable",
+    "install_held",
     "installed",
     "module_containers",
     "optimizer_tensors",
     "owned_tensors",
-    "requiring_grad",
     "tensor_locations",
-    "unreached_by_backward",
 ]
 
 
@@ -125,35 +125,56 @@ class HeldTensors(dict):
         return tuple(moved)
 
 
-def requiring_grad(fed: dict[Location, Any]) -> list[tuple[Location, Tensor]]:
-    """The fed tensors that require grad (``fed``: location -> graph input, before they
-    are installed): their graph inputs are made to require grad too, as in eager, where a
-    backward that reaches one accumulates into its ``.grad``."""
-    found = []
-    for location, traced in fed.items():
-        value = location.get()
-        if isinstance(traced, Tensor) and isinstance(value, Tensor) and value.requires_grad:
-            traced.requires_grad_(True)
-            traced._functacc_parameter = isinstance(value, nn.Parameter)  # print(ema_p)
-            found.append((location, traced))
-    return found
+class FedRequiringGrad(list):
+    """The fed tensors that require grad (an EMA's ``copy.deepcopy`` of the parameters),
+    as ``(location, graph input)``: made when a trace starts (``fed``: location -> graph
+    input, before they are installed), their graph inputs made to require grad too, as in
+    eager, where a backward that reaches one accumulates into its ``.grad``."""
+
+    def __init__(self, fed: dict[Location, Any]) -> None:
+        super().__init__()
+        for location, traced in fed.items():
+            value = location.get()
+            if isinstance(traced, Tensor) and isinstance(value, Tensor) and value.requires_grad:
+                traced.requires_grad_(True)
+                traced._functacc_parameter = isinstance(value, nn.Parameter)  # print(ema_p)
+                self.append((location, traced))
+
+    def check(self) -> None:
+        """After the body: refuse a gradient computed for one of them. Its graph input's
+        ``.grad`` is not written back anywhere, where eager's ``.grad`` holds it (and an
+        optimizer would read it)."""
+        reached = [location.label for location, traced in self if traced.grad is not None]
+        if reached:
+            raise TraceError(
+                f"backward() computed a gradient for the tensor at {', '.join(reached[:4])}, "
+                "which the step reads from its Python state: it requires grad, but it is no "
+                "parameter of the modules given in modules=(...) nor of the optimizers in "
+                "optimizers=(...), so functacc.jit cannot keep its .grad as eager does. Fix: "
+                "give the module that holds it in modules=(...) (or its optimizer in "
+                "optimizers=(...)); or, where it should not be trained, set "
+                "requires_grad_(False) on it (or compute with it under torch.no_grad())."
+            )
 
 
-def unreached_by_backward(fed: list[tuple[Location, Tensor]]) -> None:
-    """After the body: refuse a gradient computed for a fed tensor (:func:`requiring_grad`):
-    its graph input's ``.grad`` is not written back anywhere, where eager's ``.grad`` holds
-    it (and an optimizer would read it)."""
-    reached = [location.label for location, traced in fed if traced.grad is not None]
-    if reached:
-        raise TraceError(
-            f"backward() computed a gradient for the tensor at {', '.join(reached[:4])}, "
-            "which the step reads from its Python state: it requires grad, but it is no "
-            "parameter of the modules given in modules=(...) nor of the optimizers in "
-            "optimizers=(...), so functacc.jit cannot keep its .grad as eager does. Fix: "
-            "give the module that holds it in modules=(...) (or its optimizer in "
-            "optimizers=(...)); or, where it should not be trained, set "
-            "requires_grad_(False) on it (or compute with it under torch.no_grad())."
-        )
+def install_held(
+    found: Iterable[tuple[Location, Any]], leaves: dict[int, Tensor], originals: dict[int, Any]
+) -> dict[Location, Tensor]:
+    """While a body is traced: the step's own tensors (parameters, buffers, optimizer-only
+    tensors such as SAC's ``log_alpha``) where its Python holds them outside the modules
+    (``found``: the tensors and tuples its variables and plain objects hold, with their
+    locations) replaced by the traced tensor for each (``leaves``, by the tensor's id); a
+    tuple's items too (``list(model.named_parameters())``). Returns where, with the tensor
+    put back there after the trace (a call that finds another one there traces again)."""
+    done: dict[Location, Tensor] = {}
+    for location, value in found:
+        pairs = enumerate(value) if isinstance(value, tuple) else [(None, value)]
+        for i, v in pairs:
+            if isinstance(v, Tensor) and id(v) in leaves:
+                at = location if i is None else location.child("item", i)
+                installed(at, leaves[id(v)], originals)
+                done[at] = v
+    return done
 
 
 def installed(location: Location, value: Any, originals: dict[int, Any]) -> None:

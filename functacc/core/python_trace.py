@@ -40,7 +40,7 @@ from .python_output import output_template, patch_output
 from .python_reach import held, holds_traced, is_scalar, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording, shared
 from .python_sets import STEPPERS, SetWatch
-from .python_tensors import installed, requiring_grad, tensor_locations, unreached_by_backward
+from .python_tensors import FedRequiringGrad, install_held, installed, tensor_locations
 
 __all__ = ["Recorder", "Retry"]
 
@@ -151,7 +151,7 @@ class Recorder:
             if root.loaded:
                 self.guard(Location(root), value)
                 self.note_tensors(Location(root), value)
-        self.requiring_grad = requiring_grad(self.symbolic_inputs)  # an EMA's deepcopy
+        self.requiring_grad = FedRequiringGrad(self.symbolic_inputs)  # an EMA's deepcopy
         for location, value in self.symbolic_inputs.items():  # a fed number: its symbol
             if not isinstance(value, Tensor):
                 self.symbols[value.node.expr] = location
@@ -185,7 +185,7 @@ class Recorder:
         """After the body returned: every write, collected as an effect. Raises
         :class:`Retry` where counters must be fed to the graph first."""
         self.recording = False
-        unreached_by_backward(self.requiring_grad)
+        self.requiring_grad.check()
         self.sets.check()
         self.arrays.check()
         promote = self._collect_writes() + self.unfed_tensors()
@@ -251,14 +251,11 @@ class Recorder:
         return new
 
     def install_held(self, leaves: dict[int, Tensor]) -> None:
-        """The step's own tensors where the body's variables and plain objects hold them
-        (``params = list(model.parameters())`` before the call, SAC's ``log_alpha`` no
-        module owns): the traced tensor for each (``leaves``, by the tensor's id)."""
+        """The traced tensor for each of the step's own (``leaves``, by id) where the body's
+        variables and plain objects hold it (:func:`~.python_tensors.install_held`)."""
         recording, self.recording = self.recording, False  # not the body's writes
-        for location, value in held(self.variables, self.objects.values(), Tensor):
-            if id(value) in leaves:
-                installed(location, leaves[id(value)], self._originals)
-                self.loose[location] = value
+        found = held(self.variables, self.objects.values(), (Tensor, tuple))
+        self.loose.update(install_held(found, leaves, self._originals))
         self.recording = recording
 
     def list_read(self, lst: RecordingList | RecordingDeque) -> None:
