@@ -121,16 +121,25 @@ def host_random_error(
     )
 
 
-def drawn_computed_error(label: str, what: str) -> TraceError:
+def drawn_computed_error(label: str, what: str, statement: str | None = None) -> TraceError:
     """The step computed in NumPy with an array it drew (``label``) before handing it to
-    torch (core/python_draws.py)."""
+    torch (core/python_draws.py); ``statement``: the call that drew it, when the step
+    reached it through calls (``failure_sites.call_to_hoist``)."""
+    fix = (
+        f"Fix: run {statement} before the call and pass what it makes to the step (eager's "
+        "numbers; where that code is a library's, such as a replay buffer's sample(), write "
+        "the update as a function of yours that takes the batch); or hand the array to "
+        "torch first and compute with torch (torch.from_numpy(z) * 2)."
+        if statement
+        else "Fix: hand the array to torch first and compute with torch "
+        "(torch.from_numpy(z) * 2), or draw with torch (torch.randn, torch.randint)."
+    )
     return TraceError(
         f"the step computes with the array {label} drew ({what}) before handing it to torch. "
         "functacc draws such an array again before every call, as eager does, and feeds it "
         "to the graph; that works for the array as drawn (torch.Tensor(z), "
         "torch.from_numpy(z), torch.tensor(z), or a view of it), whose values the trace does "
-        "not have. Fix: hand the array to torch first and compute with torch "
-        "(torch.from_numpy(z) * 2), or draw with torch (torch.randn, torch.randint)."
+        f"not have. {fix}"
     )
 
 

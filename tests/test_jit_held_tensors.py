@@ -288,33 +288,3 @@ def test_key_formatted_from_a_computed_number_is_refused(into: str) -> None:
     with pytest.raises(functacc.TraceError, match=rf"'loss_q\{{\.\.\.\}}' as a key of {where}"):
         step(*batches(1)[0])
     assert means == {} and kept == []
-
-
-def test_draw_inside_a_called_method_names_the_call_to_run_before() -> None:
-    """A NumPy draw with an array argument, two calls deep (improved-diffusion's
-    ``schedule_sampler.sample`` in ``forward_backward``): the advice names the call that
-    draws and the step's statement that leads there."""
-    torch.manual_seed(0)
-    model = nn.Linear(5, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    weights = np.ones(10) / 10
-
-    def sample(n: int) -> Tensor:
-        return torch.from_numpy(np.random.choice(len(weights), size=(n,), p=weights))
-
-    def forward_backward(x: Tensor, y: Tensor) -> None:
-        t = sample(x.shape[0])
-        F.mse_loss(model(x) * t[:, None], y).backward()
-
-    def body(x: Tensor, y: Tensor) -> None:
-        opt.zero_grad()
-        forward_backward(x, y)
-        opt.step()
-
-    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
-    state = np.random.get_state()[1].copy()
-    with pytest.raises(functacc.TraceError) as info:
-        step(*batches(1)[0])
-    assert "run `t = sample(x.shape[0])` (which the step reaches through" in str(info.value)
-    assert "`forward_backward(x, y)`" in str(info.value)
-    assert np.array_equal(np.random.get_state()[1], state)

@@ -523,3 +523,72 @@ def test_a_branch_on_drawn_numbers_under_inductor() -> None:
     assert [(t, f) for t, f, _ in jit_log] == [(t, f) for t, f, _ in log]
     assert jit_after == after
     torch.testing.assert_close(jit_losses, losses, rtol=1e-5, atol=1e-6)
+
+
+def test_draw_inside_a_called_method_names_the_call_to_run_before() -> None:
+    """A NumPy draw with an array argument, two calls deep (improved-diffusion's
+    ``schedule_sampler.sample`` in ``forward_backward``): the advice names the call that
+    draws and the step's statement that leads there."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    weights = np.ones(10) / 10
+
+    def sample(n: int) -> Tensor:
+        return torch.from_numpy(np.random.choice(len(weights), size=(n,), p=weights))
+
+    def forward_backward(x: Tensor, y: Tensor) -> None:
+        t = sample(x.shape[0])
+        F.mse_loss(model(x) * t[:, None], y).backward()
+
+    def body(x: Tensor, y: Tensor) -> None:
+        opt.zero_grad()
+        forward_backward(x, y)
+        opt.step()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    state = np.random.get_state()[1].copy()
+    with pytest.raises(functacc.TraceError) as info:
+        step(torch.randn(6, 5), torch.randn(6, 2))
+    assert "run `t = sample(x.shape[0])` (which the step reaches through" in str(info.value)
+    assert "`forward_backward(x, y)`" in str(info.value)
+    assert np.array_equal(np.random.get_state()[1], state)
+
+
+class _Buffer:
+    """A replay buffer as Stable-Baselines3 writes one (``ReplayBuffer.sample`` returning
+    its base class's, which draws the positions with ``np.random.randint`` and indexes
+    its NumPy storage with them)."""
+
+    def __init__(self) -> None:
+        self.observations = np.random.default_rng(0).standard_normal((32, 5)).astype(np.float32)
+
+    def sample(self, batch_size: int) -> Tensor:
+        positions = np.random.randint(0, len(self.observations), size=batch_size)
+        return torch.as_tensor(self.observations[positions])
+
+
+class _ReplayBuffer(_Buffer):
+    def sample(self, batch_size: int) -> Tensor:
+        return super().sample(batch_size)
+
+
+def test_drawn_positions_indexing_a_buffer_name_the_sample_call() -> None:
+    """The draw's positions index host data (a computation on them): a TraceError whose
+    advice names the step's own assignment that samples (not the buffer's inner
+    ``return super().sample(...)``), before 2026-11-29 only "hand the array to torch"."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = _ReplayBuffer()
+
+    def train(batch_size: int) -> None:
+        opt.zero_grad()
+        observations = buffer.sample(batch_size)
+        model(observations).square().mean().backward()
+        opt.step()
+
+    step = functacc.jit(train, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError) as info:
+        step(16)
+    assert "Fix: run `observations = buffer.sample(batch_size)` before the call" in str(info.value)

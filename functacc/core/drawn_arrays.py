@@ -89,7 +89,7 @@ class DrawnArray(np.ndarray):
     item = tolist = __float__ = __int__ = __index__ = __bool__ = _scalar  # type: ignore[assignment]
 
     def _refused(self, what: str) -> TraceError:
-        return drawn_computed_error(_label(self._root), what)
+        return drawn_computed_error(_label(self._root), what, _hoist(self._root))
 
 
 class Lifts:
@@ -129,7 +129,9 @@ class Lifts:
                 inner = self._view(of)
                 same = start == _address(cast) and real.shape == cast.shape
                 if inner is None or not same or real.stride() != _elements(cast):
-                    raise drawn_computed_error(_label(of._root), "a part of a cast of it")
+                    raise drawn_computed_error(
+                        _label(of._root), "a part of a cast of it", _hoist(of._root)
+                    )
                 return inner.to(_TORCH[cast.dtype])
         for drawn, root in self.arrays:
             if _inside(drawn, start):
@@ -153,7 +155,7 @@ class Lifts:
 
     def refuse(self, root: Any, what: str) -> None:
         if self.refusal is None:
-            self.refusal = drawn_computed_error(_label(root), what)
+            self.refusal = drawn_computed_error(_label(root), what, _hoist(root))
 
     def changed_constant(self, before: Lifts) -> str | None:
         """Where this trace made a constant of another array that ``before``, a trace with
@@ -177,7 +179,9 @@ def drawn_template(value: DrawnArray, template: Any) -> tuple:
     cast = next((of for c, of in lifts.casts if c is value), None)
     tensor = lifts._view(cast if cast is not None else value)
     if tensor is None:
-        raise drawn_computed_error(_label(value._root), "a copy of a part of it, kept")
+        raise drawn_computed_error(
+            _label(value._root), "a copy of a part of it, kept", _hoist(value._root)
+        )
     if cast is not None:
         tensor = tensor.to(_TORCH[value.dtype])
     return ("numpy", template(tensor.detach()), ())
@@ -201,6 +205,11 @@ class _Lifted(TorchDispatchMode):
 
 def _label(root: Any) -> str:
     return root.label if root is not None else "np.random"
+
+
+def _hoist(root: Any) -> str | None:
+    """The call to run before the step instead (``failure_sites.step_path``), if any."""
+    return getattr(root, "path", None)
 
 
 def _user_line() -> str:

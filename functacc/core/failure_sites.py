@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 __all__ = [
     "anomaly_checks",
     "call_site",
+    "call_to_hoist",
     "draw_site",
     "formats_with_percent",
     "in_function",
@@ -40,6 +42,7 @@ __all__ = [
     "numpy_index",
     "optim_utility",
     "random_transform",
+    "step_path",
     "user_frame",
     "user_module",
 ]
@@ -122,14 +125,44 @@ def draw_site() -> tuple[str, str | None]:
     frame = frames[inner]
     site = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
     site += f": `{frame.line.strip()}`" if frame.line else ""
-    # The call into the drawing function, and the step's statements that led to it
-    # (improved-diffusion: `self.forward_backward(...)`, then `t, weights =
-    # self.schedule_sampler.sample(...)` in it): the one to run before the call.
-    lines = [(f.line or "").strip() for f in frames[outer:inner]]
-    if not all(lines):
-        return site, None
-    through = " -> ".join(f"`{line}`" for line in lines[:-1])
-    return site, f"`{lines[-1]}`" + (f" (which the step reaches through {through})" * bool(through))
+    return site, call_to_hoist([(f.line or "").strip() for f in frames[outer:inner]])
+
+
+def call_to_hoist(lines: list[str]) -> str | None:
+    """The call into a drawing function, in backquotes, with the step's statements that led
+    to it (``lines``: outermost first, the step's own, down to that call; improved-diffusion:
+    `self.forward_backward(...)`, then `t, weights = self.schedule_sampler.sample(...)` in
+    it): the one to run before the call and pass in, the innermost that assigns what it
+    makes (a replay buffer's `sample()` that returns its parent's, `return
+    super().sample(...)`, is not one to run). ``None`` without lines or sources."""
+    if not lines or not all(lines):
+        return None
+    k = max((i for i, line in enumerate(lines) if _assigns(line)), default=len(lines) - 1)
+    through = " -> ".join(f"`{line}`" for line in lines[:k])
+    return f"`{lines[k]}`" + (f" (which the step reaches through {through})" * bool(through))
+
+
+def _assigns(line: str) -> bool:
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:  # a line of a statement that spans several
+        return False
+    return bool(tree.body) and isinstance(tree.body[0], (ast.Assign, ast.AnnAssign))
+
+
+def step_path(frame: Any, body: Any) -> str | None:
+    """:func:`call_to_hoist` for the stack from ``frame`` (the code that drew) out to the
+    step's function ``body`` (its code object), also where both are a library's (a jitted
+    Stable-Baselines3 ``train()``, whose replay buffer's ``sample()`` draws); ``None`` where
+    the step drew itself or ``body`` is not on the stack."""
+    lines: list[str] = []
+    frame = frame.f_back
+    while frame is not None:
+        lines.append(linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip())
+        if frame.f_code is body:
+            return call_to_hoist(lines[::-1])
+        frame = frame.f_back
+    return None
 
 
 def _innermost_user(frames: traceback.StackSummary) -> traceback.FrameSummary | None:

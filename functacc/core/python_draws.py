@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import drawn_branch_error, drawn_computed_error
 from .drawn_arrays import Lifts
+from .failure_sites import step_path
 from .python_location import Location, Root
 
 __all__ = [
@@ -74,6 +75,7 @@ class DrawRoot(Root):
         self.traced: Any = None  # its graph input (a number's symbol) while a trace runs
         self.lifts: Lifts | None = None  # where the trace running keeps its arrays
         self.site: tuple[str, str | None] = ("", None)  # where drawn (python_draws._call_site)
+        self.path: str | None = None  # the call to run before the step instead (step_path)
         # The generator drawn from: a module's, or a generator object read where the step
         # reads it (rng = np.random.default_rng(0); reassigned between calls, the new one).
         self.source = source if source is not None else _GENERATORS[module][0]
@@ -168,11 +170,14 @@ _TRACING: list[bool] = []  # while a body is traced: draws give symbols, nothing
 class HostDraws:
     """The draws of one jitted body, across its traces (each a :class:`DrawRoot`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fn: Any = None) -> None:
         self._roots: dict[tuple, DrawRoot] = {}
         self.new: list[Location] = []  # draws the last trace found that were not fed
         self.made: list[DrawRoot] = []  # the last trace's draws, in order
         self._lifts = Lifts()  # the arrays of the trace running
+        # The step's code object: where the path to a draw in a function it calls starts.
+        code = getattr(fn, "__code__", None)  # a function, a bound method
+        self.body = code if code is not None else getattr(type(fn).__call__, "__code__", None)
         self._finder: tuple[list[DrawRoot], Lifts] | None = None  # the trace that found them
         self.peeked: dict[DrawRoot, Any] = {}  # this call's branched-on draws, drawn ahead
 
@@ -226,9 +231,11 @@ class HostDraws:
             return
         where = lifts.changed_constant(finder[1])
         if where is not None:
+            drawn = [r for r in self.made if isinstance(r._layout, Tensor)]
             raise drawn_computed_error(
-                " or ".join(r.label for r in self.made if isinstance(r._layout, Tensor)),
+                " or ".join(r.label for r in drawn),
                 f"NumPy code reading its values, whose result reaches torch at {where}",
+                next((r.path for r in drawn if r.path), None),
             )
 
     def _drawing(
@@ -254,6 +261,7 @@ class HostDraws:
                 return current(*args, **kwargs)  # random.choice(names): as before, an error
             root = self._root(len(self.made), module, name, *plain, value, source)
             root.site = _call_site(sys._getframe(1))
+            root.path = step_path(sys._getframe(1), self.body) if self.body else None
             self.made.append(root)
             if root.traced is None:
                 self.new.append(Location(root))

@@ -87,7 +87,7 @@ class PythonState:
         self._modules = list(modules)
         self._followed: set[int] = set()  # modules whose attributes it writes (ModuleRoot)
         self.unkeyed = set() if unkeyed is None else unkeyed  # (id(module), attr): not keyed
-        self.draws = HostDraws()  # np.random's arrays in the body, fed (python_draws)
+        self.draws = HostDraws(fn)  # np.random's arrays in the body, fed (python_draws)
 
     # -- per call ------------------------------------------------------------------------
     def new_call(self) -> None:
