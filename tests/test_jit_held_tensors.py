@@ -15,6 +15,7 @@ under Inductor (rtol 1e-5: float32 reassociation of fused kernels).
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -288,3 +289,31 @@ def test_key_formatted_from_a_computed_number_is_refused(into: str) -> None:
     with pytest.raises(functacc.TraceError, match=rf"'loss_q\{{\.\.\.\}}' as a key of {where}"):
         step(*batches(1)[0])
     assert means == {} and kept == []
+
+
+def test_parameter_list_held_too_deep_is_refused() -> None:
+    """A parameter list four attributes deep from the step's variables, past where
+    ``jit`` follows Python state: its ``.grad`` would be the real parameter's (``None``
+    here: ``clip_grad_norm_`` would clip nothing), so reading it is a TraceError naming the
+    parameter, with nothing changed."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    deep = types.SimpleNamespace(params=list(model.parameters()))
+    for _ in range(3):
+        deep = types.SimpleNamespace(inner=deep)
+    config = deep
+
+    def body(x: Tensor, y: Tensor) -> float:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(config.inner.inner.inner.params, 0.01)
+        opt.step()
+        return norm.item()
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(functacc.TraceError, match=r"\.grad of the parameter .*weight itself"):
+        step(*batches(1)[0])
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())

@@ -154,7 +154,7 @@ class TracedBody:
                 averages_in_graph(),
                 data_assignments_written(),
                 counting_backwards(self.step.engine.cache.what, self.step.fn) as returned,
-                FirstGradAccess(self._absent_grads(flat)) as first_access,  # grad_clears.py
+                FirstGradAccess(self._absent_grads(flat), _real(capture)) as first_access,
             ):
                 result = self.step.fn(*call_args, **call_kwargs)
                 out, self.out_spec = pytree.tree_flatten(result)
@@ -337,3 +337,9 @@ def module_scopes(fn: Any, modules: Sequence[nn.Module] = ()) -> list[dict]:
     scopes += [vars(sys.modules[c.__module__]) for c in classes if c.__module__ in sys.modules]
     user = [s for s in scopes if isinstance(s, dict) and is_user_code(s.get("__name__", ""))]
     return list({id(s): s for s in user}.values())
+
+
+def _real(capture: Any) -> dict[int, str]:
+    """The step's parameters themselves, by ``id``, to their names: their ``.grad`` read or
+    set while traced is none of the trace's (grad_clears.FirstGradAccess)."""
+    return {id(p): n for n, p in capture.params.items()}

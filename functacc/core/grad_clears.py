@@ -55,14 +55,18 @@ class FirstGradAccess(TorchFunctionMode):
     standing for the parameter, which holds no ``.grad``, to that ``.grad``'s state name),
     the names whose ``.grad`` torch's ``zero_grad(set_to_none=True)`` touched first."""
 
-    def __init__(self, absent: dict[int, str]):
+    def __init__(self, absent: dict[int, str], real: dict[int, str] | None = None):
         super().__init__()
         self.absent = absent
+        self.real = real or {}  # the parameters themselves: their .grad is not the trace's
         self.cleared: set[str] = set()
         self._seen: set[int] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence = (), kwargs: Any = None):
-        if getattr(func, "__self__", None) is _GRAD and args and id(args[0]) in self.absent:
+        grad = getattr(func, "__self__", None) is _GRAD and args
+        if grad and id(args[0]) in self.real and not _from_functacc(sys._getframe(1)):
+            raise _unreached(self.real[id(args[0])])
+        if grad and id(args[0]) in self.absent:
             key = id(args[0])
             if key not in self._seen:
                 self._seen.add(key)
@@ -78,6 +82,26 @@ def _in_zero_grad(frame: FrameType | None) -> bool:
         frame is not None
         and frame.f_code in _ZERO_GRADS
         and frame.f_locals.get("set_to_none") is True
+    )
+
+
+def _from_functacc(frame: FrameType | None) -> bool:
+    while frame is not None and frame.f_code.co_filename.startswith(_PASSING[1:]):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_PASSING[0])
+
+
+def _unreached(name: str) -> Exception:
+    from ..errors import TraceError
+
+    return TraceError(
+        f"the step reads or sets the .grad of the parameter {name} itself, reached through "
+        "a place functacc.jit does not follow (a list or object more than three attributes "
+        "deep from the step's variables, or inside a library's object): while traced, the "
+        "step's gradients are the traced parameters', so that .grad would not be the "
+        "step's (None, or the last call's). Fix: reach the parameters through the module in "
+        "the step (model.parameters(), model.named_parameters()), or keep the list where "
+        "the step's variables or an object it uses hold it directly."
     )
 
 
