@@ -1460,8 +1460,9 @@ def test_a_tensor_of_the_python_state_updated_in_place_stays_that_tensor() -> No
 
 def test_a_tensor_that_requires_grad_in_python_state_is_named_with_advice_that_works() -> None:
     # SAC's temperature kept as a bare tensor, its optimizer not given: eager's backward()
-    # reaches it, a graph input would not, so it is not fed. Both pieces of advice (its
-    # optimizer given, or a parameter of a module given) run as eager.
+    # reaches it and fills its .grad, which a graph input cannot keep (since 2026-11-29 it
+    # is fed, and the gradient the trace computes for it is the error). Both pieces of
+    # advice (its optimizer given, or a parameter of a module given) run as eager.
     model, opt = net()
     log_alpha = torch.zeros(1, requires_grad=True)
     alpha_opt = torch.optim.SGD([log_alpha], lr=0.1)
@@ -1479,7 +1480,7 @@ def test_a_tensor_that_requires_grad_in_python_state_is_named_with_advice_that_w
     step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager")
     with pytest.raises(
         functacc.TraceError,
-        match=r"(?s)require grad at .*'log_alpha'.*optimizers=.*nn\.Parameter",
+        match=r"(?s)gradient for the tensor at .*'log_alpha'.*optimizers=.*nn\.Parameter",
     ):
         step(*data(1)[0])
     assert_same(tensors_of([model], [opt]), before)

@@ -151,9 +151,11 @@ class FedRequiringGrad(list):
                 "which the step reads from its Python state: it requires grad, but it is no "
                 "parameter of the modules given in modules=(...) nor of the optimizers in "
                 "optimizers=(...), so functacc.jit cannot keep its .grad as eager does. Fix: "
-                "give the module that holds it in modules=(...) (or its optimizer in "
-                "optimizers=(...)); or, where it should not be trained, set "
-                "requires_grad_(False) on it (or compute with it under torch.no_grad())."
+                "give the optimizer that updates it in optimizers=(...) (its tensors are then "
+                "the step's own), or make it an nn.Parameter of a module given in "
+                "modules=(...) (or give the module that holds it); where it should not be "
+                "trained, set requires_grad_(False) on it or compute with it under "
+                "torch.no_grad()."
             )
 
 
