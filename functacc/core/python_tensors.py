@@ -56,7 +56,7 @@ def feedable(value: Any, owned: set[int]) -> bool:
     """Whether ``value`` is a tensor the graph can take as an input in its place: a plain
     tensor or parameter (not one of the trace's), not the step's own state, and where it
     requires grad a leaf without ``.grad`` (an EMA's ``copy.deepcopy`` of the parameters,
-    updated in place under ``no_grad``; traced requiring grad, see ``Recorder.finish``)."""
+    updated in place under ``no_grad``; traced requiring grad: :class:`FedRequiringGrad`)."""
     if type(value) not in (Tensor, nn.Parameter) or id(value) in owned:
         return False
     return not value.requires_grad or (value.is_leaf and value.grad is None)
