@@ -59,7 +59,12 @@ def feedable(value: Any, owned: set[int]) -> bool:
     updated in place under ``no_grad``; traced requiring grad: :class:`FedRequiringGrad`)."""
     if type(value) not in (Tensor, nn.Parameter) or id(value) in owned:
         return False
-    return not value.requires_grad or (value.is_leaf and value.grad is None)
+    if not value.requires_grad:
+        return True
+    try:
+        return value.is_leaf and value.grad is None
+    except RuntimeError:  # a view made under no_grad whose base changed since: not a leaf
+        return False
 
 
 def tensor_locations(location: Location, value: Any, owned: set[int]) -> list[Location]:
@@ -105,9 +110,11 @@ class HeldTensors(dict):
                 groups.setdefault(parent, []).append((location, tensor))
             self._groups = [
                 (
-                    parent if all(loc.steps[-1][0] == "item" for loc, _ in held) else None,
+                    parent
+                    if parent and all(loc.steps[-1][0] == "item" for loc, _ in held)
+                    else None,
                     held,
-                    [loc.steps[-1][1] for loc, _ in held],
+                    [loc.steps[-1][1] if loc.steps else None for loc, _ in held],
                     [t for _, t in held],
                 )
                 for parent, held in groups.items()
@@ -199,6 +206,8 @@ def owned_tensors(modules: Sequence[nn.Module], optimizers: Sequence[Any]) -> se
     optimizers' state (``optimizers``: linked optimizers, each with ``.optimizer``)."""
     ids = {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     for linked in optimizers:
+        for group in getattr(getattr(linked, "optimizer", None), "param_groups", ()):
+            ids.update(id(p) for p in group["params"])  # SAC's log_alpha no module owns
         for state in getattr(getattr(linked, "optimizer", None), "state", {}).values():
             values = state.values() if isinstance(state, dict) else ()
             ids.update(id(v) for v in values if isinstance(v, Tensor))
