@@ -12,10 +12,12 @@ tensor assigned is the graph's output, written after the call; an in-place updat
 (``meter.sum += loss.detach()``) is written into the tensor itself, which stays the same
 object.
 
-Not fed, and still refused with advice (:func:`~.body_trace.outside_tensor_error`): a tensor
-that requires grad (a parameter list taken before the call, a tensor with autograd
-history: eager's backward would reach it, a graph input cannot), and the step's own state
-(parameters, buffers, optimizer state) reached through a plain object.
+A leaf tensor that requires grad (an EMA's ``copy.deepcopy`` of the parameters) is fed
+requiring grad; a backward that reaches it is refused (:class:`FedRequiringGrad`). A
+tensor with autograd history is not fed (eager's backward would reach through it, a graph
+input cannot), refused with advice. The step's own state (parameters, buffers) where the
+body's Python holds it (``params = list(model.parameters())`` before the call) is not fed
+either: those places hold the traced tensors while traced (:func:`install_held`).
 
 Example:
     >>> import torch
