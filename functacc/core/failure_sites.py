@@ -34,6 +34,7 @@ __all__ = [
     "call_to_hoist",
     "draw_site",
     "formats_with_percent",
+    "hashed_size",
     "in_function",
     "in_package",
     "is_data_dependent",
@@ -90,6 +91,19 @@ def is_data_dependent(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def hashed_size(exc: BaseException, dims: Any) -> str | None:
+    """Where a trace with symbolic sizes (``dims``) failed hashing one (a dict keyed by
+    the sequence length, lucidrains' ``self.cache[f"freqs:{seq_len}"]``): a symbolic size
+    has no hash, an int has; the trace is then made with static sizes, as eager's."""
+    while dims is not None and exc is not None:
+        if isinstance(exc, TypeError) and "unhashable type" in str(exc) and "Sym" in str(exc):
+            frame = user_frame(exc.__traceback__)
+            site = f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame else "the step"
+            return f"a size hashed at {site}, a dict key or set member, traced static"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:

@@ -33,9 +33,12 @@ from .python_reach import entries, plain_objects
 __all__ = [
     "Held",
     "check_declared_optimizers",
+    "contents_changed",
     "held_values",
     "library_objects",
+    "note_contents",
     "refuse_left_behind",
+    "restore_contents",
     "restore_objects",
     "unwrapped",
 ]
@@ -86,7 +89,7 @@ def library_objects(roots: list[Root], more: Sequence[Any] = ()) -> Held:
         elif _object(value):
             saved.append((value, dict(vars(value)), label))
             for v in vars(value).values():
-                _note_contents(v, saved.contents)
+                note_contents(v, saved.contents)
             frontier += [(f"{label}.{k}", v, depth + 1) for k, v in vars(value).items()]
     return saved
 
@@ -139,15 +142,45 @@ def _traced(value: Any, depth: int = 0) -> str | None:
     return None
 
 
-def _note_contents(value: Any, contents: dict[int, tuple[Any, list]], depth: int = 0) -> None:
+def note_contents(value: Any, contents: dict[int, tuple[Any, list]], depth: int = 0) -> None:
     """The items of ``value`` and of the dicts and lists in it, a few levels deep (a
     GradScaler's per-optimizer state dicts are filled in place), each container by id."""
     if depth > 3 or type(value) not in _CONTAINERS or id(value) in contents:
         return
-    items = list(dict.items(value)) if isinstance(value, dict) else list(value)
-    contents[id(value)] = (value, items)
+    contents[id(value)] = (value, _items(value))
     for v in dict.values(value) if isinstance(value, dict) else value:
-        _note_contents(v, contents, depth + 1)
+        note_contents(v, contents, depth + 1)
+
+
+def _items(container: Any) -> list:
+    return list(dict.items(container)) if isinstance(container, dict) else list(container)
+
+
+def contents_changed(contents: dict[int, tuple[Any, list]]) -> bool:
+    """Whether a container :func:`note_contents` saw holds other items now (by identity:
+    an entry set again keeps its key object)."""
+    for container, items in contents.values():
+        now = _items(container)
+        if len(now) != len(items):
+            return True
+        pairs = zip(now, items, strict=True)
+        if isinstance(container, dict):
+            if any(a[0] is not b[0] or a[1] is not b[1] for a, b in pairs):
+                return True
+        elif any(a is not b for a, b in pairs):
+            return True
+    return False
+
+
+def restore_contents(contents: dict[int, tuple[Any, list]]) -> None:
+    """Each container :func:`note_contents` saw, in place, holding what it held then."""
+    for container, items in contents.values():
+        if isinstance(container, dict):
+            dict.clear(container)
+            dict.update(container, items)
+        else:
+            container.clear()
+            container.extend(items)
 
 
 _CONTAINERS = (dict, list, collections.defaultdict, collections.deque)
@@ -162,13 +195,7 @@ def restore_objects(saved: Held) -> None:
         for name in [n for n in current if n not in attributes]:
             del current[name]
         current.update(attributes)
-    for container, items in saved.contents.values():
-        if isinstance(container, dict):
-            dict.clear(container)
-            dict.update(container, items)
-        else:
-            container.clear()
-            container.extend(items)
+    restore_contents(saved.contents)
 
 
 def held_values(roots: list[Root]) -> list[Any]:

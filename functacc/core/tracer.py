@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..errors import TraceError
 from .diagnostics import translate
 from .eager_inplace import mark_inplace, restore_inplace, traced_node_by_node
-from .failure_sites import is_data_dependent
+from .failure_sites import hashed_size, is_data_dependent
 from .graph_passes import bernoulli_in_place, direct_writes
 from .host_values import ValuesOnHost
 from .packed import HostPacking
@@ -40,12 +40,10 @@ __all__ = ["Traced", "symbolic_fakes", "trace"]
 
 
 class Traced:
-    """A traced step graph and, when some input dimensions were symbolic, what it needs.
-
-    ``fakes`` are the fake example inputs the graph was traced with (their sizes are
-    symbols where dynamic), for Inductor's dynamic-shape compile; ``guard`` is the
-    condition, over the dynamic inputs, under which the graph is valid (``None``: none).
-    """
+    """A traced step graph and, when some input dimensions were symbolic, what it needs:
+    ``fakes``, the fake inputs it was traced with (sizes symbols where dynamic), for
+    Inductor's dynamic-shape compile; ``guard``, the condition over them under which the
+    graph is valid (``None``: none)."""
 
     def __init__(
         self,
@@ -57,7 +55,7 @@ class Traced:
         self.graph = graph
         self.fakes = fakes
         self.guard = guard
-        # The fake mode of the trace: a graph whose Python numbers came from tensors (unbacked
+        # The trace's fake mode: a graph whose Python numbers came from tensors (unbacked
         # symbols) or are inputs is compiled in it, from the very fakes traced.
         self.fake_mode = fake_mode
         self.example_fakes: list[Any] = []
@@ -87,16 +85,14 @@ def trace(
         holder: the module(s) the step runs; their Python attributes and the generators
             they hold must not change while tracing (eager would change them every step).
         signature: a description of the inputs, for error messages.
-        dynamic: one collection of dimension indices per input, traced symbolically: the
-            graph then serves every size that satisfies its guard. Sizes 0 and 1 are
-            specialised (the fakes say which dimensions stayed symbolic).
+        dynamic: one collection of dimension indices per input, traced symbolically (0 and
+            1 specialised; static where the step hashes one): see :class:`Traced`.
         functional: ``fn`` writes into its inputs anywhere (an eager step body): trace it,
             then functionalize it so that every write is a ``copy_`` at the end.
-        strict: every tensor ``fn`` reads must be one of the inputs; a real tensor met
-            while tracing is an error instead of a constant of the graph.
-        watches: more context managers around the trace (checks of the caller's own).
-        on_error: turns an exception raised while tracing into the one to raise;
-            by default a :class:`TraceError` naming the module and source line.
+        strict: a real tensor ``fn`` reads that is none of the inputs is an error, not a constant.
+        watches: more context managers around the trace (the caller's own checks).
+        on_error: the exception to raise for one met while tracing (by default a
+            :class:`TraceError` naming the module and source line).
         read_values: read known batch values as numbers from the start (host_values.py),
             as an earlier trace of this step needed (``traced.read_values``).
 
@@ -129,15 +125,19 @@ def trace(
             try:
                 with (values := ValuesOnHost(read=read_values)):
                     traced = _trace(fn, detached, devices, dims, functional, strict)
-            except _MixedGuard as why:  # sizes this trace cannot keep symbolic: fixed
-                traced = _trace(fn, detached, devices, None, functional, strict)
-                traced.fixed = str(why)  # said in the retrace's reason (a draw's size)
             except Exception as exc:
+                # Sizes this trace cannot keep symbolic (a guard over a size and a number, a
+                # size hashed): traced static, said in the retrace's reason.
+                fixed = str(exc) if isinstance(exc, _MixedGuard) else hashed_size(exc, dims)
+                if fixed is not None:
+                    traced = _trace(fn, detached, devices, None, functional, strict)
+                    traced.fixed = fixed
                 # A size made of a batch's values (lengths.tolist()): read them (host_values)
-                if values.read or not (values.known_reads and is_data_dependent(exc)):
+                elif values.read or not (values.known_reads and is_data_dependent(exc)):
                     raise
-                with (values := ValuesOnHost()):
-                    traced = _trace(fn, detached, devices, dims, functional, strict)
+                else:
+                    with (values := ValuesOnHost()):
+                        traced = _trace(fn, detached, devices, dims, functional, strict)
             traced.read_values = values.read
     except Exception as exc:
         if getattr(exc, "_functacc_user_error", False) or isinstance(exc, TraceError):

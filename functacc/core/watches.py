@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..errors import argument_error, attribute_change_error, host_random_error, user_stacklevel
 from .failure_sites import draw_site
+from .held_objects import contents_changed, note_contents, restore_contents
 from .model_watch import HELD_DEPTH, held_items
 from .python_clock import fed_clock
 from .python_reach import MODULE_TABLES
@@ -70,7 +71,7 @@ class AttributeWatch:
 
     def __enter__(self) -> None:
         self.before = {
-            name: {k: (v, _size(v)) for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
+            name: {k: (v, _contents(v)) for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
             for name, m in self.model.named_modules()
         }
 
@@ -83,9 +84,9 @@ class AttributeWatch:
             for k, v in list(attrs.items()):
                 if k in _MODULE_INTERNALS:
                     continue
-                old, size = before.get(k, (None, None))
-                if k in before and v is old and _size(v) == size:
-                    continue  # unchanged (an in-place container edit changes its size)
+                old, contents = before.get(k, (None, {}))
+                if k in before and v is old and not contents_changed(contents):
+                    continue  # unchanged, also inside (a dict or list filled in place)
                 if old is None and not isinstance(v, Tensor) and k not in caches:
                     continue  # a lazily built cache: set once, in eager too
                 if k not in caches:
@@ -93,6 +94,7 @@ class AttributeWatch:
                     modules.append((module, k))
                 if k in before:
                     attrs[k] = old
+                    restore_contents(contents)  # lucidrains' `self.cache[key] = freqs`
                 else:
                     del attrs[k]
         if changed and kind is None:
@@ -386,5 +388,9 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _size(value: object) -> int | None:
-    return len(value) if isinstance(value, (list, dict, set)) else None
+def _contents(value: object) -> dict[int, tuple[Any, list]]:
+    """The items of ``value``'s dicts and lists (itself and nested), to compare and put
+    back: a trace that fills a module's cache dict in place leaves its fake tensors there."""
+    contents: dict[int, tuple[Any, list]] = {}
+    note_contents(value, contents)
+    return contents
