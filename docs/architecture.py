@@ -41,6 +41,7 @@ STAGES: dict[str, list[str]] = {
         "core/python_numpy",
         "core/python_reach",
         "core/python_code",
+        "core/python_memo",
         "core/python_location",
         "core/python_numbers",
         "core/python_clock",

@@ -12,6 +12,7 @@ failed hashing the size ("unhashable type: non-nested SymInt"), whatever the nam
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -200,3 +201,69 @@ def test_replacing_a_cached_tensor_under_a_key_it_had_is_eagers() -> None:
         assert torch.equal(compiled(x, x), expected.detach())
         assert type(model._seen["last"]) is Tensor
         assert torch.equal(model._seen["last"], ref._seen["last"])
+
+
+@functools.lru_cache(maxsize=8)
+def causal_mask(n: int) -> Tensor:
+    return torch.full((n, n), float("-inf")).triu(1)
+
+
+class MaskedMixer(nn.Module):
+    """Attention-like mixing over positions with a memoized mask (a global function) and
+    memoized positions (a method under ``@functools.cache``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @functools.cache  # noqa: B019 (the pattern under test: a method memoized per instance)
+    def positions(self, n: int) -> Tensor:
+        return torch.arange(n, dtype=torch.float32)[:, None] / n
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x) + self.positions(x.shape[0])
+        return (h @ h.T + causal_mask(x.shape[0])).softmax(-1) @ h
+
+
+@pytest.mark.parametrize("filled", [False, True])
+def test_memoized_functions_run_uncached_in_the_step_and_their_caches_stay_eagers(
+    filled: bool,
+) -> None:
+    # Before 2026-11-29 a cache filled while traced kept the trace's fake tensor (after
+    # the calls, causal_mask(6) gave eager code a FakeTensor, silently); one filled before
+    # handed the trace a real tensor none of its inputs (a TraceError). Now the trace runs
+    # the functions themselves: losses and weights eager's (rtol=atol=0), the caches as
+    # they were, and what they give afterwards real tensors. Sizes 6, 6, 9 traced symbolic
+    # (dynamic=True; a symbolic size has no hash, so a cache would have failed on it).
+    torch.manual_seed(0)
+    model = MaskedMixer()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def body(net: nn.Module, o: torch.optim.Optimizer) -> Any:
+        def step(x: Tensor) -> float:
+            loss = net(x).square().mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            return loss.item()
+
+        return step
+
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(n, 4, generator=g) for n in (6, 6, 9)]
+    causal_mask.cache_clear()
+    expected = [body(ref, ref_opt)(x) for x in batches]
+    if not filled:
+        causal_mask.cache_clear()
+        MaskedMixer.positions.cache_clear()
+    before = (causal_mask.cache_info(), MaskedMixer.positions.cache_info())
+    step = functacc.jit(
+        body(model, opt), modules=[model], optimizers=[opt], backend="eager", dynamic=True
+    )
+    assert [step(x) for x in batches] == expected
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert (causal_mask.cache_info(), MaskedMixer.positions.cache_info()) == before
+    assert type(causal_mask(6)) is Tensor and type(model.positions(6)) is Tensor
+    assert all(t.dynamic for t in step.traces), [t.reason for t in step.traces]

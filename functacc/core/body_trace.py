@@ -36,6 +36,7 @@ from .lookup_tables import as_lookup
 from .python_code import code_scopes, function_attributes_kept
 from .python_iterators import no_batches_drawn, outside_iterators
 from .python_location import Location, Root
+from .python_memo import memoized_uncached
 from .python_numbers import symbolic_builtins
 from .python_reach import entries, is_user_code, plain_objects
 from .python_state import generator_key
@@ -148,6 +149,7 @@ class TracedBody:
                 symbolic_builtins(scopes=scopes),
                 no_batches_drawn(outside_iterators(python.roots, self.leaves, recorder.objects)),
                 function_attributes_kept(self.step.fn, python.roots),
+                memoized_uncached(scopes, capture.modules),
                 collectives_in_graph(),
                 value_checks_in_graph(),
                 EqualAtTrace(),

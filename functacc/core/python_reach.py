@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from .python_location import MISSING, Location, ModuleRoot, Root, fields_of, slot_names
 
 __all__ = [
+    "MEMOIZED",
     "MODULE_TABLES",
     "entries",
     "find_roots",
@@ -68,6 +69,7 @@ _CONTAINERS = (dict, list, collections.defaultdict, collections.deque)  # python
 _SCAN_DEPTH = 3  # called user functions followed this many calls deep
 _OBJECT_DEPTH = 3  # plain objects reached this many attributes deep from a root
 _MAX_OBJECTS = 256
+MEMOIZED = functools._lru_cache_wrapper  # what functools.lru_cache and functools.cache make
 
 
 # -- what the body's code names -------------------------------------------------------------
@@ -140,6 +142,8 @@ def _user_functions(
             value = scope(name)
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
+            if isinstance(value, MEMOIZED):  # run uncached while traced (python_memo.py)
+                value = value.__wrapped__
             if inspect.isfunction(value) or inspect.ismethod(value):
                 yield from _user_functions(value, owner, seen, depth + 1)
             elif value is not owner and is_plain_object(value):  # logger.log(...): its code
