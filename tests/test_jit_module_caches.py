@@ -225,9 +225,16 @@ class MaskedMixer(nn.Module):
         return (h @ h.T + causal_mask(x.shape[0])).softmax(-1) @ h
 
 
-@pytest.mark.parametrize("filled", [False, True])
+@pytest.mark.parametrize(
+    ("filled", "backend"),
+    [
+        (False, "eager"),
+        (True, "eager"),
+        pytest.param(False, "inductor", marks=pytest.mark.inductor),
+    ],
+)
 def test_memoized_functions_run_uncached_in_the_step_and_their_caches_stay_eagers(
-    filled: bool,
+    filled: bool, backend: str
 ) -> None:
     # Before 2026-11-29 a cache filled while traced kept the trace's fake tensor (after
     # the calls, causal_mask(6) gave eager code a FakeTensor, silently); one filled before
@@ -259,11 +266,16 @@ def test_memoized_functions_run_uncached_in_the_step_and_their_caches_stay_eager
         MaskedMixer.positions.cache_clear()
     before = (causal_mask.cache_info(), MaskedMixer.positions.cache_info())
     step = functacc.jit(
-        body(model, opt), modules=[model], optimizers=[opt], backend="eager", dynamic=True
+        body(model, opt), modules=[model], optimizers=[opt], backend=backend, dynamic=True
     )
-    assert [step(x) for x in batches] == expected
+    got = [step(x) for x in batches]
+    if backend == "eager":
+        assert got == expected
+    else:  # Inductor's fused float32 kernels round in another order: a few ulps
+        assert got == pytest.approx(expected, rel=1e-5)
+    exact = {"rtol": 0, "atol": 0} if backend == "eager" else {"rtol": 1e-5, "atol": 1e-6}
     for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, **exact)
     assert (causal_mask.cache_info(), MaskedMixer.positions.cache_info()) == before
     assert type(causal_mask(6)) is Tensor and type(model.positions(6)) is Tensor
     assert all(t.dynamic for t in step.traces), [t.reason for t in step.traces]
