@@ -238,3 +238,57 @@ def test_callbacks_held_in_a_list_keep_their_state_as_in_eager(kind: str) -> Non
             step(torch.randn(4, 3))
         runs.append((CALLS["callback"], logger.logged))
     assert runs[1] == runs[0] == ((8, 0) if kind == "partial" else (0, 4))
+
+
+class ClassCounted(nn.Module):
+    """Counts its calls and keeps a scale on its class, as a registry or a shared schedule
+    does: state of every instance, not of the model's tensors."""
+
+    calls = 0
+    scale = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1  # the class never named
+        return self.linear(x) * ClassCounted.scale
+
+
+class Tally:
+    total = 0.0
+
+
+@pytest.mark.parametrize("front", ["jit", "compile_step"])
+def test_class_attributes_the_step_reads_and_writes_are_eagers(front: str) -> None:
+    # Before 2026-11-29 a module's class was not followed: its counter was bumped at each
+    # trace only (2 after 4 calls, eager 4), silently, and a scale changed on the class
+    # between calls stayed the trace's. A user class the body names (Tally) was followed.
+    def run(compiled: bool) -> tuple[int, float, list[torch.Tensor]]:
+        ClassCounted.calls, ClassCounted.scale, Tally.total = 0, 1.0, 0.0
+        torch.manual_seed(0)
+        model = ClassCounted()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss_fn = nn.functional.mse_loss
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            loss = minimize(opt, loss_fn(model(x), y))
+            Tally.total += loss.item()
+            return loss.item()
+
+        if compiled and front == "jit":
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+        elif compiled:  # the standard step: only the model's class in it
+            step = functacc.compile_step(model, loss_fn, opt, backend="eager")
+        g = torch.Generator().manual_seed(1)
+        for i in range(4):
+            ClassCounted.scale = 1.0 if i < 2 else 0.5
+            step(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g))
+        return ClassCounted.calls, Tally.total, [p.detach().clone() for p in model.parameters()]
+
+    calls, total, params = run(compiled=False)
+    jit_calls, jit_total, jit_params = run(compiled=True)
+    assert calls == jit_calls == 4
+    assert jit_total == (total if front == "jit" else 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(jit_params, params, strict=True))

@@ -41,6 +41,7 @@ __all__ = [
     "called_toward",
     "code_scopes",
     "function_attributes_kept",
+    "module_classes",
     "module_hooks",
     "reached_code",
     "unlisted_modules",
@@ -89,6 +90,18 @@ def module_hooks(modules: Iterable[tuple[str, nn.Module]]) -> list[Callable[...,
         for sub in module.modules()
         for table in tables
         for hook in getattr(sub, table, {}).values()
+    ]
+
+
+def module_classes(modules: Iterable[tuple[str, nn.Module]]) -> list[Root]:
+    """The user's classes of the step's modules, each a root: their class attributes are
+    step state that the modules' code reads and writes (``type(self).calls += 1``,
+    ``Block.count += 1``), followed as a user class's named by the body is."""
+    classes = {c for _, m in modules for sub in m.modules() for c in type(sub).__mro__}
+    return [
+        Root(f"class {c.__qualname__}", functools.partial(lambda c: c, c), None, loaded=False)
+        for c in sorted(classes, key=lambda c: c.__qualname__)
+        if c is not nn.Module and _users_own(c)
     ]
 
 

@@ -370,8 +370,8 @@ def _containerish(value: Any) -> bool:
 
 
 def _is_user_class(value: Any) -> bool:
-    """A class of the user's code (not a module's: its attributes are the model's)."""
-    return inspect.isclass(value) and not issubclass(value, nn.Module) and is_user_code(value)
+    """A class of the user's code (a module's too: its class attributes, not the model's)."""
+    return inspect.isclass(value) and value is not nn.Module and is_user_code(value)
 
 
 def holds_traced(value: Any, depth: int = 0) -> bool:

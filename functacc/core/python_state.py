@@ -36,7 +36,7 @@ from torch import Tensor
 from ..errors import TraceError
 from .host_calls import result_unused
 from .python_clock import new_call
-from .python_code import called_toward, code_scopes, reached_code, unlisted_modules
+from .python_code import called_toward, code_scopes, module_classes, reached_code, unlisted_modules
 from .python_draws import DrawRoot, HostDraws, branched_on_draws, draw_all
 from .python_effects import build
 from .python_location import MISSING, Location, ModuleRoot, Root
@@ -62,10 +62,10 @@ class PythonState:
         modules: Sequence[tuple[str, Any]] = (),
         unkeyed: set[tuple[int, str]] | None = None,
     ):
-        # The body's code's roots, and the containers its modules keep (python_tensors);
-        # then those of the modules' hooks (prepare: registered before a trace).
+        # Roots: the body's code's, its modules' containers and classes; hooks' in prepare().
         self._known: dict[tuple, Root] = {}
         self.roots: list[Root] = find_roots(fn, self._known) + module_containers(modules)
+        self.roots += module_classes(modules)
         self._fn = fn  # where its branches are made (finish)
         self.optimizers = list(optimizers)  # LinkedOptimizer
         self.owned = owned  # ids of the step's own tensors: never fed (python_tensors)
