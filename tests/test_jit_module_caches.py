@@ -279,3 +279,34 @@ def test_memoized_functions_run_uncached_in_the_step_and_their_caches_stay_eager
     assert (causal_mask.cache_info(), MaskedMixer.positions.cache_info()) == before
     assert type(causal_mask(6)) is Tensor and type(model.positions(6)) is Tensor
     assert all(t.dynamic for t in step.traces), [t.reason for t in step.traces]
+
+
+@functools.lru_cache
+def running_total(n: int) -> Tensor:
+    return torch.zeros(n)
+
+
+def test_a_tensor_from_a_cache_written_in_place_is_a_clear_error_and_changes_nothing() -> None:
+    # Eager's cache hands every call the same tensor, so an in-place write accumulates
+    # across calls; run uncached, the trace would start from zeros at every call, silently.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+
+    def step(x: Tensor) -> float:
+        out = model(x)
+        total = running_total(4)
+        total.add_(out.detach().mean(0))
+        loss = (out + total).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    running_total.cache_clear()
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(functacc.TraceError, match=r"memoized function running_total\(\)"):
+        jitted(torch.randn(2, 4))
+    assert running_total.cache_info().currsize == 0 and opt.state == {}
+    assert all(torch.equal(a, before[k]) for k, a in model.state_dict().items())

@@ -28,8 +28,10 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from torch import nn
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
 
+from ..errors import TraceError
 from .python_reach import MEMOIZED, is_user_code
 
 __all__ = ["memoized_uncached"]
@@ -39,20 +41,49 @@ __all__ = ["memoized_uncached"]
 def memoized_uncached(scopes: Sequence[dict], modules: Sequence[nn.Module]) -> Iterator[None]:
     """While inside: the memoized functions among ``scopes`` (module globals) and the
     attributes of the user's classes of ``modules`` (a method under ``@lru_cache``) are
-    their wrapped functions."""
+    their wrapped functions. A tensor one of them returned that the step then writes in
+    place is a :class:`TraceError` on leaving: eager's cache hands the same tensor to every
+    call, so the write would carry over between calls, which an uncached call cannot do."""
     classes = {c for m in modules for sub in m.modules() for c in type(sub).__mro__}
     owners: list[Any] = [*scopes, *(c for c in classes if is_user_code(c))]
     found = []
     for owner in owners:
         table = owner if isinstance(owner, dict) else vars(owner)
         found += [(owner, k, v) for k, v in list(table.items()) if isinstance(v, MEMOIZED)]
+    returned: list[tuple[str, Tensor, int]] = []
     try:
         for owner, name, memoized in found:
-            _set(owner, name, memoized.__wrapped__)
+            _set(owner, name, _uncached(memoized, returned))
         yield
     finally:
         for owner, name, memoized in found:
             _set(owner, name, memoized)
+    written = next((name for name, t, version in returned if t._version != version), None)
+    if written is not None:
+        raise TraceError(
+            f"the step writes in place into a tensor that the memoized function {written}() "
+            "returned: eager's cache gives every call that same tensor, so the write carries "
+            "over to the next call, and functacc.jit runs the function uncached while "
+            "tracing (its cache would keep the trace's stand-in). Fix: keep that tensor in a "
+            "module's buffer (register_buffer) or a variable the step reads, not in a cache."
+        )
+
+
+def _uncached(memoized: Any, returned: list[tuple[str, Tensor, int]]) -> Any:
+    """The function ``memoized`` caches, noting the tensors it returns with their version."""
+    function = memoized.__wrapped__
+
+    def uncached(*args: Any, **kwargs: Any) -> Any:
+        out = function(*args, **kwargs)
+        name = getattr(function, "__qualname__", "?")
+        returned.extend((name, t, t._version) for t in pytree.tree_leaves(out) if _t(t))
+        return out
+
+    return uncached
+
+
+def _t(value: Any) -> bool:
+    return isinstance(value, Tensor)
 
 
 def _set(owner: Any, name: str, value: Any) -> None:

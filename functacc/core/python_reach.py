@@ -316,8 +316,8 @@ def plain_objects(roots: list[Root]) -> dict[int, tuple[Location, Any]]:
                 frontier.extend(
                     (location.child("attr", k), v, depth + 1)
                     for k, v in fields_of(value).items()
-                    if _containerish(v) and k not in MODULE_TABLES
-                )
+                    if _containerish(v) and k not in MODULE_TABLES and k[:2] != "__"
+                )  # a class's __annotations__ is Python's, not the step's
     return found
 
 
