@@ -36,7 +36,7 @@ from .lookup_tables import as_lookup
 from .python_code import code_scopes, function_attributes_kept
 from .python_iterators import no_batches_drawn, outside_iterators
 from .python_location import Location, Root
-from .python_memo import memoized_uncached
+from .python_memo import memo_owners, memoized_uncached
 from .python_numbers import symbolic_builtins
 from .python_reach import entries, is_user_code, plain_objects
 from .python_state import generator_key
@@ -124,6 +124,7 @@ class TracedBody:
         # Before the recording starts (a torchmetrics Metric's hash, met by modules(), reads
         # its list states).
         scopes = module_scopes(self.step.fn, capture.modules)
+        memo = memo_owners(scopes, capture.modules)
         with (
             python.scope(self.fed, flat[self.n_state : n_fixed]) as recorder,
             batch_values(traced_batch, self.real_batch, self.value_guarded),
@@ -149,7 +150,7 @@ class TracedBody:
                 symbolic_builtins(scopes=scopes),
                 no_batches_drawn(outside_iterators(python.roots, self.leaves, recorder.objects)),
                 function_attributes_kept(self.step.fn, python.roots),
-                memoized_uncached(scopes, capture.modules),
+                memoized_uncached(memo),
                 collectives_in_graph(),
                 value_checks_in_graph(),
                 EqualAtTrace(),

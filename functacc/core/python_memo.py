@@ -16,7 +16,7 @@ Example:
     >>> @functools.lru_cache
     ... def ones(n):
     ...     return torch.ones(n)
-    >>> with memoized_uncached([globals()], []):
+    >>> with memoized_uncached([globals()]):
     ...     _ = ones(3)
     >>> ones.cache_info().currsize
     0
@@ -34,18 +34,24 @@ from torch import Tensor, nn
 from ..errors import TraceError
 from .python_reach import MEMOIZED, is_user_code
 
-__all__ = ["memoized_uncached"]
+__all__ = ["memo_owners", "memoized_uncached"]
+
+
+def memo_owners(scopes: Sequence[dict], modules: Sequence[nn.Module]) -> list[Any]:
+    """Where :func:`memoized_uncached` looks: ``scopes`` (module globals) and the user's
+    classes of ``modules``. Found before the body's Python is recorded: ``modules()``
+    hashes each module, and a torchmetrics ``Metric``'s hash reads its list states."""
+    classes = {c for m in modules for sub in m.modules() for c in type(sub).__mro__}
+    return [*scopes, *(c for c in classes if is_user_code(c))]
 
 
 @contextlib.contextmanager
-def memoized_uncached(scopes: Sequence[dict], modules: Sequence[nn.Module]) -> Iterator[None]:
-    """While inside: the memoized functions among ``scopes`` (module globals) and the
-    attributes of the user's classes of ``modules`` (a method under ``@lru_cache``) are
-    their wrapped functions. A tensor one of them returned that the step then writes in
-    place is a :class:`TraceError` on leaving: eager's cache hands the same tensor to every
-    call, so the write would carry over between calls, which an uncached call cannot do."""
-    classes = {c for m in modules for sub in m.modules() for c in type(sub).__mro__}
-    owners: list[Any] = [*scopes, *(c for c in classes if is_user_code(c))]
+def memoized_uncached(owners: Sequence[Any]) -> Iterator[None]:
+    """While inside: the memoized functions among ``owners`` (module globals, classes: a
+    method under ``@lru_cache``; see :func:`memo_owners`) are their wrapped functions. A
+    tensor one of them returned that the step then writes in place is a
+    :class:`TraceError` on leaving: eager's cache hands the same tensor to every call, so
+    the write would carry over between calls, which an uncached call cannot do."""
     found = []
     for owner in owners:
         table = owner if isinstance(owner, dict) else vars(owner)
