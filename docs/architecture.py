@@ -28,6 +28,7 @@ STAGES: dict[str, list[str]] = {
         "core/body",
         "core/capture",
         "core/optimizers",
+        "core/traced_state_view",
         "core/own_step",
         "core/own_step_state",
         "core/own_step_trace",

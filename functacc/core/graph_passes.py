@@ -15,7 +15,9 @@
 - :func:`has_effect`, :func:`live_nodes`: what runs for an effect, also where an op's
   schema hides its write (``native_batch_norm``'s running statistics), and what is kept;
 - :func:`bools_as_tensors`: a Python bool the graph returns as its tensor (Inductor
-  cannot compile a ``SymBool``: ``(out > 0).tolist()``).
+  cannot compile a ``SymBool``: ``(out > 0).tolist()``);
+- :func:`subtract_as_add`: ``sub(a, b, alpha=s)`` of a number the graph reads as
+  ``add(a, b, alpha=-s)``, which functionalizing can trace.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "has_effect",
     "live_nodes",
     "sink_to_first_use",
+    "subtract_as_add",
     "written_inputs",
 ]
 
@@ -289,3 +292,43 @@ def _bool_tensor(value: object) -> object:
         return value
     same = (source.dtype, source.device, source.dim()) == (made.dtype, made.device, 0)
     return read.args[0] if same and source.dtype == torch.bool else value
+
+
+def subtract_as_add(gm: GraphModule) -> int:
+    """``sub(a, b, alpha=s)`` (``sub_``, ``_foreach_sub``) with ``s`` a number the graph
+    reads (a learning rate fed to it: ``p.sub_(grad, alpha=group["lr"])``) as
+    ``add(a, b, alpha=-s)``; returns how many. The reference ``sub`` that functionalizing
+    traces asks ``alpha != 1``, which a number without a value cannot answer (nor can
+    Inductor's functionalizing of the graph); ``add`` asks nothing. The same bits: ATen's
+    ``sub`` is its ``add`` kernel with ``-alpha``, and ``a - s * b`` is ``a + (-s) * b``
+    exactly (negation is exact).
+
+    Example:
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> f = lambda x, lr: x.sub_(x, alpha=lr.item())
+        >>> gm = make_fx(f, tracing_mode="fake")(torch.ones(2), torch.tensor(0.5))
+        >>> subtract_as_add(gm), "add_" in gm.code
+        (1, True)
+    """
+    aten = torch.ops.aten
+    as_add = {aten.sub.Tensor: aten.add.Tensor, aten.sub_.Tensor: aten.add_.Tensor}
+    as_add |= {aten._foreach_sub.List: aten._foreach_add.List}
+    as_add |= {aten._foreach_sub_.List: aten._foreach_add_.List}
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        alpha = node.kwargs.get("alpha")
+        if node.op != "call_function" or node.target not in as_add:
+            continue
+        if not isinstance(alpha, torch.fx.Node):
+            continue
+        with gm.graph.inserting_before(node):
+            negated = gm.graph.call_function(operator.neg, (alpha,))
+        if "val" in alpha.meta:
+            negated.meta["val"] = -alpha.meta["val"]
+        node.target = as_add[node.target]
+        node.kwargs = {**node.kwargs, "alpha": negated}
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten

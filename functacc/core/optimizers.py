@@ -22,6 +22,7 @@ from torch import Tensor
 from ..errors import argument_error
 from ..optim._torch import TorchOptimizerLink, _check_supported, check_owned_parameters
 from ..optim._transform import step_params
+from .traced_state_view import state_view
 
 __all__ = [
     "LinkedOptimizer",
@@ -222,11 +223,13 @@ class TracedOptimizer:
         from .own_step_trace import refuse_state_dicts
 
         self._undo = refuse_state_dicts(opt)
+        self._saved["state"], opt.state = opt.state, state_view(self, opt.state)
         return self
 
     def __exit__(self, *exc: object) -> None:
         opt = self.linked.optimizer
         self._undo()
+        opt.state = self._saved["state"]
         for group, params in zip(opt.param_groups, self._saved["groups"], strict=True):
             group["params"] = params
         if self._saved["step"] is None:
@@ -372,17 +375,8 @@ def _marked(grads: dict[str, Tensor]) -> dict[str, Tensor]:
 
 # param_groups entries that decide which update runs (not values fed to it).
 _STRUCTURE_KEYS = frozenset(
-    {
-        "nesterov",
-        "maximize",
-        "amsgrad",
-        "foreach",
-        "fused",
-        "capturable",
-        "differentiable",
-        "decoupled_weight_decay",
-    }
-)
+    {"nesterov", "maximize", "amsgrad", "foreach", "fused", "capturable", "differentiable"}
+) | {"decoupled_weight_decay"}
 
 
 def _keep_hyperparameters(new: Any, old: Any) -> Any:

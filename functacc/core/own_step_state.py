@@ -126,8 +126,11 @@ def _first_assignments(optimizer: torch.optim.Optimizer, missing: dict[str, Tens
             elif p in clone.state:
                 state[p] = clone.state[p]
         clone.state = state
-        with torch.no_grad():
-            type(clone).step(clone)
+        try:
+            with torch.no_grad():
+                type(clone).step(clone)
+        except Exception as e:  # its step needs what is set later (schedulefree: .train())
+            raise _NotAhead(type(optimizer).__name__) from e
         params = [p.detach().clone() for g in clone.param_groups for p in g["params"]]
         return recorded, [params, *[dict(r) for r in recorded.values()]]
 

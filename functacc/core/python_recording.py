@@ -30,6 +30,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from torch import Tensor
+
 from .python_location import Location, Root, fields_of
 
 __all__ = [
@@ -159,7 +161,7 @@ class RecordingDict(dict):
         self.written: set[Any] = set()
 
     def _read(self, key: Any) -> Any:
-        _known_key(self, key)
+        key = _known_key(self, key)
         value = self.recorder.arrays.view(dict.__getitem__(self, key))
         if self.recorder.recording and key not in self.written:
             self.recorder.item_read(self, key, value)
@@ -170,18 +172,18 @@ class RecordingDict(dict):
 
     def _absent(self, key: Any) -> None:
         """The body found ``key`` absent: a call that finds it present traces again."""
-        _known_key(self, key)
+        key = _known_key(self, key)
         if self.recorder.recording and key not in self.written:
             self.recorder.guard(self.location.child("has", key), False)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        if dict.__contains__(self, key):
+        if dict.__contains__(self, _known_key(self, key)):
             return self._read(key)
         self._absent(key)
         return default
 
     def __contains__(self, key: object) -> bool:
-        if dict.__contains__(self, key):
+        if dict.__contains__(self, _known_key(self, key)):
             self._read(key)
             return True
         self._absent(key)
@@ -196,15 +198,26 @@ class RecordingDict(dict):
         return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        key = _known_key(self, key)
         if self.recorder.recording:
-            _known_key(self, key)
             self.written.add(key)
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key: Any) -> None:
-        _known_key(self, key)
+        key = _known_key(self, key)
         self.written.add(key)
         dict.__delitem__(self, key)
+
+    def _keys_of_traced(self) -> dict[int, Any]:
+        """Its keys that are the step's own tensors (parameters), by the id of the traced
+        tensor standing for each: the body looks them up with those."""
+        stand_in = getattr(self.recorder, "stand_in", {}) if self.recorder.recording else {}
+        return {id(stand_in[id(k)]): k for k in dict.keys(self) if id(k) in stand_in}
+
+    def _traced(self, keys: Any) -> Any:
+        """``keys`` as the body sees them: a parameter as its traced tensor."""
+        stand_in = getattr(self.recorder, "stand_in", {}) if self.recorder.recording else {}
+        return [stand_in.get(id(k), k) if isinstance(k, Tensor) else k for k in keys]
 
     def _read_all(self) -> None:
         for key in list(dict.keys(self)):
@@ -217,12 +230,11 @@ class RecordingDict(dict):
     # Iterated, the dict is no longer read by CPython's own fast path, unseen: dict(cfg),
     # {**cfg} and f(**cfg) then go through keys() and __getitem__.
     def __iter__(self) -> Any:
-        self._read_keys()
-        return dict.__iter__(self)
+        return iter(self.keys())
 
     def keys(self) -> Any:
         self._read_keys()
-        return dict.keys(self)
+        return dict.keys(self) if not self._keys_of_traced() else self._traced(dict.keys(self))
 
     def copy(self) -> dict:
         self._read_all()
@@ -230,23 +242,28 @@ class RecordingDict(dict):
 
     def items(self) -> Any:
         self._read_all()
-        return dict.items(self)
+        if not self._keys_of_traced():
+            return dict.items(self)
+        return list(zip(self._traced(dict.keys(self)), dict.values(self), strict=True))
 
     def values(self) -> Any:
         self._read_all()
         return dict.values(self)
 
 
-def _known_key(mapping: RecordingDict, key: Any) -> None:
-    """Refuse a key formatted from a number the step computes (improved-diffusion's
-    ``logger.logkv_mean(f"{key}_q{quartile}", ...)``, ``quartile`` from a timestep's
-    value): while traced it is a stand-in, so which entry the body reads or writes is not
-    known, where eager's entry follows the value. Before 2026-11-29 the stand-in stayed the
-    key, silently: an entry per call, never eager's."""
+def _known_key(mapping: RecordingDict, key: Any) -> Any:
+    """The key eager looks up: a parameter's for the traced tensor standing for it (a dict
+    keyed by parameters, ``slow[p]`` of a Lookahead). A key formatted from a number the step
+    computes is refused (improved-diffusion's ``logger.logkv_mean(f"{key}_q{quartile}",
+    ...)``, ``quartile`` from a timestep's value): while traced it is a stand-in, so which
+    entry the body reads or writes is not known, where eager's entry follows the value.
+    Before 2026-11-29 the stand-in stayed the key, silently: an entry per call, never
+    eager's; and a parameter's stand-in was a ``KeyError``."""
     if isinstance(key, str) and "\x00functacc" in key and mapping.recorder.recording:
         from ..errors import computed_key_error
 
         raise computed_key_error(key, f"the dict at {mapping.location.label}")
+    return mapping._keys_of_traced().get(id(key), key) if isinstance(key, Tensor) else key
 
 
 class RecordingGroup(RecordingDict):

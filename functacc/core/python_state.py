@@ -19,8 +19,7 @@ finds them, :mod:`.python_trace` records a trace's reads and writes):
   where the body has them; a seeded ``torch.Generator`` is put back to its seeded state;
 - what cannot be replayed is a :class:`~functacc.TraceError` naming it, with nothing changed.
 
-A number fed to the graph that the body branches on (``if self.step % 100 == 0``) stops
-being fed and is guarded from then on (each new value retraces).
+A fed number the body branches on (``if self.step % 100 == 0``) is a guard on it.
 """
 
 from __future__ import annotations
@@ -205,16 +204,16 @@ class PythonState:
         if not branched and self._scalar_buffers and not self.item_reads:
             self.item_reads = True  # perhaps a buffer's .item(): the next trace names it
             return True
-        # A number an optimizer keeps in a tensor (its step count) that its step() branches
-        # on: fed from now on as a number (its siblings too), so the branch is a guard.
-        scalars = {s for loc in branched for s in getattr(loc, "siblings", ())} - set(self.fed)
-        for loc in scalars:
-            self.fed[loc] = None
+        # A number an optimizer keeps in a tensor (its step count; its siblings too), or a
+        # hyperparameter read as its input's .item() (group["lr"]), that the trace branched
+        # on (sub's alpha != 1 too): fed as a number from now on, so the branch is a guard.
+        scalars = {s for loc in branched for s in getattr(loc, "siblings", ())}
         branched = {loc for loc in branched if not hasattr(loc, "siblings")}
-        if scalars:
-            return True
-        if not branched or branched <= self.pinned:
-            return False
+        scalars |= {loc for loc in branched - self.pinned if _numeric(loc.get())}
+        scalars -= set(self.fed)
+        self.fed.update(dict.fromkeys(scalars))
+        if scalars or not branched or branched <= self.pinned:
+            return bool(scalars)
         for loc in branched:
             self.fed.pop(loc, None)
             self.pinned.add(loc)

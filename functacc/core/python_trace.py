@@ -72,9 +72,8 @@ class Recorder:
         self.owned = owned  # ids of the step's own tensors (python_tensors.feedable)
         self.tensor_reads: dict[Location, None] = {}  # tensors read, to feed
         self.loose: dict[Location, Tensor] = {}  # where optimizer-only tensors are held
-        self.symbolic_inputs = symbolic
+        self.symbolic_inputs, self.pinned = symbolic, pinned
         self.optimizers = list(optimizers)  # LinkedOptimizer
-        self.pinned = pinned
         self.recording = False
         self.guards: dict[Location, Any] = {}
         self.symbols: dict[Any, Location] = {}  # sympy symbol of a fed value -> location
@@ -252,8 +251,9 @@ class Recorder:
 
     def install_held(self, leaves: dict[int, Tensor]) -> None:
         """The traced tensor for each of the step's own (``leaves``, by id) where the body's
-        variables and plain objects hold it (:func:`~.python_tensors.install_held`)."""
-        recording, self.recording = self.recording, False  # not the body's writes
+        variables and plain objects hold it (:func:`~.python_tensors.install_held`), and as
+        a dict's key (``slow[p]``: :class:`RecordingDict` looks it up by the parameter)."""
+        recording, self.recording, self.stand_in = self.recording, False, leaves
         found = held(self.variables, self.objects.values(), (Tensor, tuple))
         self.loose.update(install_held(found, leaves, self._originals))
         self.recording = recording

@@ -31,7 +31,7 @@ from ..errors import TraceError
 from .diagnostics import translate
 from .eager_inplace import mark_inplace, restore_inplace, traced_node_by_node
 from .failure_sites import hashed_size, is_data_dependent
-from .graph_passes import bernoulli_in_place, direct_writes
+from .graph_passes import bernoulli_in_place, direct_writes, subtract_as_add
 from .host_values import ValuesOnHost
 from .packed import HostPacking
 from .watches import AttributeWatch, ClockWatch, GradWatch, HeldRandomWatch, HostRandomWatch
@@ -112,11 +112,8 @@ def trace(
     try:
         with contextlib.ExitStack() as stack:
             for watch in (
-                AttributeWatch(holder),
-                GradWatch(holder),
-                HostRandomWatch(),
-                ClockWatch(),
-                HeldRandomWatch(holder),
+                *(AttributeWatch(holder), GradWatch(holder), HeldRandomWatch(holder)),
+                *(HostRandomWatch(), ClockWatch()),
                 HostPacking(),  # a packed sequence's batch sizes on the host (packed.py)
                 _quiet_fake_tensor_log(),
                 *watches,
@@ -258,8 +255,9 @@ def _make_fx(
     first = run(fn)
     if not functional:
         return first
-    # Eager's in-place ops on intermediates (a GRU cell's) come back after functionalization:
-    # eager_inplace.py. The nodes carry their tag through a trace run node by node.
+    # Eager's in-place ops on intermediates (a GRU cell's) come back after functionalizing
+    # (eager_inplace.py): their tags ride through a trace run node by node.
+    subtract_as_add(first)
     mark_inplace(first)
     _carry_meta(first)
     with fx_traceback.preserve_node_meta():

@@ -311,22 +311,28 @@ class TorchOptimizerLink:
     def install(self, state: tuple, names_with_grads: set[str]) -> None:
         """Make ``optimizer.state`` hold the tensors of ``state``, for every parameter that
         has been updated (torch creates state only for parameters that had a gradient)."""
+        for n in self.params:
+            tensors = self.entries(state, n) if n in names_with_grads else None
+            if tensors:  # plain SGD keeps no state; don't create empty entries
+                self.optimizer.state[self.params[n]].update(tensors)
+
+    def entries(self, state: tuple, name: str) -> dict[str, Tensor]:
+        """The entries torch's ``optimizer.state`` holds for parameter ``name``, taken from
+        ``state`` (the pure twin's)."""
         for group_names, group_state in zip(self.groups, state, strict=True):
-            for n in group_names:
-                if n not in names_with_grads:
-                    continue
-                if isinstance(group_state, SGDState):
-                    tensors = {"momentum_buffer": group_state.momentum_buffer.get(n)}
-                else:
-                    tensors = {
-                        "step": group_state.step[n],
-                        "exp_avg": group_state.exp_avg[n],
-                        "exp_avg_sq": group_state.exp_avg_sq[n],
-                        "max_exp_avg_sq": group_state.max_exp_avg_sq.get(n),
-                    }
-                tensors = {k: v for k, v in tensors.items() if v is not None}
-                if tensors:  # plain SGD keeps no state; don't create empty entries
-                    self.optimizer.state[self.params[n]].update(tensors)
+            if name not in group_names:
+                continue
+            if isinstance(group_state, SGDState):
+                tensors = {"momentum_buffer": group_state.momentum_buffer.get(name)}
+            else:
+                tensors = {
+                    "step": group_state.step[name],
+                    "exp_avg": group_state.exp_avg[name],
+                    "exp_avg_sq": group_state.exp_avg_sq[name],
+                    "max_exp_avg_sq": group_state.max_exp_avg_sq.get(name),
+                }
+            return {k: v for k, v in tensors.items() if v is not None}
+        return {}
 
 
 def from_torch(

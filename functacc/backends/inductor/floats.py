@@ -83,27 +83,33 @@ def lerp_weights_as_tensors(gm: GraphModule) -> None:
     """``lerp`` with a Python-number weight the graph computes (``1 - beta1``) as ``lerp``
     with a 0-dim tensor weight: Inductor's decomposition of the first branches on the
     weight's value (``weight >= 0.5``), which a number computed at run time does not have
-    while compiling; that of the second selects with ``where``."""
+    while compiling; that of the second selects with ``where``. ``_foreach_lerp`` too
+    (schedulefree's ``torch._foreach_lerp_(y, z, weight=ckp1)``), with a weight per tensor."""
+    lerps = (torch.ops.aten.lerp.Scalar, torch.ops.aten._foreach_lerp.Scalar)
     changed = False
     for node in list(gm.graph.nodes):
-        if node.target is not torch.ops.aten.lerp.Scalar:
+        if node.target not in lerps or not isinstance(node.args[2], torch.fx.Node):
             continue
         start, end, weight = node.args
-        if not isinstance(weight, torch.fx.Node):
-            continue
+        foreach = node.target is not torch.ops.aten.lerp.Scalar
         with gm.graph.inserting_before(node):
-            dtype = start.meta["val"].dtype
-            tensor = gm.graph.call_function(
-                torch.ops.aten.scalar_tensor.default, (weight,), {"dtype": dtype}
-            )
-            val = start.meta["val"]
-            with val.fake_mode:
-                tensor.meta["val"] = torch.scalar_tensor(0.0, dtype=dtype, device=val.device)
-        node.target = torch.ops.aten.lerp.Tensor
-        node.args = (start, end, tensor)
+            weights = [_scalar_tensor(gm, weight, s) for s in (start if foreach else [start])]
+        node.target = torch.ops.aten._foreach_lerp.List if foreach else torch.ops.aten.lerp.Tensor
+        node.args = (start, end, weights if foreach else weights[0])
         changed = True
     if changed:
         gm.recompile()
+
+
+def _scalar_tensor(gm: GraphModule, weight: torch.fx.Node, like: torch.fx.Node) -> Any:
+    """A 0-dim tensor of ``weight`` in ``like``'s dtype (its value only known at run time)."""
+    val = like.meta["val"]
+    tensor = gm.graph.call_function(
+        torch.ops.aten.scalar_tensor.default, (weight,), {"dtype": val.dtype}
+    )
+    with val.fake_mode:
+        tensor.meta["val"] = torch.scalar_tensor(0.0, dtype=val.dtype, device=val.device)
+    return tensor
 
 
 def _fake_mode(fakes: Sequence[Any]) -> Any:
