@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..errors import argument_error
 from ..optim._torch import check_owned_parameters
-from .own_step_state import _NotAhead, initial_state
+from .own_step_state import _NotAhead, initial_state, state_holder
 from .python_location import Location, Root
 from .scalar_reads import ScalarOf
 
@@ -103,6 +103,7 @@ class OwnStepLink:
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str], label: str):
         self.optimizer = optimizer
+        self.holder = state_holder(optimizer)  # whose .state: the optimizer a wrapper wraps
         self.label = label
         self.names = names
         self.sharding: Any = None
@@ -114,7 +115,7 @@ class OwnStepLink:
         self.owners = owners
         for n, p in self.params.items():
             if not owners.owns(n):
-                self.optimizer.state.pop(p, None)
+                self.holder.state.pop(p, None)
         owners.show_whole(self.optimizer, self.names)
         self._link_up()
 
@@ -136,15 +137,15 @@ class OwnStepLink:
         self.installed: set[str] = set()
         self._stepped: frozenset[str] = frozenset()
         for n, p in self.params.items():
-            if opt.state.get(p):
-                self.store[n] = opt.state[p]  # the optimizer's own dict: written in place
+            if self.holder.state.get(p):
+                self.store[n] = self.holder.state[p]  # its own dict: written in place
                 self.installed.add(n)
             else:
                 self.store[n] = made.get(n, {})
         self.roots = {n: _state_root(self.label, n, self.store) for n in self.params}
         self.created = False  # the last call created state entries (written back after it)
         self._entries()
-        self._torch_state = opt.state
+        self._torch_state = self.holder.state
         self._ids = [[id(p) for p in g["params"]] for g in opt.param_groups]
         self.tensors: list[dict[str, Tensor]] = []  # per group: its tensor entries (inputs)
         self._values: list[dict[str, Any]] = []
@@ -190,7 +191,7 @@ class OwnStepLink:
         another kind); returns the structure key (a new one: a new graph)."""
         opt = self.optimizer
         ids = [[id(p) for p in g["params"]] for g in opt.param_groups]
-        if opt.state is not self._torch_state or ids != self._ids:
+        if self.holder.state is not self._torch_state or ids != self._ids:
             self._link_up()
             return self._structure
         current = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -241,7 +242,7 @@ class OwnStepLink:
             self._entries()
         for n in self.params:  # in parameter order, as eager's first step fills the dict
             if n in self._stepped and n not in self.installed and self.store[n]:
-                self.optimizer.state[self.params[n]] = self.store[n]
+                self.holder.state[self.params[n]] = self.store[n]
                 self.installed.add(n)
 
 

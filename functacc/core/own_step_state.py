@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["initial_state"]
+__all__ = ["initial_state", "state_holder"]
 
 
 class _InitDone(Exception):  # a signal: _init_group has run
@@ -41,12 +41,27 @@ def initial_state(optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor]
     after it. Others are stepped once on a deep copy, whose state dicts note each entry as
     it is first assigned; a second copy stepped from those entries must end bit for bit
     where the first did, else the state cannot be made ahead (``_NotAhead``)."""
-    missing = {n: p for n, p in params.items() if not optimizer.state.get(p)}
+    holder = state_holder(optimizer)
+    missing = {n: p for n, p in params.items() if not holder.state.get(p)}
     if not missing:
         return {}
-    if _made_in_init_group(optimizer):
-        return _init_group_state(optimizer, missing)
+    if _made_in_init_group(holder):  # a wrapper's base (Lookahead's AdamW) too
+        return _init_group_state(holder, missing)
+    if holder is not optimizer:  # a dry run would step the optimizer it wraps, for real
+        raise _NotAhead(type(optimizer).__name__)
     return _first_assignments(optimizer, missing)
+
+
+def state_holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``state`` holds ``optimizer``'s: one it wraps and shares its
+    ``param_groups`` list with (timm's ``Lookahead``: ``self.param_groups =
+    base_optimizer.param_groups``; its step runs the base's, which keeps the state, and
+    adds its slow weights there), else ``optimizer`` itself."""
+    for value in vars(optimizer).values():
+        inner = isinstance(value, torch.optim.Optimizer) and value is not optimizer
+        if inner and value.param_groups is optimizer.param_groups:
+            return state_holder(value)
+    return optimizer
 
 
 def _made_in_init_group(optimizer: torch.optim.Optimizer) -> bool:

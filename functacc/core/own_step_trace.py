@@ -67,14 +67,15 @@ class OwnStepTrace:
     def __enter__(self) -> OwnStepTrace:
         opt = self.link.optimizer
         self._saved_params = [g["params"] for g in opt.param_groups]
-        self._saved_state = opt.state
+        holder = self.link.holder  # a wrapper's (Lookahead's) base optimizer keeps the state
+        self._saved_state = (opt.state, holder.state)
         self._saved_step = vars(opt).get("step")  # an lr_scheduler's wrapper, kept
         for group, names in zip(opt.param_groups, self.link.groups, strict=True):
             group["params"] = [self.leaf_of(n) for n in names]
         state: Any = defaultdict(dict)
         for n in self.link.params:
             state[self.leaf_of(n)] = self.state[n]
-        opt.state = state
+        opt.state = holder.state = state
         self._undo = refuse_state_dicts(opt)
         self._numbers = {
             n: {k: v for k, v in d.items() if not isinstance(v, Tensor)}
@@ -178,7 +179,7 @@ class OwnStepTrace:
         opt = self.link.optimizer
         for group, params in zip(opt.param_groups, self._saved_params, strict=True):
             group["params"] = params
-        opt.state = self._saved_state
+        opt.state, self.link.holder.state = self._saved_state
         self._undo()
         if self._saved_step is None:
             vars(opt).pop("step", None)
