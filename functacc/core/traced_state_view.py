@@ -28,10 +28,13 @@ from .python_location import Location, Root
 __all__ = ["TracedStateView", "state_view"]
 
 
-def state_view(traced: Any, real: dict) -> TracedStateView:
+def state_view(traced: Any, real: dict) -> dict:
     """``real`` (an optimizer's ``state``) as the body of ``traced`` (a
-    :class:`~.optimizers.TracedOptimizer`) reads it outside ``step()``."""
+    :class:`~.optimizers.TracedOptimizer`) reads it outside ``step()`` (under ZeRO, where
+    each rank keeps shards, ``real`` as it is)."""
     linked = traced.linked
+    if linked.sharding is not None:
+        return real
 
     def entries(name: str) -> dict:  # eager has them once the parameter stepped
         if name in traced.stepped:  # earlier in this call
