@@ -91,7 +91,26 @@ class OwnStepTrace:
                 elif self.python is not None:
                     self.python.guard(loc, v)
         opt.step = self.step  # an instance attribute shadows the class's step
+        self._saved_holder_step = vars(holder).get("step")
+        if holder is not opt:  # SAM's second_step() steps its base itself: noted too
+            holder.step = self._noting(holder.step)
         return self
+
+    def _noting(self, step: Callable) -> Callable:
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            self._note_stepped()
+            return step(*args, **kwargs)
+
+        return noted
+
+    def _note_stepped(self) -> None:
+        """The parameters this step updates: their state shows in ``opt.state`` after it."""
+        owners = self.link.owners
+        self.stepped |= {
+            n
+            for n in self.link.params
+            if self.leaf_of(n).grad is not None and (owners is None or owners.owns(n))
+        }
 
     def step(self, closure: Any = None) -> Any:
         loss = None
@@ -100,11 +119,7 @@ class OwnStepTrace:
                 loss = closure()
         opt = self.link.optimizer
         owners = self.link.owners
-        self.stepped |= {
-            n
-            for n in self.link.params
-            if self.leaf_of(n).grad is not None and (owners is None or owners.owns(n))
-        }
+        self._note_stepped()
         sources, fed = {}, {}
         for (n, key), scalar in self.link.scalars.items():
             placeholder = self.placeholders[f".state[{n!r}][{key!r}]"]
@@ -181,10 +196,11 @@ class OwnStepTrace:
             group["params"] = params
         opt.state, self.link.holder.state = self._saved_state
         self._undo()
-        if self._saved_step is None:
-            vars(opt).pop("step", None)
-        else:
-            opt.step = self._saved_step
+        for obj, saved in ((opt, self._saved_step), (self.link.holder, self._saved_holder_step)):
+            if saved is None:
+                vars(obj).pop("step", None)
+            else:
+                obj.step = saved
 
     def write_back(self) -> None:
         """At the end of the traced body: new state values go into the state's inputs (the
