@@ -196,7 +196,9 @@ class OwnStepTrace:
             group["params"] = params
         opt.state, self.link.holder.state = self._saved_state
         self._undo()
-        for obj, saved in ((opt, self._saved_step), (self.link.holder, self._saved_holder_step)):
+        steps = {id(opt): (opt, self._saved_step)}
+        steps.setdefault(id(self.link.holder), (self.link.holder, self._saved_holder_step))
+        for obj, saved in steps.values():
             if saved is None:
                 vars(obj).pop("step", None)
             else:
