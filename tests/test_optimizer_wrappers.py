@@ -23,6 +23,7 @@ import timm.optim
 import torch
 import torch.nn.functional as F
 from test_jit import assert_same, tensors_of
+from test_optimizers import body_of
 from torch import nn
 
 import functacc
@@ -35,17 +36,6 @@ def build(base: str) -> tuple[nn.Module, Any]:
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
     inner = timm.optim.create_optimizer_v2(model, base, lr=1e-2, weight_decay=0.01)
     return model, timm.optim.Lookahead(inner, alpha=0.5, k=3)
-
-
-def body_of(model: nn.Module, opt: Any) -> Any:
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return train_step
 
 
 def train(base: str, front: str, backend: str = "eager") -> tuple[list, nn.Module, Any, Any]:

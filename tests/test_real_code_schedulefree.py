@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import schedulefree
 import torch
-import torch.nn.functional as F
 from test_jit import assert_same, tensors_of
+from test_optimizers import body_of as train_step_of
 from torch import nn
 
 import functacc
@@ -51,17 +51,14 @@ def build(name: str) -> tuple[nn.Module, Any]:
 
 
 def body_of(model: nn.Module, opt: Any, train_inside: bool) -> Any:
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if train_inside:
-            model.train()
-            opt.train()
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+    step = train_step_of(model, opt)  # zero_grad, cross-entropy, backward, step
 
-    return train_step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        model.train()
+        opt.train()
+        return step(x, y)
+
+    return train_step if train_inside else step
 
 
 def batches(n: int) -> list:
