@@ -16,6 +16,7 @@ buffers included) are compared bit for bit over 8 steps with ``k=3``: two slow u
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -190,3 +191,27 @@ def test_sharpness_aware_minimization_trains_as_in_eager(base: type) -> None:
         assert set(mine) == set(theirs) | {"old_p"}
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
         assert ref_opt.state[q]["old_p"].data_ptr() == q.data_ptr()
+
+
+def test_a_wrappers_checkpoint_in_the_step_is_a_clear_error() -> None:
+    # SAM's state_dict() leaves out its base's, so a checkpoint saves both; in the step
+    # both are refused as any optimizer's (its state is the graph's while traced). Before,
+    # the base's was a KeyError from inside torch.optim.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = SharpnessAware(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        F.cross_entropy(model(x), y).backward()
+        opt.first_step(zero_grad=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.second_step(zero_grad=True)
+        torch.save({"base": opt.base_optimizer.state_dict()}, io.BytesIO())
+        return loss.detach()
+
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    before = tensors_of([model], [opt])
+    with pytest.raises(functacc.TraceError, match="state_dict"):
+        jitted(torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    assert_same(tensors_of([model], [opt]), before)

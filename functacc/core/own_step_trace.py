@@ -76,7 +76,8 @@ class OwnStepTrace:
         for n in self.link.params:
             state[self.leaf_of(n)] = self.state[n]
         opt.state = holder.state = state
-        self._undo = refuse_state_dicts(opt)
+        undo = [refuse_state_dicts(o) for o in {id(opt): opt, id(holder): holder}.values()]
+        self._undo = lambda: [u() for u in reversed(undo)]
         self._numbers = {
             n: {k: v for k, v in d.items() if not isinstance(v, Tensor)}
             for n, d in self.state.items()
