@@ -26,6 +26,7 @@ from .failure_sites import (
     library_code,
     numpy_index,
     optim_utility,
+    optimizer_step,
     random_transform,
     user_frame,
     user_module,
@@ -209,6 +210,18 @@ def translate(
             f"look for an option of {package[0]} that avoids the read; otherwise keep this "
             "model out of the jitted step (train it eagerly, or with torch.compile, which "
             f"splits its graph where the data decides). Inputs were: {signature}."
+        )
+    stepping = optimizer_step(exc) if is_data_dependent(exc) else None
+    if stepping is not None:
+        return TraceError(
+            f"{stepping}.step() reads a tensor's value as a Python number (to branch on it "
+            f"or to pick one with max/min) {where}\nfunctacc traces the whole training step "
+            "once into a graph, which cannot branch on tensor values: the choice would be "
+            "made once, at the trace, where eager makes it at every step. Fix: call the "
+            "optimizer's step() after the jitted function (opt.step() after each call, the "
+            "optimizer still given in optimizers=: the call leaves .grad as eager does), or "
+            "choose an option of the optimizer that avoids the read (Hugging Face's "
+            f"Adafactor: scale_parameter=False). Inputs were: {signature}."
         )
     if is_data_dependent(exc):
         return TraceError(

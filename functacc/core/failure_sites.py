@@ -42,6 +42,7 @@ __all__ = [
     "library_code",
     "numpy_index",
     "optim_utility",
+    "optimizer_step",
     "random_transform",
     "step_path",
     "user_frame",
@@ -233,6 +234,18 @@ def optim_utility(exc: BaseException) -> tuple[str, str] | None:
             return f"{type(owner).__name__}.{code.co_name}", "torch"
         tb = tb.tb_next
     return None
+
+
+def optimizer_step(exc: BaseException) -> str | None:
+    """The class of the optimizer whose ``step()`` ``exc`` was raised in (Hugging Face's
+    ``Adafactor``: ``max(eps, state["RMS"])``, a tensor the step computed)."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "step" and isinstance(owner, torch.optim.Optimizer):
+            found = type(owner).__name__
+        tb = tb.tb_next
+    return found
 
 
 def library_call(exc: BaseException) -> tuple[str, str] | None:

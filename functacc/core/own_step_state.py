@@ -151,6 +151,14 @@ def _first_assignments(optimizer: torch.optim.Optimizer, missing: dict[str, Tens
 
     recorded, after = stepped_copy(None)
     made = {n: dict(r.first) for n, r in recorded.items()}
+    # An entry made a number and left a tensor (Hugging Face's Adafactor: RMS = 0, then
+    # RMS = _rms(p)): the state's layout after a step is not the one made first.
+    if any(
+        isinstance(v, torch.Tensor) != isinstance(r.first[k], torch.Tensor)
+        for r in recorded.values()
+        for k, v in r.items()
+    ):
+        raise _NotAhead(type(optimizer).__name__)
     _, again = stepped_copy(made)
     if not _same(after, again):
         raise _NotAhead(type(optimizer).__name__)
