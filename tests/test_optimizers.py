@@ -252,6 +252,34 @@ def test_an_optimizer_that_branches_on_tensor_values_is_a_clear_error() -> None:
     assert_same(tensors_of([model], [opt]), before)
 
 
+def test_prodigy_reading_its_estimate_on_the_host_is_a_clear_error_whose_advice_works() -> None:
+    # prodigyopt's Prodigy: d = max(d, min(d_hat.item(), d * growth_rate)) in its step()
+    from prodigyopt import Prodigy
+
+    model, ref = build("SGD")[0], build("SGD")[0]
+    opt, ref_opt = Prodigy(model.parameters(), lr=1.0), Prodigy(ref.parameters(), lr=1.0)
+    step = functacc.jit(body_of(model, opt), modules=[model], optimizers=[opt], backend="eager")
+    before = tensors_of([model], [opt])
+    with pytest.raises(functacc.TraceError, match=r"Prodigy.step\(\) reads a tensor's value"):
+        step(*batches(1)[0])
+    assert_same(tensors_of([model], [opt]), before)
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    jitted = functacc.jit(forward_backward, modules=[model], optimizers=[opt], backend="eager")
+    for i, (x, y) in enumerate(batches()):  # the advice: its step() after the call
+        torch.manual_seed(i)
+        loss = jitted(x, y)
+        opt.step()
+        torch.manual_seed(i)
+        assert torch.equal(loss, body_of(ref, ref_opt)(x, y))
+    assert_same(tensors_of([model], [opt]), tensors_of([ref], [ref_opt]))
+
+
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_float_max_min_through_tensors_where_inductor_truncates_them(
     monkeypatch: pytest.MonkeyPatch, backend: str

@@ -220,7 +220,7 @@ def translate(
             "made once, at the trace, where eager makes it at every step. Fix: call the "
             "optimizer's step() after the jitted function (opt.step() after each call, the "
             "optimizer still given in optimizers=: the call leaves .grad as eager does), or "
-            "choose an option of the optimizer that avoids the read (Hugging Face's "
+            "choose an option of the optimizer that avoids the read (for Hugging Face's "
             f"Adafactor: scale_parameter=False). Inputs were: {signature}."
         )
     if is_data_dependent(exc):
