@@ -13,8 +13,15 @@ about a fake tensor, and the write went into the real dict under a tensor of the
 silently (a wrong model, then ``opt.state_dict()`` failing).
 
 Example:
-    >>> TracedStateView.__name__
-    'TracedStateView'
+    >>> import torch
+    >>> p = torch.zeros(2)  # a parameter's stand-in while traced
+    >>> view = TracedStateView({}, {id(p): "w"}, lambda name: {"step": torch.tensor(1.0)})
+    >>> p in view, view[p]["step"]
+    (True, tensor(1.))
+    >>> view[p]["z"] = p.clone()
+    Traceback (most recent call last):
+    ...
+    ValueError: the step writes opt.state[w]['z'] outside opt.step(). ...
 """
 
 from __future__ import annotations
