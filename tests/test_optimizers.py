@@ -126,6 +126,18 @@ def body_of(model: nn.Module, opt: torch.optim.Optimizer) -> Callable:
     return train_step
 
 
+def forward_backward_of(model: nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    """The step body without ``opt.step()``: what to jit where the step runs after the call."""
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    return forward_backward
+
+
 def run(name: str, front: str, backend: str) -> tuple[list, list, Any, Any]:
     model, opt, sched = build(name)
     ref, ref_opt, ref_sched = build(name)
@@ -264,13 +276,9 @@ def test_prodigy_reading_its_estimate_on_the_host_is_a_clear_error_whose_advice_
         step(*batches(1)[0])
     assert_same(tensors_of([model], [opt]), before)
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss.detach()
-
-    jitted = functacc.jit(forward_backward, modules=[model], optimizers=[opt], backend="eager")
+    jitted = functacc.jit(
+        forward_backward_of(model, opt), modules=[model], optimizers=[opt], backend="eager"
+    )
     for i, (x, y) in enumerate(batches()):  # the advice: its step() after the call
         torch.manual_seed(i)
         loss = jitted(x, y)
@@ -339,13 +347,9 @@ def test_an_optimizer_writing_inside_a_param_groups_list_is_a_clear_error() -> N
     ref, ref_opt = build("SGD")[0], None
     ref_opt = BufferedSGD(ref.parameters())
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss.detach()
-
-    jitted = functacc.jit(forward_backward, modules=[model], optimizers=[opt], backend="eager")
+    jitted = functacc.jit(
+        forward_backward_of(model, opt), modules=[model], optimizers=[opt], backend="eager"
+    )
     for i, (x, y) in enumerate(batches()):
         torch.manual_seed(i)
         loss = jitted(x, y)

@@ -20,9 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_jit import assert_same, tensors_of
-from test_optimizers import body_of
+from test_optimizers import body_of, forward_backward_of
 from torch import nn
 from transformers.optimization import Adafactor, AdafactorSchedule
 
@@ -67,14 +66,10 @@ def test_relative_steps_are_a_clear_error_whose_advice_trains_as_in_eager() -> N
         step(*batches(1)[0])
     assert_same(tensors_of([model], [opt]), before)
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss.detach()
-
     # The advice: the step after the jitted call (the optimizer still in optimizers=).
-    jitted = functacc.jit(forward_backward, modules=[model], optimizers=[opt], backend="eager")
+    jitted = functacc.jit(
+        forward_backward_of(model, opt), modules=[model], optimizers=[opt], backend="eager"
+    )
     ref, ref_opt, ref_sched = build(True)
     eager = body_of(ref, ref_opt)
     for x, y in batches():
