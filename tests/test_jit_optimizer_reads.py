@@ -183,3 +183,44 @@ def test_a_dict_keyed_by_parameters_is_read_and_written_as_in_eager(kind: str) -
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(slow, ref_slow, strict=True))
     assert counts == ref_counts
+
+
+@pytest.mark.inductor
+def test_the_reads_under_inductor() -> None:
+    # One body with the three: a rate read as alpha, opt.state read, a dict keyed by
+    # parameters; Inductor's fused kernels within rtol 1e-4 (float32 reassociation), where a
+    # stale rate, a missing state entry or a stale slow weight would move them by percents.
+    def run(jit: bool) -> tuple[list, list, list]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 3)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        slow = {p: p.detach().clone() for p in model.parameters()}
+        log: list = []
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                lr = opt.param_groups[0]["lr"]
+                for p in model.parameters():
+                    slow[p].sub_(slow[p] - p, alpha=lr)
+                log.append(opt.state[model.weight]["exp_avg"].norm().item())
+            return loss.detach()
+
+        if jit:
+            step = functacc.jit(step, modules=[model], optimizers=[opt], backend="inductor")
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            losses.append(step(torch.randn(4, 3, generator=g)))
+            opt.param_groups[0]["lr"] *= 0.9
+        return losses, list(slow.values()), log
+
+    got, slow, log = run(True)
+    expected, ref_slow, ref_log = run(False)
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-4, atol=1e-6)
+    for a, b in zip(slow, ref_slow, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(log, ref_log, rtol=1e-4, atol=1e-6)
