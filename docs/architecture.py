@@ -29,6 +29,7 @@ STAGES: dict[str, list[str]] = {
         "core/capture",
         "core/optimizers",
         "core/traced_state_view",
+        "core/state_seen",
         "core/own_step",
         "core/own_step_state",
         "core/own_step_trace",

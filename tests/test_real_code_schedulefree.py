@@ -97,9 +97,12 @@ def test_schedule_free_trains_and_evaluates_as_in_eager(name: str, train_inside:
     assert_same(tensors_of([model], [opt]), tensors_of([ref], [ref_opt]))
     groups, ref_groups = opt.state_dict()["param_groups"], ref_opt.state_dict()["param_groups"]
     assert groups == ref_groups  # k, lr_max, weight_sum, scheduled_lr, train_mode
-    # The first call, its state made (its step creates z and exp_avg_sq), and the end of
-    # the warm-up (a Python branch on k): each a trace; not one per step.
-    assert step.num_traces == 3, [t.reason for t in step.traces]
+    # The first call; the end of the warm-up (a Python branch on k); with train() in the
+    # step, also its state made by the first call's graph (its step creates z and
+    # exp_avg_sq, and refuses the dry step that makes them ahead until train() has run;
+    # run before the first call, train() fills opt.state with empty dicts, which the step
+    # reads again: made ahead then). Not one per step.
+    assert step.num_traces == (3 if train_inside else 2), [t.reason for t in step.traces]
 
 
 @pytest.mark.inductor
@@ -114,7 +117,7 @@ def test_schedule_free_adamw_under_inductor() -> None:
     torch.testing.assert_close(evaluated, ref_evaluated, rtol=1e-4, atol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
-    assert step.num_traces == 2, [t.reason for t in step.traces]
+    assert step.num_traces == 1, [t.reason for t in step.traces]  # its state made ahead
 
 
 def test_the_wrapper_over_sgd_is_a_clear_error_that_changes_nothing() -> None:

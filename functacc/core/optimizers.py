@@ -22,6 +22,7 @@ from torch import Tensor
 from ..errors import argument_error
 from ..optim._torch import TorchOptimizerLink, _check_supported, check_owned_parameters
 from ..optim._transform import step_params
+from .state_seen import StateSeen
 from .traced_state_view import state_view
 
 __all__ = [
@@ -96,6 +97,7 @@ class LinkedOptimizer:
         self._structure = self.link.structure_key()
         self._torch_state = self.optimizer.state
         self.installed: frozenset[str] = frozenset()
+        self._seen = StateSeen(self._torch_state)
         if self.sharding is not None:
             named = self.link.read_state(self.link.params, copy=True)
             self.state = self.sharding.shard_state(named, self.transform, self.link.params)
@@ -132,6 +134,10 @@ class LinkedOptimizer:
             else:
                 # Its post-hook (ShardedOptimizer.show_whole) sharded them into the state.
                 self._torch_state = self.optimizer.state
+        elif self.sharding is None and not self._seen.holds(self._torch_state):
+            # Changed in place between calls (clear(), del, an entry replaced): eager's
+            # next step() reads what is there now, and so does the graph.
+            self._link_up()
         if self.link.poll():
             if not self.link.same_groups():
                 if self.sharding is not None:
@@ -170,6 +176,7 @@ class LinkedOptimizer:
         if not names_with_grads <= self.installed and self.sharding is None:
             self.installed = self.installed | names_with_grads
             self.link.install(self.state, set(self.installed))
+            self._seen = StateSeen(self._torch_state)
         # What torch.optim.lr_scheduler checks to know the optimizer stepped.
         self.optimizer._opt_called = True
 

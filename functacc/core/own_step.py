@@ -39,6 +39,7 @@ from ..optim._torch import check_owned_parameters
 from .own_step_state import _NotAhead, initial_state, state_holder
 from .python_location import Location, Root
 from .scalar_reads import ScalarOf
+from .state_seen import StateSeen
 
 __all__ = ["LBFGS_ADVICE", "OwnStepLink", "check_traceable"]
 
@@ -146,6 +147,7 @@ class OwnStepLink:
         self.created = False  # the last call created state entries (written back after it)
         self._entries()
         self._torch_state = self.holder.state
+        self._seen = StateSeen(self._torch_state)
         self._ids = [[id(p) for p in g["params"]] for g in opt.param_groups]
         self.tensors: list[dict[str, Tensor]] = []  # per group: its tensor entries (inputs)
         self._values: list[dict[str, Any]] = []
@@ -191,7 +193,9 @@ class OwnStepLink:
         another kind); returns the structure key (a new one: a new graph)."""
         opt = self.optimizer
         ids = [[id(p) for p in g["params"]] for g in opt.param_groups]
-        if self.holder.state is not self._torch_state or ids != self._ids:
+        state = self.holder.state
+        # Also a state changed in place (clear(), del, an entry replaced): read it again.
+        if state is not self._torch_state or ids != self._ids or not self._seen.holds(state):
             self._link_up()
             return self._structure
         current = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -237,6 +241,7 @@ class OwnStepLink:
     def settle(self) -> None:
         """Show state that the last call created (its first step, for an optimizer whose
         state could not be made ahead) once it is written back."""
+        shown = self.created
         if self.created:  # new entries: new inputs of the next graph
             self.created = False
             self._entries()
@@ -244,6 +249,9 @@ class OwnStepLink:
             if n in self._stepped and n not in self.installed and self.store[n]:
                 self.holder.state[self.params[n]] = self.store[n]
                 self.installed.add(n)
+                shown = True
+        if shown:
+            self._seen = StateSeen(self._torch_state)
 
 
 _SCHEDULED = frozenset({"lr", "momentum", "betas"})
