@@ -97,6 +97,9 @@ class ModelWatch:
             # Which tensors sit in the tables: a replaced one changes the key, and the
             # step then looks for what was replaced (StructureWatch.rescan).
             ("tensors", tuple(id(t) for table in tables for t in table.values())),
+            # A forward assigned to a module (model.forward = new) between calls, which the
+            # attributes below, fixed when the step was built, would not show.
+            ("forwards", tuple(_value_key(vars(m).get("forward")) for m in self.modules)),
             (
                 "module attributes",
                 tuple(

@@ -134,8 +134,9 @@ def _held_functions(roots: list[Root]) -> list[Callable[..., Any]]:
 def unlisted_modules(
     roots: list[Root], modules: Iterable[tuple[str, nn.Module]], known: dict[tuple, Root]
 ) -> list[Root]:
-    """Roots for the modules of the user's classes that ``roots`` lead to, hold no tensors
-    and are not (in) ``modules`` (a loss that keeps ``self.calls``), those not in ``known``."""
+    """Roots for the modules of the user's (and torch's) classes that ``roots`` lead to,
+    hold no tensors and are not (in) ``modules`` (a loss that keeps ``self.calls``, a
+    ``CrossEntropyLoss`` whose ``label_smoothing`` changes), those not in ``known``."""
     given = {id(sub) for _, m in modules for sub in m.modules()}
     variables = []
     for root in roots:
@@ -146,7 +147,7 @@ def unlisted_modules(
     new = []
     for location, module in held(variables, plain_objects(roots).values(), nn.Module):
         key = ("module", id(module))
-        if key in known or id(module) in given or not _users_own(type(module)):
+        if key in known or id(module) in given or not _followed_class(type(module)):
             continue
         if (
             next(iter(module.parameters()), None) is None
@@ -154,6 +155,12 @@ def unlisted_modules(
         ):
             new.append(known.setdefault(key, ModuleRoot(location.label, module)))
     return new
+
+
+def _followed_class(cls: type) -> bool:
+    """A module class whose attributes the body's Python state follows where it holds no
+    tensors: the user's own, and torch's (a loss's ``label_smoothing`` set between calls)."""
+    return _users_own(cls) or cls.__module__.startswith("torch.nn.modules.")
 
 
 def _users_own(obj: Any) -> bool:

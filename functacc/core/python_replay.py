@@ -19,6 +19,7 @@ from torch import Tensor
 from .lookup_tables import table_key, table_repr
 from .python_effects import SchedulerEvent, Seed, build
 from .python_location import Location
+from .python_sets import by_identity
 from .python_tensors import fed_key
 
 __all__ = ["QUIET", "Conditions", "Exact", "PythonPlan", "Replay"]
@@ -42,6 +43,8 @@ class Exact:
             self._key = table_key(value)
         elif isinstance(value, Tensor):  # where a guarded value was: fed once read
             self._key = fed_key(value)
+        elif by_identity(value):  # a module, an optimizer, a scheduler: this very object
+            self._key = (type(value), id(value))  # (kept alive by self.value)
         else:
             self._key = (type(value), value)
 
@@ -52,6 +55,8 @@ class Exact:
         return hash(self._key)
 
     def __repr__(self) -> str:  # an array: its contents when keyed (it may change in place)
+        if by_identity(self.value):  # not a whole model's repr
+            return f"<{type(self.value).__name__} object at {id(self.value):#x}>"
         return table_repr(self._key) or repr(self.value)
 
 

@@ -7,6 +7,12 @@ it is unseen (CPython's set methods do not go through Python), so a trace would 
 The change is a clear error advising a dict (``seen[k] = True``, replayed after each call)
 and the set is put back as it was: before, the add happened once, at the trace.
 
+Where the body reads a module, an optimizer, a scheduler or a grad scaler (a closure
+variable, a dict entry, an attribute), the object is guarded by identity
+(:func:`by_identity`): the trace ran its code and steps it, so another object there (a
+scheduler replaced between calls, ``sched = CosineAnnealingLR(opt, ...)`` after a warm-up)
+traces again (before: the old one went on being stepped, silently).
+
 An optimizer's or a scheduler's attributes are compared after the trace
 (:data:`STEPPERS`): one the body wrote is replayed after each call, a number it read and
 wrote is fed as a counter is (before: written once, at the trace; a ``loss.item()`` left
@@ -27,12 +33,17 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 from ..errors import TraceError
+from .lookup_tables import is_array
 from .python_location import Location
+from .python_reach import is_scalar
 
-__all__ = ["STEPPERS", "SetWatch"]
+__all__ = ["STEPPERS", "SetWatch", "by_identity", "is_guarded"]
 
 STEPPERS = (
     torch.optim.Optimizer,
@@ -42,6 +53,19 @@ STEPPERS = (
 """Library objects whose attributes a body may write (``opt.my_count += 1``): compared after
 each trace, their writes replayed, and not guarded (a scheduler's ``last_epoch`` moves on
 every call; the body's reads of them are fixed at the trace, as before)."""
+_BY_IDENTITY = (*STEPPERS, nn.Module, torch.amp.GradScaler)
+
+
+def is_guarded(value: Any) -> bool:
+    """What a trace bakes in where the body reads it, so a signature guards it: a scalar, a
+    NumPy array (by its contents), a module, optimizer or scheduler (by identity)."""
+    return is_scalar(value) or is_array(value) or by_identity(value)
+
+
+def by_identity(value: Any) -> bool:
+    """A module, optimizer, scheduler (torch's, timm's) or grad scaler."""
+    top = (type(value).__module__ or "").split(".")
+    return isinstance(value, _BY_IDENTITY) or top[:2] == ["timm", "scheduler"]
 
 
 class SetWatch:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 from ..errors import TraceError
 from .host_calls import result_unused
@@ -253,8 +254,6 @@ class PythonState:
             branched_on_draws(branches, recorder.symbolic_inputs, fed, drawn, sites)
         branch = self._branch_checks.get((branches, tuple(fed))) if branches else None
         if branches and branch is None:
-            from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-
             check = eval(f"lambda L: bool({branches})", dict(SYMPY_INTERP))
             # t0, t1, ...: the fed numbers, in order (the tracer's symbols; not tensors)
             numbers = [loc for loc in fed if not isinstance(recorder.symbolic_inputs[loc], Tensor)]

@@ -28,7 +28,7 @@ from torch import SymBool, SymFloat, SymInt, Tensor
 
 from ..errors import TraceError
 from .drawn_arrays import DrawnArray, drawn_template
-from .lookup_tables import install_tables, is_array
+from .lookup_tables import install_tables
 from .python_effects import Effect, LastLR, SchedulerEvent, Seed, Template
 from .python_files import noting_files
 from .python_lists import RecordingDeque, RecordingList, list_writes, took_list
@@ -37,9 +37,9 @@ from .python_made import made_template
 from .python_numbers import unstood
 from .python_numpy import NUMBERS, TracedArray, new_number, numpy_template
 from .python_output import output_template, patch_output
-from .python_reach import held, holds_traced, is_scalar, plain_objects
+from .python_reach import held, holds_traced, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording, shared
-from .python_sets import STEPPERS, SetWatch
+from .python_sets import STEPPERS, SetWatch, is_guarded
 from .python_tensors import FedRequiringGrad, install_held, installed, tensor_locations
 
 __all__ = ["Recorder", "Retry"]
@@ -225,7 +225,7 @@ class Recorder:
         self._read_first.add((id(obj), name))
         if isinstance(value, RecordingList):
             value.taken = True
-        if is_scalar(value) or is_array(value):
+        if is_guarded(value):
             self.guard(self.objects[id(obj)][0].child("attr", name), value)
         elif isinstance(value, (Tensor, tuple)):
             self.note_tensors(self.objects[id(obj)][0].child("attr", name), value)
@@ -281,7 +281,7 @@ class Recorder:
         return [loc for loc in self.tensor_reads if loc not in self.symbolic_inputs]
 
     def guard(self, location: Location, value: Any) -> None:
-        if (is_scalar(value) or is_array(value)) and location not in self.symbolic_inputs:
+        if is_guarded(value) and location not in self.symbolic_inputs:
             self.guards.setdefault(location, value)
 
     # -- writes ----------------------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""Objects a jitted body reads that code between calls replaces or changes: eager's choice.
+
+A training loop switches objects between steps: a new learning-rate scheduler after the
+warm-up (``scheduler = CosineAnnealingLR(opt, ...)``, stepped inside the step), another loss
+for a second phase, another optimizer or model for the next stage, or a loss's setting
+(``criterion.label_smoothing = 0.1``). Eager reads them afresh at every call. Before
+2026-11-30 a jitted step kept what its trace had met: the old scheduler went on being
+stepped (the new one never was), the old loss and its old setting stayed in the graph,
+silently. Now such an object is guarded by identity where the body reads it (a closure
+variable, a global, a dict entry, an attribute of a plain object), and a torch loss module
+the body calls has its settings followed: another object or setting traces again.
+
+On the eager backend every comparison is bit for bit: the same ops in the same order.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import functacc
+
+
+def batches(n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)
+    ]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def run(
+    make: Callable[[], tuple[dict, Callable, list, list]],
+    switch: Callable[[dict], None],
+    jit: bool,
+    at: int = 4,
+) -> tuple[list, dict, Any]:
+    """``make()`` -> (its objects, the step body, modules, optimizers); ``switch`` runs
+    between calls ``at - 1`` and ``at``."""
+    env, body, modules, optimizers = make()
+    step = (
+        functacc.jit(body, modules=modules, optimizers=optimizers, backend="eager")
+        if jit
+        else body
+    )
+    out = []
+    for i, (x, y) in enumerate(batches()):
+        if i == at:
+            switch(env)
+        out.append(step(x, y))
+    return out, env, step
+
+
+def assert_as_eager(make: Callable, switch: Callable, traces: int) -> dict:
+    (got, env, step), (expected, ref_env, _) = run(make, switch, True), run(make, switch, False)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), f"call {i}: {a} != {b}"
+    for name in env["modules"]:
+        for p, q in zip(env[name].parameters(), ref_env[name].parameters(), strict=True):
+            assert torch.equal(p, q), name
+    assert step.num_traces == traces, [t.reason for t in step.traces]
+    return env
+
+
+# -- a scheduler replaced after the warm-up, stepped inside the step -------------------------
+def scheduler_body(where: str) -> Callable[[], tuple[dict, Callable, list, list]]:
+    """The scheduler held by a closure variable, a dict entry or a trainer's attribute."""
+
+    def make() -> tuple[dict, Callable, list, list]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
+        env: dict[str, Any] = {"model": model, "opt": opt, "modules": ["model"]}
+        holder: Any = types.SimpleNamespace(sched=warmup) if where == "attribute" else env
+        if where == "dict":
+            env["sched"] = warmup
+        sched = warmup
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> list:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if where == "closure":
+                sched.step()
+            elif where == "dict":
+                env["sched"].step()
+            else:
+                holder.sched.step()
+            return [loss.detach(), opt.param_groups[0]["lr"]]
+
+        def replace(new: Any) -> None:
+            nonlocal sched
+            sched = new
+            if where == "dict":
+                env["sched"] = new
+            elif where == "attribute":
+                holder.sched = new
+
+        env["replace"] = replace
+        env["current"] = lambda: {"closure": lambda: sched, "dict": lambda: env.get("sched")}.get(
+            where, lambda: holder.sched
+        )()
+        return env, body, [model], [opt]
+
+    return make
+
+
+def to_cosine(env: dict) -> None:
+    env["replace"](torch.optim.lr_scheduler.CosineAnnealingLR(env["opt"], T_max=4))
+
+
+@pytest.mark.parametrize("where", ["closure", "dict", "attribute"])
+def test_a_scheduler_replaced_after_the_warm_up_is_the_one_stepped(where: str):
+    env = assert_as_eager(scheduler_body(where), to_cosine, traces=2)
+    assert isinstance(env["current"](), torch.optim.lr_scheduler.CosineAnnealingLR)
+    assert env["current"]().last_epoch == 4  # stepped by the last four calls
+
+
+# -- a loss switched or changed --------------------------------------------------------------
+def loss_body() -> tuple[dict, Callable, list, list]:
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    env: dict[str, Any] = {"model": model, "modules": ["model"]}
+    env["criterion"] = nn.CrossEntropyLoss()
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = env["criterion"](model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return env, body, [model], [opt]
+
+
+def test_a_loss_replaced_between_calls_is_the_one_used():
+    def switch(env: dict) -> None:
+        env["criterion"] = nn.MultiMarginLoss()
+
+    assert_as_eager(loss_body, switch, traces=2)
+
+
+def test_a_setting_of_torchs_loss_changed_between_calls_is_followed():
+    def switch(env: dict) -> None:
+        env["criterion"].label_smoothing = 0.2
+
+    assert_as_eager(loss_body, switch, traces=2)
+
+
+# -- another optimizer, another model for the next stage -----------------------------------
+def stages_body() -> tuple[dict, Callable, list, list]:
+    """Stage 1 trains the head only; stage 2 the whole model with another optimizer; the
+    current model (a student of two) and optimizer kept in variables of a trainer."""
+    model, other = mlp(), mlp()
+    head_opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    all_opt = torch.optim.Adam([*model.parameters(), *other.parameters()], lr=0.01)
+    trainer = types.SimpleNamespace(model=model, opt=head_opt)
+    env = {"model": model, "other": other, "modules": ["model", "other"], "trainer": trainer}
+    env["all_opt"] = all_opt
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(trainer.model(x), y)
+        trainer.opt.zero_grad()
+        loss.backward()
+        trainer.opt.step()
+        return loss.detach()
+
+    return env, body, [model, other], [head_opt, all_opt]
+
+
+def test_the_next_stages_optimizer_and_model_are_the_ones_used():
+    def next_stage(env: dict) -> None:
+        env["trainer"].opt = env["all_opt"]
+        env["trainer"].model = env["other"]
+
+    # The first call; the second, where the body's gradients of the layers no optimizer of
+    # stage 1 zeroes are inputs (they accumulate, as in eager); the next stage.
+    assert_as_eager(stages_body, next_stage, traces=3)
+
+
+def test_an_object_the_step_switches_itself_is_followed_call_by_call():
+    # The body alternates its loss through a dict entry it reads and writes: each call
+    # reads what the last one left, as eager does (one trace per object, reused).
+    def make() -> tuple[dict, Callable, list, list]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mse, smooth = nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.3)
+        env: dict[str, Any] = {"model": model, "modules": ["model"], "criterion": mse}
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            criterion = env["criterion"]
+            loss = criterion(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            env["criterion"] = smooth if criterion is mse else mse
+            return loss.detach()
+
+        return env, body, [model], [opt]
+
+    assert_as_eager(make, lambda env: None, traces=2)
+
+
+def test_a_forward_assigned_to_a_module_between_calls_is_the_one_run():
+    # Code that patches a layer (model.head.forward = ...) after the step was built: the
+    # module's attributes are those it had then, so this one is keyed on its own.
+    def make() -> tuple[dict, Callable, list, list]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return {"model": model, "modules": ["model"]}, body, [model], [opt]
+
+    def patch(env: dict) -> None:
+        head = env["model"][2]
+        head.forward = lambda x: F.linear(x, head.weight, head.bias) * 0.5
+
+    assert_as_eager(make, patch, traces=2)
