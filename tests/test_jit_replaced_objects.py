@@ -49,9 +49,7 @@ def run(
     between calls ``at - 1`` and ``at``."""
     env, body, modules, optimizers = make()
     step = (
-        functacc.jit(body, modules=modules, optimizers=optimizers, backend="eager")
-        if jit
-        else body
+        functacc.jit(body, modules=modules, optimizers=optimizers, backend="eager") if jit else body
     )
     out = []
     for i, (x, y) in enumerate(batches()):
