@@ -10,6 +10,13 @@ naming the check) where eager would raise, before any state is written; a valid 
 computes what eager computes. So is ``clip_grad_norm_(..., error_if_nonfinite=True)``'s
 check of the total norm, and so are torchmetrics' checks (:mod:`.metric_checks`).
 
+``torch.bincount(x, minlength=n)`` sizes its result on the host, ``max(n, x.max() + 1)``: a
+size a graph cannot take from the values (the trace failed where the counts were used, as a
+class weight). While traced it is ``n`` counts made in the graph (``index_add_`` in eager's
+dtype and order: the same counts, and the same sums of float weights), and the graph asserts
+that every value is in ``[0, n)``, where eager's size is ``n`` too; a call with a value
+outside fails before it writes any state.
+
 Example:
     >>> import torch
     >>> with value_checks_in_graph():
@@ -34,6 +41,11 @@ _MESSAGE = (
     "functacc: a torch.distributions argument or value is outside its constraint or support "
     "(eager raises ValueError here; checked in the graph). Build the distribution from valid "
     "values, or with validate_args=False."
+)
+_BINCOUNT = (
+    "functacc: a value counted by torch.bincount(x, minlength=n) is negative or not below n "
+    "(eager returns more than n counts there, or raises; checked in the graph). Make "
+    "minlength cover every value, or count after the call."
 )
 _NONFINITE = (
     "functacc: the total norm of the gradients is non-finite, so it cannot be clipped "
@@ -66,13 +78,41 @@ def value_checks_in_graph() -> Iterator[None]:
         return norm
 
     torch._is_all_true, clip_grad._get_total_norm = is_all_true, total_norm
-    matrices = _matrix_checks_in_graph()
+    matrices, counts = _matrix_checks_in_graph(), _bincount_in_graph()
     try:
         with metric_checks_in_graph():
             yield
     finally:
         torch._is_all_true, clip_grad._get_total_norm = real, real_total
         matrices()
+        counts()
+
+
+def _bincount_in_graph() -> Any:
+    """``torch.bincount`` and ``Tensor.bincount`` with a ``minlength``: that many counts,
+    asserted to hold every value (others: torch's own). Returns the undo."""
+    real_function, real_method = torch.bincount, torch.Tensor.bincount
+
+    def bincount(input: Any, weights: Any = None, minlength: int = 0) -> Any:
+        plain = minlength > 0 and input.dim() == 1 and not input.is_floating_point()
+        plain = plain and input.dtype not in (torch.bool, torch.complex64, torch.complex128)
+        if weights is not None:  # torch's errors for those (and no gradient to weights)
+            plain = plain and weights.shape == input.shape and not weights.requires_grad
+        if not plain:
+            return real_function(input, weights, minlength)
+        torch._assert_async(((input >= 0) & (input < minlength)).all(), _BINCOUNT)
+        if weights is None:
+            ones = torch.ones_like(input, dtype=torch.int64)
+            return input.new_zeros(minlength, dtype=torch.int64).index_add_(0, input, ones)
+        dtype = weights.dtype if weights.dtype in (torch.float32, torch.float64) else torch.float64
+        return weights.new_zeros(minlength, dtype=dtype).index_add_(0, input, weights.to(dtype))
+
+    torch.bincount, torch.Tensor.bincount = bincount, bincount  # type: ignore[assignment]
+
+    def undo() -> None:
+        torch.bincount, torch.Tensor.bincount = real_function, real_method  # type: ignore
+
+    return undo
 
 
 def _matrix_checks_in_graph() -> Any:
