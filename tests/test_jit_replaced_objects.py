@@ -15,6 +15,7 @@ On the eager backend every comparison is bit for bit: the same ops in the same o
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -231,3 +232,36 @@ def test_a_forward_assigned_to_a_module_between_calls_is_the_one_run():
         head.forward = lambda x: F.linear(x, head.weight, head.bias) * 0.5
 
     assert_as_eager(make, patch, traces=2)
+
+
+# -- what a module keeps that is no setting of its forward: not a trace per call ------------
+class Keeper(nn.Module):
+    """A module that keeps its optimizer (Tent's ``self.optimizer``) and a dict keyed by its
+    parameters (per-parameter statistics); neither is a setting its forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=0.01)
+        self.seen = {p: 0 for p in self.net.parameters()}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self.net(x), y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+
+def test_an_optimizer_or_a_dict_keyed_by_parameters_on_a_module_is_no_trace_per_call(
+    caplog: pytest.LogCaptureFixture,
+):
+    # Before 2026-11-30 both were keyed by the parameters' printed values: traced again at
+    # every call (a graph it had, with host time each time), silently.
+    keeper, ref = Keeper(), Keeper()
+    step = functacc.jit(keeper, modules=[keeper], optimizers=[keeper.optimizer], backend="eager")
+    with caplog.at_level(logging.INFO, logger="functacc"):
+        for x, y in batches():
+            assert torch.equal(step(x, y), ref(x, y))
+    traced = [r.message for r in caplog.records if "traced the jitted step" in r.message]
+    assert len(traced) == 1 and "first call" in traced[0], traced

@@ -9,6 +9,8 @@ reads it afresh; these errors say which it was and what to do instead.
 from __future__ import annotations
 
 import contextlib
+import linecache
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -67,6 +69,16 @@ def outside_tensor_error(exc: Exception, roots: Any, capture: Any) -> TraceError
             "update that stacks the episode's states and recomputes the log-"
             "probabilities there; or leave this update eager."
         )
+    loading = _loading(exc) if "convert all Tensors to FakeTensors" in str(exc) else None
+    if loading is not None:
+        return TraceError(
+            f"the step loads a state dict into a module ({loading}) from tensors it keeps "
+            "between calls: functacc.jit would copy them in as constants of the graph, "
+            "where eager copies what they hold at each call. Fix: load it before the call, "
+            "outside the step (an episodic reset, as Tent's reset(): jit the adaptation "
+            "function, forward_and_adapt, and reset before calling it); the step then "
+            "reads the loaded values as it reads its modules' tensors."
+        )
     if "convert all Tensors to FakeTensors" in str(exc):
         held = _tensors_held(roots)
         return TraceError(
@@ -95,6 +107,23 @@ def outside_tensor_error(exc: Exception, roots: Any, capture: Any) -> TraceError
             "(params = list(model.parameters())) holds the real tensors: read them "
             "through the module inside the step instead."
         )
+    return None
+
+
+def _loading(exc: BaseException) -> str | None:
+    """``Type.load_state_dict(...)`` and the line of the code that called it, where ``exc``
+    was raised in a module's ``load_state_dict``."""
+    tb, caller = exc.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "load_state_dict" and isinstance(
+            frame.f_locals.get("self"), nn.Module
+        ):
+            name = f"{type(frame.f_locals['self']).__name__}.load_state_dict(...)"
+            return name + (f", called at {caller}" if caller else "")
+        line = linecache.getline(frame.f_code.co_filename, tb.tb_lineno).strip()
+        caller = f"{os.path.basename(frame.f_code.co_filename)}:{tb.tb_lineno}: `{line}`"
+        tb = tb.tb_next
     return None
 
 

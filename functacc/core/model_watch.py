@@ -161,6 +161,11 @@ generators a forward must not draw from. Deeper values are keyed by identity."""
 # What holds no setting a forward reads, or is watched elsewhere: keyed by identity.
 _OPAQUE = (
     nn.Module,
+    # An optimizer or scheduler a module keeps (Tent's self.optimizer): its state is the
+    # step's, followed where the step is given it; its values are no setting of a forward.
+    torch.optim.Optimizer,
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
     Tensor,
     type,
     types.ModuleType,
@@ -188,12 +193,16 @@ def held_items(value: Any, *, private: bool = False) -> tuple[str, list[tuple[st
         return "tuple", [(f"[{i}]", v) for i, v in enumerate(value)]  # named tuples too
     if type(value) is list:
         return "list", [(f"[{i}]", v) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        return "dict", [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, dict):  # a tensor key by identity (its repr shows its values)
+        return "dict", [(f"[{_label(k)}]", v) for k, v in value.items()]
     fields = getattr(value, "__dict__", None)
     if isinstance(value, _OPAQUE) or not isinstance(fields, dict):
         return None
     return "object", [(k, v) for k, v in fields.items() if private or not k.startswith("_")]
+
+
+def _label(key: Any) -> str:
+    return f"tensor at {id(key):#x}" if isinstance(key, Tensor) else repr(key)
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
