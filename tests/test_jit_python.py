@@ -1249,6 +1249,48 @@ def test_a_scheduler_of_an_optimizer_traced_whole_keeps_its_step_wrapper() -> No
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
 
 
+def lazy_scheduler_run(jit: bool, lazy: bool) -> list:
+    # A trainer that makes its scheduler at the first step (`if self.sched is None:`), or,
+    # as the error advises, where the optimizer is made.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = SimpleNamespace(sched=None)
+
+    def make() -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)
+
+    if not lazy:
+        trainer.sched = make()
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> list:
+        if trainer.sched is None:
+            trainer.sched = make()
+        loss = F.cross_entropy(model(x), y)
+        minimize(opt, loss)
+        trainer.sched.step()
+        return [loss.detach(), opt.param_groups[0]["lr"]]
+
+    step = functacc.jit(body, modules=[model], optimizers=[opt], backend="eager") if jit else body
+    g = torch.Generator().manual_seed(1)
+    return [
+        step(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+        for _ in range(5)
+    ]
+
+
+def test_a_scheduler_made_in_the_step_is_a_clear_error_whose_advice_works() -> None:
+    # Before 2026-11-30: "AttributeError: 'SGD' object has no attribute 'linked'" (the new
+    # scheduler wrapped the optimizer's step as the trace had it).
+    with pytest.raises(
+        functacc.TraceError, match=r"creates a learning-rate scheduler \(OneCycleLR"
+    ):
+        lazy_scheduler_run(True, lazy=True)
+    got, expected = lazy_scheduler_run(True, lazy=False), lazy_scheduler_run(False, lazy=True)
+    for (loss, lr), (ref_loss, ref_lr) in zip(got, expected, strict=True):
+        assert torch.equal(loss, ref_loss) and lr == ref_lr
+
+
 def arguments_run(jit: bool, branch: bool) -> tuple:
     # A step counter, a float and a NumPy warmup table passed in as arguments; the table
     # written into between calls (eager reads it afresh); optionally a branch on the counter.

@@ -176,6 +176,7 @@ def patch_schedulers(
         return [LastLR(scheduler, count, i) for i in range(len(scheduler.get_last_lr_real()))]
 
     for cls in scheduler_classes():
+        patch(cls, "__init__", _made_in_step)  # (where the class has its own)
         for name in ("state_dict", "load_state_dict"):
             patch(cls, name, checkpoint_refused("the scheduler's"))
         for method in ("step", "step_update"):
@@ -185,6 +186,19 @@ def patch_schedulers(
             patch(cls, "get_last_lr", last_lr_stand_in)
             cls.get_last_lr_real = real
             patches.append((cls, "get_last_lr_real", ABSENT))
+
+
+def _made_in_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from .failure_sites import call_site
+
+    raise TraceError(
+        f"the step creates a learning-rate scheduler ({type(scheduler).__name__}(...) at "
+        f"{call_site()}) while functacc.jit traces it: the scheduler would be made once, at "
+        "the trace (its constructor sets the optimizer's rates then), where eager makes it "
+        "in the call that runs that line. Fix: create it before the first call (where the "
+        "optimizer is made, also one made lazily, `if self.sched is None: ...`), and step "
+        "it in the step as you do."
+    )
 
 
 def _subclasses(cls: type) -> list[type]:
