@@ -15,6 +15,7 @@ On the eager backend every comparison is bit for bit: the same ops in the same o
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
 from collections.abc import Callable
@@ -265,3 +266,86 @@ def test_an_optimizer_or_a_dict_keyed_by_parameters_on_a_module_is_no_trace_per_
             assert torch.equal(step(x, y), ref(x, y))
     traced = [r.message for r in caplog.records if "traced the jitted step" in r.message]
     assert len(traced) == 1 and "first call" in traced[0], traced
+
+
+# -- objects the step makes ----------------------------------------------------------------
+def reptile_body() -> tuple[dict, Callable, list, list]:
+    """Reptile's outer step: an inner copy of the model trained for two steps by an
+    optimizer made in the step, then the model moved toward it. Both live within a call."""
+    model = mlp()
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        inner = copy.deepcopy(model)
+        inner_opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+        for k in range(2):
+            loss = F.cross_entropy(inner(x[4 * k : 4 * k + 4]), y[4 * k : 4 * k + 4])
+            inner_opt.zero_grad()
+            loss.backward()
+            inner_opt.step()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), inner.parameters(), strict=True):
+                p.add_(0.5 * (q - p))
+        return loss.detach()
+
+    return {"model": model, "modules": ["model"]}, body, [model], []
+
+
+def test_a_model_copied_and_an_optimizer_made_within_the_step_are_eagers():
+    # Before 2026-11-30: "Mixing fake modes NYI" (the copy copied the trace's fake mode).
+    assert_as_eager(reptile_body, lambda env: None, traces=1)
+
+
+def lazy_body(kind: str, lazy: bool) -> Callable[[], tuple[dict, Callable, list, list]]:
+    """A trainer that makes its EMA copy, or its optimizer, at the first step; or, as the
+    error advises, before the first call."""
+
+    def make() -> tuple[dict, Callable, list, list]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1) if kind == "ema" else None
+        trainer = types.SimpleNamespace(ema=None, opt=None)
+
+        def made() -> Any:
+            if kind == "ema":
+                return copy.deepcopy(model)
+            return torch.optim.Adam(model.parameters(), lr=0.01)
+
+        if not lazy:
+            setattr(trainer, kind, made())
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if getattr(trainer, kind) is None:
+                setattr(trainer, kind, made())
+            optimizer = opt if kind == "ema" else trainer.opt
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if kind == "ema":
+                with torch.no_grad():
+                    for e, p in zip(trainer.ema.parameters(), model.parameters(), strict=True):
+                        e.lerp_(p, 0.1)
+            return loss.detach()
+
+        env = {"model": model, "modules": ["model"], "trainer": trainer}
+        modules = [model] + ([trainer.ema] if kind == "ema" and not lazy else [])
+        optimizers = [opt] if kind == "ema" else ([trainer.opt] if not lazy else [])
+        return env, body, modules, optimizers
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["ema", "opt"])
+def test_a_module_or_optimizer_the_step_makes_and_keeps_is_a_clear_error_whose_advice_works(
+    kind: str,
+):
+    # Before 2026-11-30 the optimizer made at the first call was kept as the trace's object:
+    # losses off eager's from the third call, silently; the EMA copy failed with "Mixing fake
+    # modes NYI".
+    with pytest.raises(functacc.TraceError, match=rf"trainer'\.{kind} is .* before the first"):
+        run(lazy_body(kind, lazy=True), lambda env: None, jit=True)
+    got, env, _ = run(lazy_body(kind, lazy=False), lambda env: None, jit=True)
+    expected, ref_env, _ = run(lazy_body(kind, lazy=True), lambda env: None, jit=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    if kind == "ema":
+        ema, ref_ema = env["trainer"].ema, ref_env["trainer"].ema
+        assert all(map(torch.equal, ema.parameters(), ref_ema.parameters()))

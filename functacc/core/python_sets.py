@@ -43,7 +43,7 @@ from .lookup_tables import is_array
 from .python_location import Location
 from .python_reach import is_scalar
 
-__all__ = ["STEPPERS", "SetWatch", "by_identity", "is_guarded"]
+__all__ = ["STEPPERS", "SetWatch", "by_identity", "is_guarded", "refuse_made_in_step"]
 
 STEPPERS = (
     torch.optim.Optimizer,
@@ -60,6 +60,37 @@ def is_guarded(value: Any) -> bool:
     """What a trace bakes in where the body reads it, so a signature guards it: a scalar, a
     NumPy array (by its contents), a module, optimizer or scheduler (by identity)."""
     return is_scalar(value) or is_array(value) or by_identity(value)
+
+
+def refuse_made_in_step(value: Any, where: str, roots: list, snapshots: list) -> None:
+    """Refuse to keep, at ``where``, a module with tensors or an optimizer that the step
+    made (``self.ema = copy.deepcopy(model)``, an optimizer made at the first call): it holds
+    the trace's tensors, and as a constant every later call would find that one object,
+    stale. One the body's state held before the trace (``roots``' values, ``snapshots``'
+    contents, the modules inside those) is only moved: kept as it is."""
+    if not isinstance(value, (nn.Module, torch.optim.Optimizer)):
+        return
+    if isinstance(value, nn.Module) and next(iter(value.state_dict().values()), None) is None:
+        return  # no tensors (a loss made at the first call): eager's one object too
+    before = [*roots, *(v for _, _, c in snapshots for v in _values(c))]
+    if any(v is value for b in before for v in _with_inside(b)):
+        return
+    kind = "optimizer" if isinstance(value, torch.optim.Optimizer) else "module"
+    raise TraceError(
+        f"{where} is {type(value).__name__}(...), which the step makes while traced, holding "
+        f"the trace's tensors: functacc.jit cannot keep that {kind} for the calls after, as eager "
+        f"keeps the one its first call made. Fix: make it before the first call (an EMA copy "
+        f"or an optimizer: where the model is made) and give it in "
+        f"{'optimizers' if kind == 'optimizer' else 'modules'}=(...)."
+    )
+
+
+def _values(contents: Any) -> list:
+    return list(contents.values()) if isinstance(contents, dict) else list(contents)
+
+
+def _with_inside(value: Any) -> list:
+    return list(value.modules()) if isinstance(value, nn.Module) else [value]
 
 
 def by_identity(value: Any) -> bool:

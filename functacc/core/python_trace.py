@@ -11,8 +11,7 @@
   ``group["lr"]`` gets the learning rate fed to the graph, one that assigns it changes the
   ``opt.step()`` that follows;
 - stands in for ``lr_scheduler.step()`` (run before or after the graph) and for
-  ``torch.manual_seed`` (before the graph);
-- puts every location back as it was, whatever happened.
+  ``torch.manual_seed`` (before the graph); puts every location back, whatever happened.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from .python_numpy import NUMBERS, TracedArray, new_number, numpy_template
 from .python_output import output_template, patch_output
 from .python_reach import held, holds_traced, plain_objects
 from .python_recording import ACTIVE, RecordingDict, RecordingGroup, groups_root, recording, shared
-from .python_sets import STEPPERS, SetWatch, is_guarded
+from .python_sets import STEPPERS, SetWatch, is_guarded, refuse_made_in_step
 from .python_tensors import FedRequiringGrad, install_held, installed, tensor_locations
 
 __all__ = ["Recorder", "Retry"]
@@ -317,6 +316,7 @@ class Recorder:
                 "library's object). Fix: make it before the step's first call (what the step "
                 "writes into it is replayed), or return the values and build it after the call."
             )
+        refuse_made_in_step(value, where, [v for _, v in self.root_values], self.snapshots)
         return ("const", unstood(value))
 
     def _collect_writes(self) -> list[Location]:

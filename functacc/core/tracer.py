@@ -55,9 +55,7 @@ class Traced:
         self.graph = graph
         self.fakes = fakes
         self.guard = guard
-        # The trace's fake mode: a graph whose Python numbers came from tensors (unbacked
-        # symbols) or are inputs is compiled in it, from the very fakes traced.
-        self.fake_mode = fake_mode
+        self.fake_mode = fake_mode  # where a graph with unbacked symbols or numbers compiles
         self.example_fakes: list[Any] = []
         # The condition over the Python-number inputs under which the graph holds, and
         # where in the user's code it branched ("utils.py:53 in progress_bar").
@@ -301,7 +299,7 @@ def _uncarry_meta(gm: GraphModule) -> None:
 # step of the process) would see two tensors where the first saw one: autograd's
 # AccumulateGrad then keeps both where eager copies one (eager's two .grad are distinct),
 # and the two traces make two graphs, hence a second trace and compile of the same step.
-# These ops are never cached.
+# These ops are never cached. (A mode copied, with a module in the step: the same mode.)
 _REPEATED_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
 
 
@@ -309,6 +307,9 @@ class _FakeTensorMode(FakeTensorMode):
     """A ``FakeTensorMode`` that runs the meta kernel of every op in ``_REPEATED_OUTPUTS``
     afresh instead of serving it from the fake-tensor cache, so that every trace sees one
     tensor where eager's kernel returns one."""
+
+    def __deepcopy__(self, memo: dict) -> _FakeTensorMode:  # Reptile's deepcopy(model)
+        return self
 
     def _validate_cache_key(self, func: Any, args: Any, kwargs: Any) -> None:
         if func in _REPEATED_OUTPUTS:
