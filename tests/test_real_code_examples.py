@@ -19,8 +19,12 @@ The eager backend runs the traced graph op by op, dropout included: equal bit fo
 
 from __future__ import annotations
 
+import collections
 import math
+import os
 from itertools import count
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -375,3 +379,133 @@ def test_regression_hand_written_sgd_and_global_targets() -> None:
     assert losses == ref_losses and all(isinstance(v, float) for v in losses)
     assert torch.equal(weight, ref_weight)
     assert step.num_traces == 1
+
+
+# -- fast_neural_style: neural_style.py's train loop ---------------------------------------
+# Its loop saves a checkpoint every few batches between `transformer.eval().cpu()` and
+# `transformer.to(device).train()`; on a CPU model both change nothing. Before 2026-11-30
+# that failed in the trace ("_apply(): Couldn't swap Conv2d.weight", blamed on the inputs).
+# utils.py's gram_matrix and normalize_batch as written; the TransformerNet and the Vgg16
+# features (pretrained, a download) are small stand-ins returning what theirs return.
+def gram_matrix(y: torch.Tensor) -> torch.Tensor:
+    (b, ch, h, w) = y.size()
+    features = y.view(b, ch, w * h)
+    features_t = features.transpose(1, 2)
+    gram = features.bmm(features_t) / (ch * h * w)
+    return gram
+
+
+def normalize_batch(batch: torch.Tensor) -> torch.Tensor:
+    # normalize using imagenet mean and std
+    mean = batch.new_tensor([0.485, 0.456, 0.406]).view(-1, 1, 1)
+    std = batch.new_tensor([0.229, 0.224, 0.225]).view(-1, 1, 1)
+    batch = batch.div_(255.0)
+    return (batch - mean) / std
+
+
+class Features(nn.Module):
+    """Vgg16's interface: relu1_2 and relu2_2 as a named tuple, frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slice1 = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.slice2 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1), nn.ReLU())
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h1 = self.slice1(x)
+        outputs = collections.namedtuple("VggOutputs", ["relu1_2", "relu2_2"])
+        return outputs(h1, self.slice2(h1))
+
+
+def style_run(jit: bool, checkpoints: str) -> tuple[list, dict, dict, Any]:
+    torch.manual_seed(0)
+    device = torch.device("cpu")
+    args = SimpleNamespace(
+        content_weight=1e5, style_weight=1e10, log_interval=2, checkpoint_model_dir=checkpoints,
+        checkpoint_interval=3,
+    )  # fmt: skip
+    transformer = nn.Sequential(  # its ConvLayers: reflection padding, then the convolution
+        nn.ReflectionPad2d(1), nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, affine=True), nn.ReLU(),
+        nn.ReflectionPad2d(1), nn.Conv2d(8, 3, 3),
+    )  # fmt: skip
+    optimizer = torch.optim.Adam(transformer.parameters(), 1e-3)
+    mse_loss = torch.nn.MSELoss()
+    vgg = Features()
+    g = torch.Generator().manual_seed(5)
+    style = (torch.rand(1, 3, 16, 16, generator=g) * 255).repeat(2, 1, 1, 1)
+    features_style = vgg(normalize_batch(style))
+    gram_style = [gram_matrix(y) for y in features_style]
+    agg = {"content": 0.0, "style": 0.0, "count": 0}
+
+    def step(x: torch.Tensor, batch_id: int, e: int) -> torch.Tensor:  # the loop's body
+        n_batch = len(x)
+        agg["count"] += n_batch
+        optimizer.zero_grad()
+        x = x.to(device)
+        y = transformer(x)
+        y = normalize_batch(y)
+        x = normalize_batch(x)
+        features_y = vgg(y)
+        features_x = vgg(x)
+        content_loss = args.content_weight * mse_loss(features_y.relu2_2, features_x.relu2_2)
+        style_loss = 0.0
+        for ft_y, gm_s in zip(features_y, gram_style, strict=False):
+            gm_y = gram_matrix(ft_y)
+            style_loss += mse_loss(gm_y, gm_s[:n_batch, :, :])
+        style_loss *= args.style_weight
+        total_loss = content_loss + style_loss
+        total_loss.backward()
+        optimizer.step()
+        agg["content"] += content_loss.item()
+        agg["style"] += style_loss.item()
+        if (batch_id + 1) % args.log_interval == 0:
+            mesg = "Epoch {}:\t[{}/{}]\tcontent: {:.6f}\tstyle: {:.6f}\ttotal: {:.6f}".format(
+                e + 1, agg["count"], 16, agg["content"] / (batch_id + 1),
+                agg["style"] / (batch_id + 1), (agg["content"] + agg["style"]) / (batch_id + 1),
+            )  # fmt: skip
+            print(mesg)
+        if args.checkpoint_model_dir is not None and (batch_id + 1) % args.checkpoint_interval == 0:
+            transformer.eval().cpu()
+            ckpt_model_filename = "ckpt_epoch_" + str(e) + "_batch_id_" + str(batch_id + 1) + ".pth"
+            ckpt_model_path = os.path.join(args.checkpoint_model_dir, ckpt_model_filename)
+            torch.save(transformer.state_dict(), ckpt_model_path)
+            transformer.to(device).train()
+        return total_loss.detach()
+
+    if jit:
+        step = functacc.jit(
+            step, modules=[transformer, vgg], optimizers=[optimizer], backend="eager"
+        )
+    g = torch.Generator().manual_seed(1)
+    losses = [step(torch.rand(2, 3, 16, 16, generator=g) * 255, i, 0) for i in range(4)]
+    saved = torch.load(os.path.join(checkpoints, "ckpt_epoch_0_batch_id_3.pth"))
+    return losses, agg, saved, transformer
+
+
+def test_fast_neural_style_saving_checkpoints_in_its_loop(tmp_path, capsys) -> None:
+    (tmp_path / "jit").mkdir()
+    (tmp_path / "eager").mkdir()
+    losses, agg, saved, model = style_run(True, str(tmp_path / "jit"))
+    printed = capsys.readouterr().out
+    ref_losses, ref_agg, ref_saved, ref = style_run(False, str(tmp_path / "eager"))
+    assert printed == capsys.readouterr().out and printed.count("Epoch 1:") == 2
+    assert all(map(torch.equal, losses, ref_losses)) and agg == ref_agg
+    assert all(map(torch.equal, saved.values(), ref_saved.values()))
+    assert all(map(torch.equal, model.parameters(), ref.parameters())) and model.training
+
+
+def test_a_conversion_in_the_step_that_changes_tensors_is_a_clear_error() -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        model.half()  # eager: new half tensors (and the next line fails on float input)
+        return model(x.half()).sum()
+
+    jitted = functacc.jit(step, modules=[model], optimizers=[opt], backend="eager")
+    with pytest.raises(TraceError, match=r"converts a Linear .* before the call"):
+        jitted(torch.randn(4, 3))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(map(torch.equal, model.parameters(), before))
