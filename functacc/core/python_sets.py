@@ -95,8 +95,9 @@ def _with_inside(value: Any) -> list:
 
 def by_identity(value: Any) -> bool:
     """A module, optimizer, scheduler (torch's, timm's) or grad scaler."""
-    top = (type(value).__module__ or "").split(".")
-    return isinstance(value, _BY_IDENTITY) or top[:2] == ["timm", "scheduler"]
+    return isinstance(value, _BY_IDENTITY) or str(type(value).__module__).startswith(
+        "timm.scheduler."
+    )
 
 
 class SetWatch:
