@@ -349,3 +349,29 @@ def test_a_module_or_optimizer_the_step_makes_and_keeps_is_a_clear_error_whose_a
     if kind == "ema":
         ema, ref_ema = env["trainer"].ema, ref_env["trainer"].ema
         assert all(map(torch.equal, ema.parameters(), ref_ema.parameters()))
+
+
+def test_a_generator_replaced_between_calls_is_the_one_drawn_from():
+    # Noise drawn from a torch.Generator the trainer keeps, made afresh for an epoch
+    # (`trainer.gen = torch.Generator().manual_seed(epoch)`). Before 2026-11-30 the graph
+    # went on drawing from the first one, silently: a new trace for the new object gave a
+    # graph equal to the first, whose compile (holding the old generator) was reused.
+    def make() -> tuple[dict, Callable, list, list]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = types.SimpleNamespace(gen=torch.Generator().manual_seed(7))
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            noise = torch.randn(x.shape, generator=trainer.gen) * 0.1
+            loss = F.cross_entropy(model(x + noise), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return {"model": model, "modules": ["model"], "trainer": trainer}, body, [model], [opt]
+
+    def new_epoch(env: dict) -> None:
+        env["trainer"].gen = torch.Generator().manual_seed(1)
+
+    assert_as_eager(make, new_epoch, traces=2)

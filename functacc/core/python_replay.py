@@ -102,6 +102,7 @@ class PythonPlan:
     fed: list[Location] = field(default_factory=list)  # the graph's Python inputs, in order
     seeds: list[Seed] = field(default_factory=list)
     generators: list[tuple[torch.Generator, Tensor]] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # generators it draws from as they are
     before: list[SchedulerEvent] = field(default_factory=list)
     after: list[SchedulerEvent] = field(default_factory=list)
     effects: list[tuple] = field(default_factory=list)
@@ -116,9 +117,10 @@ class PythonPlan:
 
     def signature(self) -> tuple:
         """What a graph reused for another signature must share: its Python inputs and
-        outputs, and the states it resets its generators to."""
+        outputs, the states it resets its generators to, and the generators it draws from as
+        they are (a graph holds them: another one there, a global replaced, is not it)."""
         generators = tuple(hash(state.numpy().tobytes()) for _, state in self.generators)
-        return (tuple(loc.label for loc in self.fed), self.n_outputs, generators)
+        return (tuple(loc.label for loc in self.fed), self.n_outputs, generators, *self.held)
 
     def rebind(self, compiled: PythonPlan) -> None:
         """This plan runs a graph compiled for ``compiled``'s trace: reset the generators

@@ -53,7 +53,7 @@ STEPPERS = (
 """Library objects whose attributes a body may write (``opt.my_count += 1``): compared after
 each trace, their writes replayed, and not guarded (a scheduler's ``last_epoch`` moves on
 every call; the body's reads of them are fixed at the trace, as before)."""
-_BY_IDENTITY = (*STEPPERS, nn.Module, torch.amp.GradScaler)
+_BY_IDENTITY = (*STEPPERS, nn.Module, torch.amp.GradScaler, torch.Generator)
 
 
 def is_guarded(value: Any) -> bool:

@@ -306,6 +306,7 @@ class PythonState:
             if generator_key(g) in known:
                 before = known[generator_key(g)][1]
                 if torch.equal(before, now):
+                    plan.held.append(generator_key(g))
                     continue
                 g.set_state(before)  # the trace seeded it: undo, the run replays it
             plan.generators.append((g, now))
