@@ -7,11 +7,13 @@ it is unseen (CPython's set methods do not go through Python), so a trace would 
 The change is a clear error advising a dict (``seen[k] = True``, replayed after each call)
 and the set is put back as it was: before, the add happened once, at the trace.
 
-Where the body reads a module, an optimizer, a scheduler or a grad scaler (a closure
-variable, a dict entry, an attribute), the object is guarded by identity
-(:func:`by_identity`): the trace ran its code and steps it, so another object there (a
-scheduler replaced between calls, ``sched = CosineAnnealingLR(opt, ...)`` after a warm-up)
-traces again (before: the old one went on being stepped, silently).
+Where the body reads a module, an optimizer, a scheduler, a grad scaler or a
+``torch.Generator`` (a closure variable, a dict entry, an attribute), the object is guarded
+by identity (:func:`by_identity`): the trace ran its code and steps it, so another object
+there (a scheduler replaced between calls, ``sched = CosineAnnealingLR(opt, ...)`` after a
+warm-up) traces again (before: the old one went on being stepped, silently). One with
+tensors that the step makes and keeps for later calls is refused
+(:func:`refuse_made_in_step`).
 
 An optimizer's or a scheduler's attributes are compared after the trace
 (:data:`STEPPERS`): one the body wrote is replayed after each call, a number it read and
@@ -58,7 +60,7 @@ _BY_IDENTITY = (*STEPPERS, nn.Module, torch.amp.GradScaler, torch.Generator)
 
 def is_guarded(value: Any) -> bool:
     """What a trace bakes in where the body reads it, so a signature guards it: a scalar, a
-    NumPy array (by its contents), a module, optimizer or scheduler (by identity)."""
+    NumPy array (by its contents), what :func:`by_identity` names (by identity)."""
     return is_scalar(value) or is_array(value) or by_identity(value)
 
 
@@ -94,7 +96,7 @@ def _with_inside(value: Any) -> list:
 
 
 def by_identity(value: Any) -> bool:
-    """A module, optimizer, scheduler (torch's, timm's) or grad scaler."""
+    """A module, optimizer, scheduler (torch's, timm's), grad scaler or torch generator."""
     return isinstance(value, _BY_IDENTITY) or str(type(value).__module__).startswith(
         "timm.scheduler."
     )
