@@ -64,17 +64,26 @@ def is_guarded(value: Any) -> bool:
     return is_scalar(value) or is_array(value) or by_identity(value)
 
 
-def refuse_made_in_step(value: Any, where: str, roots: list, snapshots: list) -> None:
+def refuse_made_in_step(value: Any, where: str, recorder: Any) -> None:
     """Refuse to keep, at ``where``, a module with tensors or an optimizer that the step
     made (``self.ema = copy.deepcopy(model)``, an optimizer made at the first call): it holds
     the trace's tensors, and as a constant every later call would find that one object,
-    stale. One the body's state held before the trace (``roots``' values, ``snapshots``'
-    contents, the modules inside those) is only moved: kept as it is."""
+    stale. One that existed before the trace is only moved or passed: kept as it is (held
+    by the body's state then, or a module holding the step's own tensors, or one of the
+    step's optimizers)."""
     if not isinstance(value, (nn.Module, torch.optim.Optimizer)):
         return
-    if isinstance(value, nn.Module) and next(iter(value.state_dict().values()), None) is None:
-        return  # no tensors (a loss made at the first call): eager's one object too
-    before = [*roots, *(v for _, _, c in snapshots for v in _values(c))]
+    if isinstance(value, nn.Module):
+        tensors = list(value.state_dict(keep_vars=True).values())
+        if not tensors:
+            return  # no tensors (a loss made at the first call): eager's one object too
+        own = set(recorder.owned) | {id(t) for t in getattr(recorder, "stand_in", {}).values()}
+        if any(id(t) in own for t in tensors):
+            return
+    elif any(value is linked.optimizer for linked in recorder.optimizers):
+        return
+    roots = [v for _, v in recorder.root_values]
+    before = [*roots, *(v for _, _, c in recorder.snapshots for v in _values(c))]
     if any(v is value for b in before for v in _with_inside(b)):
         return
     kind = "optimizer" if isinstance(value, torch.optim.Optimizer) else "module"

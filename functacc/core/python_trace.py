@@ -316,7 +316,7 @@ class Recorder:
                 "library's object). Fix: make it before the step's first call (what the step "
                 "writes into it is replayed), or return the values and build it after the call."
             )
-        refuse_made_in_step(value, where, [v for _, v in self.root_values], self.snapshots)
+        refuse_made_in_step(value, where, self)
         return ("const", unstood(value))
 
     def _collect_writes(self) -> list[Location]:
