@@ -16,8 +16,8 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # Two pytest workers, whole files each (a file's torchrun fixtures run once). On a cold
-# Inductor cache 51 min on the 2-core Xeon of 2026-11-30, 1705 tests (68 min for 1644 the day before),
-# far over the 20 minutes aimed at: Inductor tests ~40% of test time
+# Inductor cache 51 min on the 2-core Xeon of 2026-11-30, 1705 tests (68 min for 1644
+# the day before), far over the 20 minutes aimed at: Inductor tests ~40% of test time
 # (a g++ run of 1-1.5 s per kernel), torchrun ~16%, the rest mostly jit's traces.
 test: $(STAMP)
 	$(PY) -m ruff check .
