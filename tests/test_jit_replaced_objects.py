@@ -46,12 +46,13 @@ def run(
     switch: Callable[[dict], None],
     jit: bool,
     at: int = 4,
+    backend: str = "eager",
 ) -> tuple[list, dict, Any]:
     """``make()`` -> (its objects, the step body, modules, optimizers); ``switch`` runs
     between calls ``at - 1`` and ``at``."""
     env, body, modules, optimizers = make()
     step = (
-        functacc.jit(body, modules=modules, optimizers=optimizers, backend="eager") if jit else body
+        functacc.jit(body, modules=modules, optimizers=optimizers, backend=backend) if jit else body
     )
     out = []
     for i, (x, y) in enumerate(batches()):
@@ -269,30 +270,46 @@ def test_an_optimizer_or_a_dict_keyed_by_parameters_on_a_module_is_no_trace_per_
 
 
 # -- objects the step makes ----------------------------------------------------------------
-def reptile_body() -> tuple[dict, Callable, list, list]:
+def reptile_body(copy_in_step: bool) -> Callable[[], tuple[dict, Callable, list, list]]:
     """Reptile's outer step: an inner copy of the model trained for two steps by an
-    optimizer made in the step, then the model moved toward it. Both live within a call."""
-    model = mlp()
+    optimizer made in the step, then the model moved toward it. The copy made in the step
+    (``copy.deepcopy``) or, as the error advises, made before and loaded in the step."""
 
-    def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        inner = copy.deepcopy(model)
-        inner_opt = torch.optim.SGD(inner.parameters(), lr=0.1)
-        for k in range(2):
-            loss = F.cross_entropy(inner(x[4 * k : 4 * k + 4]), y[4 * k : 4 * k + 4])
-            inner_opt.zero_grad()
-            loss.backward()
-            inner_opt.step()
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), inner.parameters(), strict=True):
-                p.add_(0.5 * (q - p))
-        return loss.detach()
+    def make() -> tuple[dict, Callable, list, list]:
+        model = mlp()
+        kept = copy.deepcopy(model)
 
-    return {"model": model, "modules": ["model"]}, body, [model], []
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if copy_in_step:
+                inner = copy.deepcopy(model)
+            else:
+                inner = kept
+                inner.load_state_dict(model.state_dict())
+            inner_opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+            for k in range(2):
+                loss = F.cross_entropy(inner(x[4 * k : 4 * k + 4]), y[4 * k : 4 * k + 4])
+                inner_opt.zero_grad()
+                loss.backward()
+                inner_opt.step()
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), inner.parameters(), strict=True):
+                    p.add_(0.5 * (q - p))
+            return loss.detach()
+
+        return {"model": model, "modules": ["model"]}, body, [model, kept], []
+
+    return make
 
 
-def test_a_model_copied_and_an_optimizer_made_within_the_step_are_eagers():
-    # Before 2026-11-30: "Mixing fake modes NYI" (the copy copied the trace's fake mode).
-    assert_as_eager(reptile_body, lambda env: None, traces=1)
+def test_a_model_copied_in_the_step_is_a_clear_error_whose_advice_works():
+    # Before 2026-11-30: "Mixing fake modes NYI". Followed on the eager backend for a while,
+    # it trained wrongly under Inductor (losses off by 15% at the first call): refused.
+    with pytest.raises(functacc.TraceError, match=r"copies its traced tensors.*load_state_dict"):
+        run(reptile_body(True), lambda env: None, jit=True)
+    got, env, _ = run(reptile_body(False), lambda env: None, jit=True)
+    expected, ref_env, _ = run(reptile_body(True), lambda env: None, jit=False)
+    assert all(map(torch.equal, got, expected))
+    assert all(map(torch.equal, env["model"].parameters(), ref_env["model"].parameters()))
 
 
 def lazy_body(kind: str, lazy: bool) -> Callable[[], tuple[dict, Callable, list, list]]:
@@ -341,7 +358,8 @@ def test_a_module_or_optimizer_the_step_makes_and_keeps_is_a_clear_error_whose_a
     # Before 2026-11-30 the optimizer made at the first call was kept as the trace's object:
     # losses off eager's from the third call, silently; the EMA copy failed with "Mixing fake
     # modes NYI".
-    with pytest.raises(functacc.TraceError, match=rf"trainer'\.{kind} is .* before the first"):
+    made_in_step = rf"trainer'\.{kind} is .* before the first" if kind == "opt" else "copies"
+    with pytest.raises(functacc.TraceError, match=made_in_step):
         run(lazy_body(kind, lazy=True), lambda env: None, jit=True)
     got, env, _ = run(lazy_body(kind, lazy=False), lambda env: None, jit=True)
     expected, ref_env, _ = run(lazy_body(kind, lazy=True), lambda env: None, jit=False)
@@ -375,3 +393,30 @@ def test_a_generator_replaced_between_calls_is_the_one_drawn_from():
         env["trainer"].gen = torch.Generator().manual_seed(1)
 
     assert_as_eager(make, new_epoch, traces=2)
+
+
+@pytest.mark.inductor
+def test_a_replaced_scheduler_under_inductor():
+    # Inductor fuses the float32 update and reassociates its sums: rounding, not more (a
+    # stale scheduler moves the rate by 15% from the fifth call).
+    got, env, _ = run(scheduler_body("closure"), to_cosine, True, backend="inductor")
+    expected, ref_env, _ = run(scheduler_body("closure"), to_cosine, False)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
+        assert a[1] == pytest.approx(b[1], rel=1e-12)
+    for p, q in zip(env["model"].parameters(), ref_env["model"].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.inductor
+@pytest.mark.xfail(
+    strict=True,
+    reason="found 2026-11-30, not fixed: an inner loop (weights loaded into a module of "
+    "modules=, an optimizer made in the step stepped twice) compiled by Inductor gives "
+    "losses off eager's by 0.14 at the first call (on f408f1d too); the eager backend agrees",
+)
+def test_reptiles_inner_loop_under_inductor():
+    got, _, _ = run(reptile_body(False), lambda env: None, True, backend="inductor")
+    expected, _, _ = run(reptile_body(False), lambda env: None, False)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "COPIED",
     "anomaly_checks",
     "call_site",
     "call_to_hoist",
@@ -54,6 +55,14 @@ _FUNCTACC_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not c
 _STDLIB_DIR = os.path.dirname(os.__file__)
 _LIBRARY_DIRS = (_TORCH_DIR, _FUNCTACC_DIR, _STDLIB_DIR)
 _OWN_DIRS = tuple(d + os.sep for d in _LIBRARY_DIRS)  # not torchvision's (its name starts so)
+
+
+COPIED = (
+    "the step copies its traced tensors (copy.deepcopy of a module or tensor: Reptile's inner "
+    "model, a lazy EMA copy), which functacc.jit does not follow (under Inductor such a copy "
+    "trained wrongly). Fix: make the copy before the first call, give it in modules=(...), "
+    "and copy the weights in the step: inner.load_state_dict(model.state_dict())."
+)
 
 
 def _installed(path: str) -> bool:

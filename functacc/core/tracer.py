@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..errors import TraceError
 from .diagnostics import translate
 from .eager_inplace import mark_inplace, restore_inplace, traced_node_by_node
-from .failure_sites import hashed_size, is_data_dependent
+from .failure_sites import COPIED, hashed_size, is_data_dependent
 from .graph_passes import bernoulli_in_place, direct_writes, subtract_as_add
 from .host_values import ValuesOnHost
 from .packed import HostPacking
@@ -299,7 +299,7 @@ def _uncarry_meta(gm: GraphModule) -> None:
 # step of the process) would see two tensors where the first saw one: autograd's
 # AccumulateGrad then keeps both where eager copies one (eager's two .grad are distinct),
 # and the two traces make two graphs, hence a second trace and compile of the same step.
-# These ops are never cached. (A mode copied, with a module in the step: the same mode.)
+# These ops are never cached.
 _REPEATED_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
 
 
@@ -308,8 +308,8 @@ class _FakeTensorMode(FakeTensorMode):
     afresh instead of serving it from the fake-tensor cache, so that every trace sees one
     tensor where eager's kernel returns one."""
 
-    def __deepcopy__(self, memo: dict) -> _FakeTensorMode:  # Reptile's deepcopy(model)
-        return self
+    def __deepcopy__(self, memo: dict) -> _FakeTensorMode:  # a traced tensor copied
+        raise TraceError(COPIED)
 
     def _validate_cache_key(self, func: Any, args: Any, kwargs: Any) -> None:
         if func in _REPEATED_OUTPUTS:
